@@ -1,0 +1,89 @@
+"""The error model: every failure carries a code, a category, an HTTP status and retryability.
+
+Categories are the wire values the tinker SDK reads (`RequestErrorCategory`): lower-case
+`user`, `server`, `unknown`. A user error is input the client controls (never a 5xx); a server
+error is ours. The gateway maps a `TwinkleError` to a response in one place; a worker turns it
+into a failed future (`{"error", "category"}`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCategory(enum.StrEnum):
+    """Who is at fault; the values are exactly what the SDK parses."""
+
+    USER = "user"
+    SERVER = "server"
+    UNKNOWN = "unknown"
+
+
+class TwinkleError(Exception):
+    """Base of every error we report to a client.
+
+    `status` is the HTTP status when the error answers a request directly; a failed future is
+    still a 200 carrying `{"error", "category"}`.
+    """
+
+    code: str = "internal"
+    category: ErrorCategory = ErrorCategory.SERVER
+    status: int = 500
+    retryable: bool = False
+
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def to_json(self) -> dict[str, str]:
+        """The body a client sees: `detail` for HTTP errors, `error`+`category` for futures."""
+        return {"error": self.message, "category": self.category.value, "code": self.code}
+
+
+class UserError(TwinkleError):
+    """Bad input: a field the client controls is wrong. Answered with a 4xx, never retried."""
+
+    code = "bad_request"
+    category = ErrorCategory.USER
+    status = 400
+
+
+class NotFound(UserError):
+    """An id the client named does not exist, or belongs to another tenant (we never say which)."""
+
+    code = "not_found"
+    status = 404
+
+
+class Unauthorized(UserError):
+    """Missing or wrong API key."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class PayloadTooLarge(UserError):
+    """A request body over the configured limit."""
+
+    code = "payload_too_large"
+    status = 413
+
+
+class ServerError(TwinkleError):
+    """Our fault: a worker failed, the bus is down, an invariant broke."""
+
+    code = "internal"
+    category = ErrorCategory.SERVER
+    status = 500
+
+
+class Unavailable(ServerError):
+    """A dependency is briefly unavailable (bus, worker); the client may retry."""
+
+    code = "unavailable"
+    status = 503
+    retryable = True

@@ -1,0 +1,152 @@
+"""Bus messages: the jobs the gateway publishes and the outcomes workers write back.
+
+Step 1 (gateway): an HTTP request becomes one `Job` (a tagged union), msgpack-encoded and
+published to `tw.v1.ops.<pool>.<shard>.<model_token>` with `Nats-Msg-Id = <model_id>/<seq_id>`.
+Step 2 (worker): the job runs in `seq_id` order per model.
+Step 3 (worker): its `Outcome` is written to KV `tw_futures` under `res.<request_id>`; the
+gateway, watching the bucket, answers `retrieve_future` from it.
+
+A forward_backward job carries the client's protobuf body as is (token ids stay packed int32
+bytes). Fields are appended with defaults only, so old and new processes can talk.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+
+
+class LoraSpec(msgspec.Struct, frozen=True):
+    """An adapter's shape, from the client's `lora_config`."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+class AdamSpec(msgspec.Struct, frozen=True):
+    """One `optim_step`'s AdamW hyper-parameters (torch AdamW semantics, decoupled decay)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class JobBase(msgspec.Struct, frozen=True, tag_field="op"):
+    """Fields every op carries. `seq_id` orders a model's ops; creation is seq 0."""
+
+    request_id: str
+    model_id: str
+    tenant_id: str
+    seq_id: int
+    published_at: float = 0.0
+
+
+class CreateModelJob(JobBase, frozen=True, tag="create_model"):
+    """Allocate an adapter slot with fresh LoRA weights."""
+
+    base_model: str = ""
+    lora: LoraSpec = LoraSpec()
+
+
+class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
+    """One chunk of a `forward_backward` or `forward`: the SDK's protobuf body, decompressed."""
+
+    body: bytes = b""
+    forward_only: bool = False
+    n_tokens: int = 0
+
+
+class OptimStepJob(JobBase, frozen=True, tag="optim_step"):
+    """Apply the accumulated gradients of this model with its own AdamW settings."""
+
+    adam: AdamSpec = AdamSpec()
+
+
+class SaveWeightsJob(JobBase, frozen=True, tag="save_weights"):
+    """Write a checkpoint: `weights` (adapter + optimizer) or `sampler_weights` (adapter only)."""
+
+    name: str = ""
+    kind: Literal["weights", "sampler_weights"] = "weights"
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] = {}
+
+
+class LoadWeightsJob(JobBase, frozen=True, tag="load_weights"):
+    """Load a checkpoint into this model; `create` makes the model (create-via-load, seq 0)."""
+
+    path: str = ""
+    with_optimizer: bool = False
+    create: bool = False
+    base_model: str = ""
+
+
+class UnloadModelJob(JobBase, frozen=True, tag="unload_model"):
+    """Release the model's slot (session finished or expired)."""
+
+
+Job = CreateModelJob | ForwardBackwardJob | OptimStepJob | SaveWeightsJob | LoadWeightsJob | UnloadModelJob
+
+RequestType = Literal[
+    "create_model", "forward_backward", "forward", "optim_step", "save_weights",
+    "save_weights_for_sampler", "load_weights", "unload_model",
+]
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    """A future's state in KV: `pending`, `done` (payload) or `error` (message + category).
+
+    `payload_type` is `proto` for ForwardBackwardOutput/SampleResponse bytes, `json` otherwise.
+    """
+
+    request_id: str
+    state: Literal["pending", "done", "error"]
+    request_type: str = ""
+    model_id: str = ""
+    payload: bytes = b""
+    payload_type: Literal["json", "proto"] = "json"
+    error: str = ""
+    category: str = ""
+    created_at: float = 0.0
+    finished_at: float = 0.0
+
+
+_JOB_ENCODER = msgspec.msgpack.Encoder()
+_JOB_DECODER: msgspec.msgpack.Decoder[Job] = msgspec.msgpack.Decoder(Job)
+_OUTCOME_DECODER = msgspec.msgpack.Decoder(Outcome)
+
+
+def encode_job(job: Job) -> bytes:
+    return _JOB_ENCODER.encode(job)
+
+
+def decode_job(data: bytes) -> Job:
+    return _JOB_DECODER.decode(data)
+
+
+def encode_outcome(outcome: Outcome) -> bytes:
+    return _JOB_ENCODER.encode(outcome)
+
+
+def decode_outcome(data: bytes) -> Outcome:
+    return _OUTCOME_DECODER.decode(data)
+
+
+def request_type_of(job: Job) -> str:
+    """The name of the request a job answers (the `forward` variant of fwd/bwd included)."""
+    if isinstance(job, ForwardBackwardJob):
+        return "forward" if job.forward_only else "forward_backward"
+    if isinstance(job, SaveWeightsJob):
+        return "save_weights" if job.kind == "weights" else "save_weights_for_sampler"
+    return type(job).__struct_config__.tag  # type: ignore[return-value]
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,91 @@
+"""Subject, stream, bucket and key names, and the pure functions that build them.
+
+Ops of one model always land in one shard: `shard = crc32(model_id) % n_shards`, computed by
+whoever publishes. NATS subject tokens and KV keys may not hold `:` (which Tinker model ids do),
+so ids are carried as `token(id)`, a reversible url-safe base64 form.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import zlib
+
+STREAM_OPS = "TW_OPS"
+OPS_PREFIX = "tw.v1.ops"
+SAMPLE_PREFIX = "tw.v1.sample"
+
+BUCKET_FUTURES = "tw_futures"
+BUCKET_SESSIONS = "tw_sessions"
+BUCKET_RUNS = "tw_runs"
+BUCKET_CHECKPOINTS = "tw_checkpoints"
+BUCKET_KEYS = "tw_keys"
+BUCKET_QUOTAS = "tw_quotas"
+BUCKET_USAGE = "tw_usage"
+BUCKET_LEASES = "tw_leases"
+BUCKET_WORKERS = "tw_workers"
+
+DEFAULT_SHARDS = 16
+
+_SLUG_RE = re.compile(r"[^a-z0-9]+")
+
+
+def token(value: str) -> str:
+    """A reversible encoding of any id into `[A-Za-z0-9_-]`: a valid subject token and KV key."""
+    return base64.urlsafe_b64encode(value.encode()).decode().rstrip("=")
+
+
+def untoken(value: str) -> str:
+    """Inverse of `token`."""
+    return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).decode()
+
+
+def pool_of(base_model: str) -> str:
+    """The pool name of a base model: a readable slug plus a crc so distinct ids never collide."""
+    slug = _SLUG_RE.sub("-", base_model.lower()).strip("-")[-40:].strip("-") or "model"
+    return f"{slug}-{zlib.crc32(base_model.encode()):08x}"
+
+
+def shard_of(model_id: str, n_shards: int = DEFAULT_SHARDS) -> int:
+    """The shard that carries every op of `model_id`."""
+    return zlib.crc32(model_id.encode()) % n_shards
+
+
+def ops_subject(pool: str, model_id: str, n_shards: int = DEFAULT_SHARDS) -> str:
+    """`tw.v1.ops.<pool>.<shard>.<model_token>`: where a model's training ops are published."""
+    return f"{OPS_PREFIX}.{pool}.{shard_of(model_id, n_shards)}.{token(model_id)}"
+
+
+def shard_filter(pool: str, shard: int) -> str:
+    """The filter subject of the durable consumer of one shard."""
+    return f"{OPS_PREFIX}.{pool}.{shard}.>"
+
+
+def consumer_name(pool: str, shard: int) -> str:
+    """The durable pull consumer of one shard, `ops-<pool>-<shard>`."""
+    return f"ops-{pool}-{shard}"
+
+
+def msg_id(model_id: str, seq_id: int) -> str:
+    """`Nats-Msg-Id` of a training op: JetStream drops a second publish of the same op."""
+    return f"{model_id}/{seq_id}"
+
+
+def future_key(request_id: str) -> str:
+    """KV key of a future's outcome in `tw_futures`."""
+    return f"res.{request_id}"
+
+
+def seq_key(model_id: str, seq_id: int) -> str:
+    """KV key mapping `(model_id, seq_id)` to the request id that first claimed it."""
+    return f"seq.{token(model_id)}.{seq_id}"
+
+
+def checkpoint_key(run_id: str, checkpoint_id: str) -> str:
+    """KV key of a checkpoint record in `tw_checkpoints`: `<run_token>.<checkpoint_token>`."""
+    return f"{token(run_id)}.{token(checkpoint_id)}"
+
+
+def worker_key(pool: str, worker_id: str) -> str:
+    """KV key of a worker's heartbeat record in `tw_workers`."""
+    return f"{pool}.{worker_id}"

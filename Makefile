@@ -1,0 +1,43 @@
+# Twinkle Async: `make demo` starts a local cluster on a tiny model and trains it with the
+# official tinker SDK; `make test` installs everything the tests need and runs them.
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export OMP_WAIT_POLICY := PASSIVE
+
+.PHONY: install test demo lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -U pip
+	# torch first, pinned: resolves to the CPU wheel on CPU machines
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) examples/demo.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check protocol twinkle_async workers admin_cli tests examples bench
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff format protocol twinkle_async workers admin_cli tests examples bench
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .demo

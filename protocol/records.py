@@ -1,0 +1,88 @@
+"""Records kept in the KV buckets: sessions, training runs, checkpoints, workers.
+
+Written by the gateway (sessions, runs) and by workers (checkpoints, worker heartbeats), read by
+both, so declared once here. msgpack-encoded; times are Unix seconds.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+from protocol.jobs import LoraSpec
+
+
+class SessionRecord(msgspec.Struct):
+    """A client session (one `ServiceClient`)."""
+
+    session_id: str
+    tenant_id: str
+    created_at: float
+    last_heartbeat: float
+    tags: list[str] = []
+    user_metadata: dict[str, str] = {}
+    finished: bool = False
+    sdk_version: str = ""
+
+
+class RunRecord(msgspec.Struct):
+    """A training run (one `model_id`), owned by one tenant."""
+
+    model_id: str
+    tenant_id: str
+    session_id: str
+    base_model: str
+    lora: LoraSpec
+    created_at: float
+    last_request_time: float
+    user_metadata: dict[str, str] = {}
+    corrupted: bool = False
+
+
+class CheckpointRecord(msgspec.Struct):
+    """A saved checkpoint; `path` is its `tinker://` name, `directory` where the files are."""
+
+    run_id: str
+    tenant_id: str
+    checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
+    kind: str  # "weights" | "sampler_weights"
+    path: str
+    directory: str
+    created_at: float
+    size_bytes: int
+    base_model: str
+    lora: LoraSpec
+    with_optimizer: bool = False
+    public: bool = False
+    expires_at: float | None = None
+    user_metadata: dict[str, str] = {}
+
+
+class WorkerRecord(msgspec.Struct):
+    """A worker's heartbeat: which base model it serves and what the model accepts."""
+
+    worker_id: str
+    pool: str
+    base_model: str
+    arch: str
+    vocab_size: int
+    max_context: int
+    max_rank: int
+    slots_total: int
+    slots_used: int
+    heartbeat_at: float
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(record)
+
+
+T = TypeVar("T")
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    return msgspec.msgpack.decode(data, type=type_)

@@ -1,0 +1,105 @@
+"""Shared fixtures: offline settings, a real nats-server per test, a tiny model, and a real
+local cluster (`twinkle-async up` as a child process: nats-server, gateway, CPU worker).
+
+No fixed ports anywhere: nats-server and the gateway pick their own and report them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+from twinkle_async.nats_server import NatsServer  # noqa: E402
+
+API_KEY = "tml-test-key-0123456789"
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def build_model(directory: Path, arch: str) -> Path:
+    """A tiny model built offline, in a child process so the test process stays torch-free."""
+    if not (directory / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "workers.tiny_model", str(directory), "--arch", arch], check=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_35(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5", "qwen3_5")
+
+
+@dataclass
+class Cluster:
+    """A running `twinkle-async up`."""
+
+    base_url: str
+    api_key: str
+    nats_url: str
+    data_dir: Path
+    base_models: list[str]
+    process: subprocess.Popen[bytes]
+
+
+def start_cluster(data_dir: Path, base_models: list[Path], *extra: str, timeout_s: float = 240.0) -> Cluster:
+    ready = data_dir / "ready.json"
+    log = open(data_dir.parent / f"{data_dir.name}.log", "wb")  # noqa: SIM115 - closed by the child's exit
+    cmd = [sys.executable, "-m", "twinkle_async", "up", "--port", "0", "--data-dir", str(data_dir),
+           "--api-key", API_KEY, "--ready-file", str(ready), "--threads", "1", "--max-rank", "16",
+           "--log-level", "INFO", *extra]
+    for model in base_models:
+        cmd += ["--base-model", str(model)]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"cluster failed to start; log: {log.name}\n" + Path(log.name).read_text()[-4000:])
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return Cluster(info["base_url"], info["api_key"], info["nats_url"], data_dir, info["base_models"], proc)
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    cluster.process.send_signal(signal.SIGTERM)
+    try:
+        cluster.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        cluster.process.kill()
+        cluster.process.wait()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_model_35: Path) -> Iterator[Cluster]:
+    running = start_cluster(tmp_path_factory.mktemp("cluster") / "data", [tiny_model, tiny_model_35])
+    try:
+        yield running
+    finally:
+        stop_cluster(running)

@@ -1,0 +1,47 @@
+"""Small helpers the end-to-end tests share: toy data and training loops with the real SDK."""
+
+from __future__ import annotations
+
+import numpy as np
+import tinker
+from tinker import types
+
+
+def toy_batch(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0) -> list[types.Datum]:
+    """Fixed next-token data: each datum is a short repeating pattern, easy to memorise."""
+    rng = np.random.default_rng(seed)
+    batch = []
+    for i in range(n):
+        pattern = rng.integers(3, vocab, size=4)
+        seq = np.resize(pattern, length + 1 + i).astype(np.int64)
+        batch.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
+                loss_fn_inputs={"target_tokens": seq[1:].tolist(), "weights": [1.0] * (len(seq) - 1)},
+            )
+        )
+    return batch
+
+
+def n_targets(batch: list[types.Datum]) -> int:
+    return sum(len(d.loss_fn_inputs["target_tokens"].data) for d in batch)
+
+
+def train_steps(client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float = 1e-2) -> list[float]:
+    """Pipelined rounds as the cookbook runs them: step i+1 is submitted before step i's
+    results are read. Returns the loss per target token of each step."""
+    n = n_targets(batch)
+    pending = []
+    losses = []
+    for _ in range(steps):
+        fwd = client.forward_backward(batch, "cross_entropy")
+        opt = client.optim_step(types.AdamParams(learning_rate=lr))
+        pending.append((fwd, opt))
+        if len(pending) > 1:
+            f, o = pending.pop(0)
+            losses.append(f.result().metrics["loss:sum"] / n)
+            o.result()
+    for f, o in pending:
+        losses.append(f.result().metrics["loss:sum"] / n)
+        o.result()
+    return losses

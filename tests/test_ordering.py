@@ -1,0 +1,82 @@
+"""The per-model sequencer and the cycle planner: pure logic, no I/O."""
+
+from __future__ import annotations
+
+from protocol.jobs import CreateModelJob, ForwardBackwardJob, Job, OptimStepJob, SaveWeightsJob
+from workers.scheduler import plan
+from workers.sequencer import Pending, Sequencer
+
+
+def fwd(model: str, seq: int, tokens: int = 10) -> Job:
+    return ForwardBackwardJob(request_id=f"r-{model}-{seq}", model_id=model, tenant_id="t", seq_id=seq, n_tokens=tokens)
+
+
+def opt(model: str, seq: int) -> Job:
+    return OptimStepJob(request_id=f"r-{model}-{seq}", model_id=model, tenant_id="t", seq_id=seq)
+
+
+def create(model: str) -> Job:
+    return CreateModelJob(request_id=f"r-{model}-0", model_id=model, tenant_id="t", seq_id=0)
+
+
+def offer(seq: Sequencer[str], job: Job, now: float = 0.0) -> bool:
+    return seq.offer(Pending(job=job, handle=job.request_id, received_at=now))
+
+
+def test_releases_in_seq_order_whatever_the_arrival_order() -> None:
+    seq: Sequencer[str] = Sequencer()
+    for job in (fwd("a", 3), fwd("a", 2), opt("a", 4), create("a"), fwd("a", 1)):
+        assert offer(seq, job)
+    assert [p.job.seq_id for p in seq.ready()["a"]] == [0, 1, 2, 3, 4]
+
+
+def test_waits_for_a_gap_and_rejects_duplicates() -> None:
+    seq: Sequencer[str] = Sequencer()
+    offer(seq, create("a"))
+    seq.applied(create("a"))
+    offer(seq, fwd("a", 2))
+    assert seq.ready() == {}
+    assert not offer(seq, fwd("a", 2)), "a buffered op offered again is a duplicate"
+    assert not offer(seq, create("a")), "an applied op offered again is a duplicate"
+    offer(seq, fwd("a", 1))
+    assert [p.job.seq_id for p in seq.ready()["a"]] == [1, 2]
+
+
+def test_a_gap_that_never_fills_fails_loudly() -> None:
+    seq: Sequencer[str] = Sequencer()
+    offer(seq, create("a"), now=0.0)
+    seq.applied(create("a"))
+    offer(seq, fwd("a", 3), now=1.0)
+    offer(seq, opt("a", 4), now=2.0)
+    assert seq.stalled(now=50.0, gap_timeout_s=60.0) == {}
+    stalled = seq.stalled(now=62.0, gap_timeout_s=60.0)
+    assert [p.job.seq_id for p in stalled["a"]] == [3, 4]
+    offer(seq, fwd("a", 5))
+    assert [p.job.seq_id for p in seq.ready()["a"]] == [5]
+
+
+def test_plan_merges_models_into_one_pass_then_fuses_optim_steps() -> None:
+    seq: Sequencer[str] = Sequencer()
+    for model in ("a", "b", "c"):
+        offer(seq, create(model))
+        seq.applied(create(model))
+    for job in (fwd("a", 1), fwd("a", 2), opt("a", 3), fwd("b", 1), opt("b", 2), fwd("b", 3)):
+        offer(seq, job)
+    offer(seq, SaveWeightsJob(request_id="s", model_id="c", tenant_id="t", seq_id=1, name="x"))
+    cycle = plan(seq.ready(), token_budget=1000)
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass] == [("a", 1), ("a", 2), ("b", 1)]
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.optim_steps] == [("a", 3), ("b", 2)]
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.others] == [("c", 1)]
+
+
+def test_plan_respects_the_token_budget_but_always_takes_one() -> None:
+    seq: Sequencer[str] = Sequencer()
+    for model in ("a", "b"):
+        offer(seq, create(model))
+        seq.applied(create(model))
+    offer(seq, fwd("a", 1, tokens=500))
+    offer(seq, opt("a", 2))
+    offer(seq, fwd("b", 1, tokens=600))
+    cycle = plan(seq.ready(), token_budget=100)
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass] == [("a", 1)]
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.optim_steps] == [("a", 2)]

@@ -1,0 +1,159 @@
+"""The gateway's NATS connection: ensure the topology, publish jobs, read and write KV.
+
+Wraps nats-py once (its `connect()` takes dozens of parameters) so the rest of the gateway sees
+a small typed surface. Every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from protocol import subjects, topology
+from protocol.errors import Unavailable
+from protocol.jobs import Job, encode_job
+from twinkle_async.settings import BusSettings
+
+log = logging.getLogger(__name__)
+
+
+class Bus:
+    """One NATS connection with JetStream and the KV buckets of DESIGN.md §4."""
+
+    def __init__(self, settings: BusSettings) -> None:
+        self.settings = settings
+        self.nc: Client | None = None
+        self.js: JetStreamContext | None = None
+        self.kv: dict[str, KeyValue] = {}
+
+    async def connect(self) -> None:
+        self.nc = await nats.connect(
+            self.settings.nats_url,
+            connect_timeout=self.settings.connect_timeout_s,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            name="twinkle-gateway",
+        )
+        self.js = self.nc.jetstream(timeout=self.settings.request_timeout_s)
+        await ensure_topology(self.js, self.settings)
+        for spec in topology.buckets(self.settings.futures_ttl_s):
+            self.kv[spec.name] = await self.js.key_value(spec.name)
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+
+    def bucket(self, name: str) -> KeyValue:
+        return self.kv[name]
+
+    async def publish_job(self, pool: str, job: Job) -> None:
+        """Publish a training op to its model's shard; a repeat of `(model_id, seq_id)` is dropped."""
+        assert self.js is not None
+        subject = subjects.ops_subject(pool, job.model_id, self.settings.n_shards)
+        try:
+            await self.js.publish(
+                subject,
+                encode_job(job),
+                headers={"Nats-Msg-Id": subjects.msg_id(job.model_id, job.seq_id), "Tw-Request-Id": job.request_id},
+                timeout=self.settings.request_timeout_s,
+            )
+        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as exc:
+            raise Unavailable(f"the job bus did not accept {job.request_id}: {type(exc).__name__}") from exc
+
+    async def get(self, bucket: str, key: str) -> bytes | None:
+        try:
+            entry = await self.kv[bucket].get(key)
+        except KeyNotFoundError:
+            return None
+        return entry.value
+
+    async def put(self, bucket: str, key: str, value: bytes) -> None:
+        await self.kv[bucket].put(key, value)
+
+    async def create(self, bucket: str, key: str, value: bytes) -> bool:
+        """Write `key` only if absent; False when it already exists."""
+        try:
+            await self.kv[bucket].create(key, value)
+        except (KeyWrongLastSequenceError, BadRequestError):
+            return False
+        return True
+
+    async def delete(self, bucket: str, key: str) -> None:
+        await self.kv[bucket].delete(key)
+
+    async def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        """Keys of a bucket (optionally under a `prefix.`), read through a short-lived watch."""
+        kv = self.kv[bucket]
+        watcher = await kv.watch(f"{prefix}.>" if prefix else ">", ignore_deletes=True, meta_only=True)
+        keys: list[str] = []
+        try:
+            while True:
+                entry = await watcher.updates(timeout=self.settings.request_timeout_s)
+                if entry is None:
+                    break
+                keys.append(entry.key)
+                if entry.delta == 0:
+                    break
+        finally:
+            await watcher.stop()
+        return keys
+
+    async def values(self, bucket: str, prefix: str = "") -> list[bytes]:
+        """Values of the keys under `prefix.` (current revision only)."""
+        kv = self.kv[bucket]
+        watcher = await kv.watch(f"{prefix}.>" if prefix else ">", ignore_deletes=True)
+        values: list[bytes] = []
+        try:
+            while True:
+                entry = await watcher.updates(timeout=self.settings.request_timeout_s)
+                if entry is None:
+                    break
+                if entry.value:
+                    values.append(entry.value)
+                if entry.delta == 0:
+                    break
+        finally:
+            await watcher.stop()
+        return values
+
+    async def subscribe_kv(self, bucket: str, pattern: str, callback: Callable[[str, bytes], Awaitable[None]]) -> Subscription:
+        """Live updates of a bucket's keys (no replay of what is already stored)."""
+        assert self.nc is not None
+        prefix = f"$KV.{bucket}."
+
+        async def on_msg(msg: Msg) -> None:
+            await callback(msg.subject[len(prefix) :], msg.data)
+
+        return await self.nc.subscribe(f"{prefix}{pattern}", cb=on_msg)
+
+
+async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
+    """Create the ops stream and the KV buckets if they do not exist (idempotent)."""
+    stream = topology.StreamSpec(duplicate_window_s=settings.duplicate_window_s, max_age_s=settings.ops_max_age_s)
+    config = js_api.StreamConfig(
+        name=stream.name,
+        subjects=list(stream.subjects),
+        retention=js_api.RetentionPolicy.LIMITS,
+        storage=js_api.StorageType.FILE,
+        max_age=stream.max_age_s,
+        duplicate_window=stream.duplicate_window_s,
+        max_msg_size=stream.max_msg_bytes,
+    )
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+    for spec in topology.buckets(settings.futures_ttl_s):
+        try:
+            await js.create_key_value(bucket=spec.name, ttl=spec.ttl_s, history=spec.history)
+        except BadRequestError:
+            log.debug("bucket %s exists with another configuration; keeping it", spec.name)

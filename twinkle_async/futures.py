@@ -1,0 +1,106 @@
+"""Futures: pending records, dedupe of `(model_id, seq_id)`, and long-poll waiters.
+
+Step 1 (submit): `claim` maps `(model_id, seq_id)` to one request id (a retry gets the first
+one) and `record_pending` writes the pending outcome to KV `tw_futures`.
+Step 5 (worker): the worker overwrites `res.<request_id>` with the result.
+Step 6 (retrieve): one live subscription on the bucket resolves in-memory waiters; `wait`
+registers a waiter, reads KV (the result may already be there, e.g. after a gateway restart),
+and otherwise awaits the waiter with a timeout. No polling loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from nats.aio.subscription import Subscription
+
+from protocol import subjects
+from protocol.jobs import Outcome, decode_outcome, encode_outcome, now
+from twinkle_async.bus import Bus
+
+log = logging.getLogger(__name__)
+
+_RES_PREFIX = "res."
+
+
+def new_request_id(kind: str) -> str:
+    """Opaque, unique, and a valid KV key."""
+    return f"req-{uuid.uuid4().hex}-{kind}"
+
+
+class FutureStore:
+    """The gateway's view of `tw_futures`."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.bus.subscribe_kv(subjects.BUCKET_FUTURES, f"{_RES_PREFIX}>", self._on_update)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.cancel()
+        self._waiters.clear()
+
+    async def _on_update(self, key: str, data: bytes) -> None:
+        if not data:
+            return
+        request_id = key[len(_RES_PREFIX) :]
+        waiters = self._waiters.get(request_id)
+        if not waiters:
+            return
+        outcome = decode_outcome(data)
+        if outcome.state == "pending":
+            return
+        for waiter in self._waiters.pop(request_id, []):
+            if not waiter.done():
+                waiter.set_result(outcome)
+
+    async def claim(self, model_id: str, seq_id: int, request_id: str) -> str:
+        """The request id owning `(model_id, seq_id)`: ours if first, else the earlier one."""
+        key = subjects.seq_key(model_id, seq_id)
+        if await self.bus.create(subjects.BUCKET_FUTURES, key, request_id.encode()):
+            return request_id
+        existing = await self.bus.get(subjects.BUCKET_FUTURES, key)
+        return existing.decode() if existing else request_id
+
+    async def record_pending(self, request_id: str, request_type: str, model_id: str) -> None:
+        """Write the pending outcome, unless a result is already there (a retried submit)."""
+        pending = Outcome(request_id=request_id, state="pending", request_type=request_type, model_id=model_id, created_at=now())
+        await self.bus.create(subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(pending))
+
+    async def resolve(self, outcome: Outcome) -> None:
+        """Write a finished outcome directly (for requests the gateway answers itself)."""
+        await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(outcome.request_id), encode_outcome(outcome))
+
+    async def read(self, request_id: str) -> Outcome | None:
+        data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
+        return decode_outcome(data) if data else None
+
+    async def wait(self, request_id: str, timeout_s: float) -> Outcome | None:
+        """The outcome once finished, the pending outcome after `timeout_s`, None if unknown."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Outcome] = loop.create_future()
+        self._waiters.setdefault(request_id, []).append(waiter)
+        try:
+            current = await self.read(request_id)
+            if current is None or current.state != "pending":
+                return current
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+            except TimeoutError:
+                return current
+        finally:
+            waiters = self._waiters.get(request_id)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[request_id]
+            waiter.cancel()

@@ -1,0 +1,71 @@
+"""The gateway application: route table, middleware, and resource lifecycles.
+
+`build_app(settings)` is all a test or `main()` needs; `run_gateway` serves it on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from twinkle_async.bus import Bus
+from twinkle_async.futures import FutureStore
+from twinkle_async.gateway import futures_routes, rest_routes, service_routes, training_routes
+from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
+from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, SETTINGS
+from twinkle_async.registry import Registry
+from twinkle_async.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+
+async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    bus = Bus(settings.bus)
+    await bus.connect()
+    futures = FutureStore(bus)
+    await futures.start()
+    registry = Registry(bus, settings.base_models)
+    await registry.start()
+    app[BUS], app[FUTURES], app[REGISTRY] = bus, futures, registry
+    yield
+    await registry.stop()
+    await futures.stop()
+    await bus.close()
+
+
+def build_app(settings: GatewaySettings) -> web.Application:
+    app = web.Application(
+        middlewares=[errors_middleware, auth_middleware], client_max_size=settings.max_request_bytes
+    )
+    app[SETTINGS] = settings
+    app.cleanup_ctx.append(_bus_ctx)
+    for module in (service_routes, training_routes, futures_routes, rest_routes):
+        app.add_routes(module.routes)
+    return app
+
+
+async def serve(settings: GatewaySettings, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve until cancelled; `on_ready` gets the base URL (port 0 picks a free port).
+
+    `auto_decompress=False`: zstd request bodies are decoded by the handler, within limits.
+    """
+    runner = web.AppRunner(build_app(settings), auto_decompress=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    port = settings.port
+    server = site._server  # the bound asyncio server: the only place the chosen port is known
+    if server is not None and getattr(server, "sockets", None):
+        port = server.sockets[0].getsockname()[1]
+    base_url = f"http://{settings.host}:{port}"
+    log.info("gateway listening on %s", base_url)
+    if on_ready is not None:
+        on_ready(base_url)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,41 @@
+"""Reading request bodies and writing JSON responses with the protocol's Structs."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import zstandard
+from aiohttp import web
+
+from protocol import api
+from protocol.errors import PayloadTooLarge, UserError
+from twinkle_async.gateway.state import SETTINGS
+
+T = TypeVar("T")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw body, zstd-decompressed when the SDK compressed it, within the size limit."""
+    limit = request.app[SETTINGS].max_request_bytes
+    body = await request.read()
+    encoding = request.headers.get("Content-Encoding", "").lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding != "zstd":
+        raise UserError(f"unsupported Content-Encoding {encoding!r} (zstd or none)")
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        data = reader.read(limit + 1)
+    except zstandard.ZstdError as exc:
+        raise UserError(f"request body is not valid zstd: {exc}") from exc
+    if len(data) > limit:
+        raise PayloadTooLarge(f"decompressed request body exceeds {limit} bytes")
+    return data
+
+
+async def read_json(request: web.Request, type_: type[T]) -> T:
+    return api.decode(await read_body(request), type_)
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=api.encode(obj), status=status, content_type="application/json")

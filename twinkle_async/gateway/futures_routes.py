@@ -1,0 +1,32 @@
+"""`retrieve_future`: step 6 of the request flow, a long-poll on the future's outcome.
+
+Holds up to `long_poll_s` (under the SDK's 45 s read timeout), then answers `try_again`. A
+finished forward_backward answers protobuf; other results JSON; a failure
+`{"error", "category"}` with status 200, as the SDK expects.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from protocol import api
+from protocol.errors import NotFound
+from twinkle_async.gateway.bodies import json_response, read_json
+from twinkle_async.gateway.state import FUTURES, SETTINGS
+
+routes = web.RouteTableDef()
+
+
+@routes.post("/api/v1/retrieve_future")
+async def retrieve_future(request: web.Request) -> web.Response:
+    body = await read_json(request, api.FutureRetrieveRequest)
+    outcome = await request.app[FUTURES].wait(body.request_id, request.app[SETTINGS].long_poll_s)
+    if outcome is None:
+        raise NotFound(f"request_id {body.request_id!r} not found (unknown or expired)")
+    if outcome.state == "pending":
+        return json_response(api.TryAgainResponse(request_id=body.request_id, queue_state="active"))
+    if outcome.state == "error":
+        return json_response(api.RequestFailedResponse(error=outcome.error, category=outcome.category or "unknown"))
+    if outcome.payload_type == "proto":
+        return web.Response(body=outcome.payload, content_type="application/x-protobuf")
+    return web.Response(body=outcome.payload, content_type="application/json")

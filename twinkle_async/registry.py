@@ -1,0 +1,118 @@
+"""Sessions, training runs, checkpoints and served base models, kept in KV.
+
+Ownership lives here: every lookup takes the caller's tenant and answers NotFound for another
+tenant's id, exactly as for an id that does not exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.aio.subscription import Subscription
+
+from protocol import records, subjects
+from protocol.errors import NotFound, UserError
+from protocol.records import CheckpointRecord, RunRecord, SessionRecord, WorkerRecord
+from twinkle_async.bus import Bus
+
+log = logging.getLogger(__name__)
+
+WORKER_STALE_S = 30.0
+
+
+class Registry:
+    """Typed reads and writes of `tw_sessions`, `tw_runs`, `tw_checkpoints`, `tw_workers`."""
+
+    def __init__(self, bus: Bus, configured_models: tuple[str, ...] = ()) -> None:
+        self.bus = bus
+        self.configured_models = configured_models
+        self.workers: dict[str, WorkerRecord] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        for data in await self.bus.values(subjects.BUCKET_WORKERS):
+            self._remember_worker(data)
+        self._sub = await self.bus.subscribe_kv(subjects.BUCKET_WORKERS, ">", self._on_worker)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def _on_worker(self, key: str, data: bytes) -> None:
+        if data:
+            self._remember_worker(data)
+
+    def _remember_worker(self, data: bytes) -> None:
+        record = records.decode(data, WorkerRecord)
+        self.workers[record.worker_id] = record
+
+    # -- base models -------------------------------------------------------------------------
+
+    def served_models(self) -> dict[str, WorkerRecord | None]:
+        """Base models with a live worker, plus those configured (a worker may still be loading)."""
+        fresh = time.time() - WORKER_STALE_S
+        served: dict[str, WorkerRecord | None] = {name: None for name in self.configured_models}
+        for worker in self.workers.values():
+            if worker.heartbeat_at >= fresh:
+                served[worker.base_model] = worker
+        return served
+
+    def check_base_model(self, base_model: str) -> WorkerRecord | None:
+        served = self.served_models()
+        if base_model not in served:
+            names = ", ".join(sorted(served)) or "none"
+            raise UserError(f"base_model {base_model!r} is not served here; served base models: {names}")
+        return served[base_model]
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    async def put_session(self, session: SessionRecord) -> None:
+        await self.bus.put(subjects.BUCKET_SESSIONS, subjects.token(session.session_id), records.encode(session))
+
+    async def session(self, session_id: str, tenant_id: str) -> SessionRecord:
+        data = await self.bus.get(subjects.BUCKET_SESSIONS, subjects.token(session_id))
+        if data is None:
+            raise NotFound(f"session {session_id!r} not found")
+        session = records.decode(data, SessionRecord)
+        if session.tenant_id != tenant_id:
+            raise NotFound(f"session {session_id!r} not found")
+        return session
+
+    # -- runs --------------------------------------------------------------------------------
+
+    async def put_run(self, run: RunRecord) -> None:
+        await self.bus.put(subjects.BUCKET_RUNS, subjects.token(run.model_id), records.encode(run))
+
+    async def find_run(self, model_id: str) -> RunRecord | None:
+        data = await self.bus.get(subjects.BUCKET_RUNS, subjects.token(model_id))
+        return records.decode(data, RunRecord) if data else None
+
+    async def run(self, model_id: str, tenant_id: str) -> RunRecord:
+        run = await self.find_run(model_id)
+        if run is None or run.tenant_id != tenant_id:
+            raise NotFound(f"model_id {model_id!r} not found")
+        return run
+
+    async def runs(self, tenant_id: str) -> list[RunRecord]:
+        found = [records.decode(v, RunRecord) for v in await self.bus.values(subjects.BUCKET_RUNS)]
+        mine = [run for run in found if run.tenant_id == tenant_id]
+        return sorted(mine, key=lambda run: run.created_at)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    async def checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        values = await self.bus.values(subjects.BUCKET_CHECKPOINTS, subjects.token(run_id))
+        found = [records.decode(v, CheckpointRecord) for v in values]
+        return sorted(found, key=lambda ckpt: ckpt.created_at)
+
+    async def find_checkpoint(self, run_id: str, checkpoint_id: str) -> CheckpointRecord | None:
+        data = await self.bus.get(subjects.BUCKET_CHECKPOINTS, subjects.checkpoint_key(run_id, checkpoint_id))
+        return records.decode(data, CheckpointRecord) if data else None
+
+    async def checkpoint(self, run_id: str, checkpoint_id: str, tenant_id: str) -> CheckpointRecord:
+        """A checkpoint the tenant may read: its own, or a public one."""
+        ckpt = await self.find_checkpoint(run_id, checkpoint_id)
+        if ckpt is None or (ckpt.tenant_id != tenant_id and not ckpt.public):
+            raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+        return ckpt

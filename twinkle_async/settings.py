@@ -1,0 +1,75 @@
+"""Settings, read once in `main()` from flags and `TWINKLE_*` variables, then passed down.
+
+Only this module reads the environment. Units are in the names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TWINKLE_{name}", default)
+
+
+@dataclass(frozen=True)
+class BusSettings:
+    """How to reach NATS and how big its messages and windows are."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 10.0
+    n_shards: int = 16
+    futures_ttl_s: float = 24 * 3600.0
+    ops_max_age_s: float = 7 * 24 * 3600.0
+    duplicate_window_s: float = 600.0
+    max_payload_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The HTTP side: listen address, keys, limits, long-poll window."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant_id
+    long_poll_s: float = 30.0
+    max_request_bytes: int = 6 * 1024 * 1024
+    fwdbwd_max_chunk_len: int = 1024
+    fwdbwd_max_chunk_bytes: int = 4 * 1024 * 1024
+    base_models: tuple[str, ...] = ()
+    bus: BusSettings = field(default_factory=BusSettings)
+
+
+def bus_from_env(nats_url: str | None = None) -> BusSettings:
+    """Bus settings from `TWINKLE_NATS_URL` and friends, overridden by an explicit URL."""
+    return BusSettings(
+        nats_url=nats_url or _env("NATS_URL", "nats://127.0.0.1:4222"),
+        n_shards=int(_env("SHARDS", "16")),
+        futures_ttl_s=float(_env("FUTURES_TTL_S", str(24 * 3600))),
+    )
+
+
+def load_api_keys(key_file: Path | None, api_key: str | None) -> dict[str, str]:
+    """Keys from `--api-key` (tenant `default`), `TWINKLE_API_KEY`, and a key file.
+
+    The key file holds one `tml-KEY TENANT` pair per line; `#` starts a comment.
+    """
+    keys: dict[str, str] = {}
+    single = api_key or os.environ.get("TWINKLE_API_KEY")
+    if single:
+        keys[single] = "default"
+    path = key_file or (Path(p) if (p := os.environ.get("TWINKLE_KEY_FILE")) else None)
+    if path is not None:
+        for raw in path.read_text().splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            keys[parts[0]] = parts[1] if len(parts) > 1 else "default"
+    for key in keys:
+        if not key.startswith("tml-"):
+            raise ValueError(f"API keys must start with 'tml-' (the tinker SDK refuses others): {key[:8]}...")
+    return keys

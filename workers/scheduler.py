@@ -1,0 +1,59 @@
+"""The cycle plan: which ready ops run together. Pure, no I/O.
+
+Each cycle takes every ready forward/forward_backward across all models of the pool, up to a
+token budget, as ONE shared pass; then every optim_step that directly follows a model's work in
+this cycle (or heads its line) as one fused step; then the other ops (create, save, load,
+unload), which are barriers for their own model only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from protocol.jobs import ForwardBackwardJob, OptimStepJob
+from workers.sequencer import Pending
+
+H = TypeVar("H")
+
+
+@dataclass
+class Cycle(Generic[H]):
+    """One cycle: a shared pass, a fused optimizer step, then the rest, in that order."""
+
+    shared_pass: list[Pending[H]] = field(default_factory=list)
+    optim_steps: list[Pending[H]] = field(default_factory=list)
+    others: list[Pending[H]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.shared_pass or self.optim_steps or self.others)
+
+
+def plan(ready: dict[str, list[Pending[H]]], token_budget: int) -> Cycle[H]:
+    """Plan one cycle from each model's in-order ready run.
+
+    A model's forward_backward prefix joins the pass while the budget allows (a pass always takes
+    at least one op, however large). Its optim_step joins only when its whole prefix did.
+    """
+    cycle: Cycle[H] = Cycle()
+    tokens = 0
+    for run in ready.values():
+        i = 0
+        while i < len(run) and isinstance(run[i].job, ForwardBackwardJob):
+            job = run[i].job
+            assert isinstance(job, ForwardBackwardJob)
+            if cycle.shared_pass and tokens + job.n_tokens > token_budget:
+                break
+            cycle.shared_pass.append(run[i])
+            tokens += job.n_tokens
+            i += 1
+        if i == len(run):
+            continue
+        head = run[i].job
+        if isinstance(head, ForwardBackwardJob):
+            continue  # over budget: the rest of this model waits for the next cycle
+        if isinstance(head, OptimStepJob):
+            cycle.optim_steps.append(run[i])
+        elif i == 0:
+            cycle.others.append(run[i])
+    return cycle

@@ -1,0 +1,107 @@
+"""Per-model ordering: ops are released strictly in `seq_id` order, whatever the arrival order.
+
+The SDK posts the chunks of a large forward_backward concurrently (first chunk last) and
+pipelines optim_step before results exist, so arrival order is not execution order. Creation
+(create_model or create-via-load) is seq 0. An op at or below the applied seq is a duplicate
+(a redelivery or a re-publish): the caller acks it and re-serves nothing, its result is in KV
+already. A model stuck waiting on a missing seq for longer than the gap timeout has its buffered
+ops failed loudly rather than hanging.
+
+Pure bookkeeping: no I/O, no clocks of its own (callers pass `now`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from protocol.jobs import Job
+
+H = TypeVar("H")  # the transport's message handle (acked after the outcome is written)
+
+
+@dataclass
+class Pending(Generic[H]):
+    """A received op and the handle to ack once its outcome is stored."""
+
+    job: Job
+    handle: H
+    received_at: float
+
+
+@dataclass
+class ModelLine(Generic[H]):
+    """One model's position: last applied seq and the ops waiting for their turn."""
+
+    applied_seq: int = -1
+    buffer: dict[int, Pending[H]] = field(default_factory=dict)
+    stalled_since: float | None = None
+
+
+class Sequencer(Generic[H]):
+    """All models' lines on one worker."""
+
+    def __init__(self) -> None:
+        self.lines: dict[str, ModelLine[H]] = {}
+
+    def offer(self, pending: Pending[H]) -> bool:
+        """Buffer an op; False if it is a duplicate (already applied or already buffered)."""
+        job = pending.job
+        line = self.lines.setdefault(job.model_id, ModelLine())
+        if job.seq_id <= line.applied_seq or job.seq_id in line.buffer:
+            return False
+        line.buffer[job.seq_id] = pending
+        return True
+
+    def ready(self) -> dict[str, list[Pending[H]]]:
+        """For each model, the run of consecutive ops that can execute now, in order."""
+        out: dict[str, list[Pending[H]]] = {}
+        for model_id, line in self.lines.items():
+            run: list[Pending[H]] = []
+            seq = line.applied_seq + 1
+            while seq in line.buffer:
+                run.append(line.buffer[seq])
+                seq += 1
+            if run:
+                out[model_id] = run
+        return out
+
+    def applied(self, job: Job) -> None:
+        """Mark an op done (successfully or not): the next seq may run."""
+        line = self.lines[job.model_id]
+        line.buffer.pop(job.seq_id, None)
+        line.applied_seq = max(line.applied_seq, job.seq_id)
+        line.stalled_since = None
+
+    def forget(self, model_id: str) -> list[Pending[H]]:
+        """Drop a model's line (unloaded); returns what was still buffered."""
+        line = self.lines.pop(model_id, None)
+        return list(line.buffer.values()) if line else []
+
+    def stalled(self, now: float, gap_timeout_s: float) -> dict[str, list[Pending[H]]]:
+        """Models whose next seq has been missing for longer than `gap_timeout_s`.
+
+        Their buffered ops are removed and returned, and the line skips past them, so that the
+        caller fails them with an error naming the missing seq.
+        """
+        out: dict[str, list[Pending[H]]] = {}
+        for model_id, line in self.lines.items():
+            if not line.buffer or (line.applied_seq + 1) in line.buffer:
+                line.stalled_since = None
+                continue
+            if line.stalled_since is None:
+                line.stalled_since = min(p.received_at for p in line.buffer.values())
+            if now - line.stalled_since >= gap_timeout_s:
+                dropped = [line.buffer[s] for s in sorted(line.buffer)]
+                line.applied_seq = max(line.buffer)
+                line.buffer.clear()
+                line.stalled_since = None
+                out[model_id] = dropped
+        return out
+
+    def held(self) -> list[Any]:
+        """Handles of every buffered op (to keep them from being redelivered while they wait)."""
+        return [p.handle for line in self.lines.values() for p in line.buffer.values()]
+
+    def missing_seq(self, model_id: str) -> int:
+        return self.lines[model_id].applied_seq + 1 if model_id in self.lines else 0

@@ -1,0 +1,325 @@
+"""The trainer worker service: shard consumers → sequencer → scheduler → engine → outcomes.
+
+Step 3 (DESIGN.md §3): every op of the owned shards is offered to the per-model sequencer.
+Step 4: each cycle plans one shared forward/backward pass across models, one fused optimizer
+step, then saves/loads (`workers/scheduler.py`), and runs them on the engine's single thread.
+Step 5: each op's outcome is written to KV `tw_futures`, then the op is acked; a crash between
+the two only re-runs the op and rewrites the same key.
+
+A bad op fails alone with a `user` error; the rest of its pass still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.msg import Msg
+
+from protocol import api, records, subjects
+from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.jobs import (
+    CreateModelJob,
+    ForwardBackwardJob,
+    Job,
+    LoadWeightsJob,
+    OptimStepJob,
+    Outcome,
+    SaveWeightsJob,
+    UnloadModelJob,
+    decode_job,
+    encode_outcome,
+    request_type_of,
+)
+from protocol.paths import TinkerPath, parse_path
+from protocol.records import CheckpointRecord, WorkerRecord
+from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
+from workers.bus import WorkerBus
+from workers.engine import Engine
+from workers.scheduler import Cycle, plan
+from workers.sequencer import Pending, Sequencer
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Item = Pending[Msg]
+
+
+def _done(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
+    return Outcome(
+        request_id=job.request_id,
+        state="done",
+        request_type=request_type_of(job),
+        model_id=job.model_id,
+        payload=payload,
+        payload_type=payload_type,  # type: ignore[arg-type]
+        finished_at=time.time(),
+    )
+
+
+def _failed(job: Job, err: TwinkleError) -> Outcome:
+    return Outcome(
+        request_id=job.request_id,
+        state="error",
+        request_type=request_type_of(job),
+        model_id=job.model_id,
+        error=err.message,
+        category=err.category.value,
+        finished_at=time.time(),
+    )
+
+
+class TrainerService:
+    """One trainer worker: owns every shard of its pool (leases come with more workers)."""
+
+    def __init__(self, bus: WorkerBus, engine: Engine, settings: WorkerSettings) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.settings = settings
+        self.sequencer: Sequencer[Msg] = Sequencer()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._in_flight: list[Msg] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until cancelled."""
+        for shard in range(self.settings.n_shards):
+            await self.bus.consume_shard(self.settings.pool, shard, self._on_msg)
+        tasks = [
+            asyncio.create_task(self._cycle_loop(), name="cycles"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._keepalive_loop(), name="keepalive"),
+        ]
+        log.info("worker %s serving %s (pool %s)", self.settings.worker_id, self.settings.base_model, self.settings.pool)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            job = decode_job(msg.data)
+        except msgspec.DecodeError:
+            log.error("dropping undecodable op on %s", msg.subject)
+            await msg.term()
+            return
+        if not self.sequencer.offer(Pending(job=job, handle=msg, received_at=time.monotonic())):
+            log.info("duplicate op %s seq %d of %s; already handled", job.request_id, job.seq_id, job.model_id)
+            await msg.ack()
+            return
+        self._wake.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            record = WorkerRecord(
+                worker_id=self.settings.worker_id,
+                pool=self.settings.pool,
+                base_model=self.settings.base_model,
+                arch=self.engine.arch,
+                vocab_size=self.engine.vocab_size,
+                max_context=self.engine.max_context,
+                max_rank=self.settings.max_rank,
+                slots_total=self.settings.max_slots,
+                slots_used=self.engine.slots_used(),
+                heartbeat_at=time.time(),
+            )
+            key = subjects.worker_key(self.settings.pool, self.settings.worker_id)
+            try:
+                await self.bus.put(subjects.BUCKET_WORKERS, key, records.encode(record))
+            except Exception:
+                log.exception("worker heartbeat failed")
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _keepalive_loop(self) -> None:
+        """Ops waiting in the sequencer or running stay un-acked; tell JetStream they live."""
+        while True:
+            await asyncio.sleep(self.settings.ack_wait_s / 3)
+            for msg in [*self.sequencer.held(), *self._in_flight]:
+                try:
+                    await msg.in_progress()
+                except Exception:
+                    log.debug("in_progress failed", exc_info=True)
+
+    # -- cycles ------------------------------------------------------------------------------
+
+    async def _cycle_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=min(5.0, self.settings.gap_timeout_s))
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            await self._fail_stalled()
+            while cycle := plan(self.sequencer.ready(), self.settings.token_budget):
+                await self._run_cycle(cycle)
+
+    async def _run_cycle(self, cycle: Cycle[Msg]) -> None:
+        started = time.perf_counter()
+        if cycle.shared_pass:
+            await self._run(cycle.shared_pass, self._shared_pass)
+        if cycle.optim_steps:
+            await self._run(cycle.optim_steps, self._optim_steps)
+        for item in cycle.others:
+            await self._run([item], self._other)
+        log.debug(
+            "cycle: %d fwd, %d optim, %d other in %.1f ms",
+            len(cycle.shared_pass), len(cycle.optim_steps), len(cycle.others), (time.perf_counter() - started) * 1e3,
+        )
+
+    async def _run(self, items: list[Item], fn: Any) -> None:
+        """Run `fn(items)` on the engine thread, then store each outcome and ack its op."""
+        self._in_flight = [item.handle for item in items]
+        loop = asyncio.get_running_loop()
+        try:
+            results: list[tuple[Outcome, CheckpointRecord | None]] = await loop.run_in_executor(self._executor, fn, items)
+        except Exception:
+            log.exception("engine batch of %d ops crashed", len(items))
+            err = ServerError("the worker failed while running this request; see the worker log")
+            results = [(_failed(item.job, err), None) for item in items]
+        finally:
+            self._in_flight = []
+        for item, (outcome, ckpt) in zip(items, results, strict=True):
+            if ckpt is not None:
+                key = subjects.checkpoint_key(ckpt.run_id, ckpt.checkpoint_id)
+                await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
+            await self._finish(item, outcome)
+
+    async def _finish(self, item: Item, outcome: Outcome) -> None:
+        await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(outcome.request_id), encode_outcome(outcome))
+        await item.handle.ack()
+        self.sequencer.applied(item.job)
+        if isinstance(item.job, UnloadModelJob):
+            for stale in self.sequencer.forget(item.job.model_id):
+                await stale.handle.ack()
+
+    async def _fail_stalled(self) -> None:
+        for model_id, items in self.sequencer.stalled(time.monotonic(), self.settings.gap_timeout_s).items():
+            first = items[0].job.seq_id
+            log.error("model %s: seq before %d never arrived; failing %d ops", model_id, first, len(items))
+            for item in items:
+                err = ServerError(
+                    f"request seq_id {item.job.seq_id} of {model_id} waited {self.settings.gap_timeout_s:.0f} s "
+                    f"for an earlier request that never arrived; restore from your last checkpoint"
+                )
+                outcome = _failed(item.job, err)
+                await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(outcome.request_id), encode_outcome(outcome))
+                await item.handle.ack()
+
+    # -- engine-thread work (synchronous) ----------------------------------------------------
+
+    def _require_model(self, job: Job) -> None:
+        if not self.engine.has(job.model_id):
+            raise UserError(f"model_id {job.model_id!r} is not loaded (its create_model or load failed)")
+
+    def _shared_pass(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
+        outcomes: dict[int, Outcome] = {}
+        batch: list[tuple[str, FwdBwdRequest]] = []
+        batch_index: list[int] = []
+        for i, item in enumerate(items):
+            job = item.job
+            assert isinstance(job, ForwardBackwardJob)
+            try:
+                self._require_model(job)
+                request = decode_forward_backward(job.body)
+                self.engine.validate(job.model_id, request)
+            except TwinkleError as err:
+                outcomes[i] = _failed(job, err)
+                continue
+            batch.append((job.model_id, request))
+            batch_index.append(i)
+        if batch:
+            results = self.engine.forward_backward(batch)
+            for i, result in zip(batch_index, results, strict=True):
+                payload = encode_forward_backward_output(result.outputs, result.metrics, result.loss_fn_output_type)
+                outcomes[i] = _done(items[i].job, payload, "proto")
+        return [(outcomes[i], None) for i in range(len(items))]
+
+    def _optim_steps(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
+        outcomes: dict[int, Outcome] = {}
+        steps = []
+        index = []
+        for i, item in enumerate(items):
+            job = item.job
+            assert isinstance(job, OptimStepJob)
+            try:
+                self._require_model(job)
+            except TwinkleError as err:
+                outcomes[i] = _failed(job, err)
+                continue
+            steps.append((job.model_id, job.adam))
+            index.append(i)
+        if steps:
+            for i, metrics in zip(index, self.engine.optim_step(steps), strict=True):
+                outcomes[i] = _done(items[i].job, api.encode(api.OptimStepResponse(metrics=metrics)))
+        return [(outcomes[i], None) for i in range(len(items))]
+
+    def _other(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
+        (item,) = items
+        job = item.job
+        try:
+            if isinstance(job, CreateModelJob):
+                if not self.engine.has(job.model_id):
+                    self.engine.create(job.model_id, job.lora)
+                return [(_done(job, api.encode(api.CreateModelResponse(model_id=job.model_id))), None)]
+            if isinstance(job, SaveWeightsJob):
+                return [self._save(job)]
+            if isinstance(job, LoadWeightsJob):
+                return [(self._load(job), None)]
+            if isinstance(job, UnloadModelJob):
+                if self.engine.has(job.model_id):
+                    self.engine.release(job.model_id)
+                return [(_done(job, api.encode(api.UnloadModelResponse(model_id=job.model_id))), None)]
+            raise ServerError(f"op {type(job).__name__} cannot run here")
+        except TwinkleError as err:
+            return [(_failed(job, err), None)]
+
+    def _checkpoint_dir(self, path: TinkerPath) -> Any:
+        return self.settings.checkpoint_root / path.run_id / path.kind / path.name
+
+    def _save(self, job: SaveWeightsJob) -> tuple[Outcome, CheckpointRecord | None]:
+        self._require_model(job)
+        path = TinkerPath(run_id=job.model_id, kind=job.kind, name=job.name)
+        directory = self._checkpoint_dir(path)
+        now = time.time()
+        meta = {"model_id": job.model_id, "seq_id": job.seq_id, "base_model": self.settings.base_model, "saved_at": now}
+        size = self.engine.save(job.model_id, directory, kind=job.kind, meta=meta)
+        record = CheckpointRecord(
+            run_id=job.model_id,
+            tenant_id=job.tenant_id,
+            checkpoint_id=path.checkpoint_id,
+            kind=job.kind,
+            path=str(path),
+            directory=str(directory),
+            created_at=now,
+            size_bytes=size,
+            base_model=self.settings.base_model,
+            lora=self.engine.spec(job.model_id),
+            with_optimizer=job.kind == "weights",
+            expires_at=now + job.ttl_seconds if job.ttl_seconds else None,
+            user_metadata=dict(job.user_metadata),
+        )
+        if job.kind == "weights":
+            body = api.encode(api.SaveWeightsResponse(path=str(path)))
+        else:
+            body = api.encode(api.SaveWeightsForSamplerResponse(path=str(path)))
+        return _done(job, body), record
+
+    def _load(self, job: LoadWeightsJob) -> Outcome:
+        path = parse_path(job.path)
+        directory = self._checkpoint_dir(path)
+        if not directory.is_dir():
+            raise UserError(f"checkpoint {job.path!r} not found in the checkpoint store")
+        if not job.create:
+            self._require_model(job)
+        self.engine.load(job.model_id, directory, with_optimizer=job.with_optimizer)
+        return _done(job, api.encode(api.LoadWeightsResponse(path=job.path, model_id=job.model_id)))

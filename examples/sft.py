@@ -77,12 +77,12 @@ def main() -> None:
     gap = max(abs(a - b) for a, b in zip(after, again, strict=True))
     print(f"resumed run repeats the original's next 3 losses (max difference {gap:.2e})")
 
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=args.base_url, api_key=args.api_key)
     for run in rest.list_training_runs().result().training_runs:
         print(f"run {run.training_run_id}  base {run.base_model}  rank {run.lora_rank}")
         for ckpt in rest.list_checkpoints(run.training_run_id).result().checkpoints:
             print(f"    checkpoint {ckpt.tinker_path}  {ckpt.size_bytes} bytes")
-    service.close()
+    service.close("success").result()
 
 
 if __name__ == "__main__":

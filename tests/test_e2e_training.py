@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 def service(cluster: Cluster):
     client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
     yield client
-    client.close()
+    client.close("success").result()
 
 
 def test_sft_loss_falls_below_half(service: tinker.ServiceClient, tiny_model: Path) -> None:
@@ -47,14 +47,14 @@ def test_exact_resume_with_and_without_optimizer(service: tinker.ServiceClient, 
     assert max(abs(a - b) for a, b in zip(original[1:], fresh_optimizer[1:], strict=True)) > 1e-4
 
 
-def test_rest_lists_runs_and_checkpoints(service: tinker.ServiceClient, tiny_model: Path) -> None:
+def test_rest_lists_runs_and_checkpoints(service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path) -> None:
     client = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=5)
     train_steps(client, toy_batch(n=2), 2)
     state = client.save_state("ckpt-a").result().path
     sampler = client.save_weights_for_sampler("snap-a").result().path
     model_id = client.model_id
 
-    rest = service.create_rest_client()
+    rest = tinker.RestClient(base_url=cluster.base_url, api_key=cluster.api_key)
     runs = rest.list_training_runs(limit=100).result()
     assert runs.cursor.total_count >= 1
     mine = [run for run in runs.training_runs if run.training_run_id == model_id]
@@ -82,8 +82,10 @@ def test_qwen3_5_trains_through_the_same_path(service: tinker.ServiceClient, tin
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def test_tokenizer_and_capabilities(service: tinker.ServiceClient, tiny_model: Path, tiny_model_35: Path) -> None:
-    caps = service.get_server_capabilities()
+def test_tokenizer_and_capabilities(
+    service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path, tiny_model_35: Path
+) -> None:
+    caps = tinker.RestClient(base_url=cluster.base_url, api_key=cluster.api_key).get_server_capabilities().result()
     names = {m.model_name for m in caps.supported_models}
     assert {str(tiny_model), str(tiny_model_35)} <= names
     client = service.create_lora_training_client(base_model=str(tiny_model), rank=4)

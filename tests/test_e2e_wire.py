@@ -22,14 +22,14 @@ pytestmark = pytest.mark.e2e
 def wire(cluster: Cluster) -> Iterator[Wire]:
     client = Wire(cluster.base_url, cluster.api_key)
     yield client
-    client.close()
+    client.close("success").result()
 
 
 @pytest.fixture
 def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
     client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
     yield client
-    client.close()
+    client.close("success").result()
 
 
 def _logprobs(out: types.ForwardBackwardOutput) -> list[np.ndarray]:
@@ -71,7 +71,7 @@ def test_chunked_out_of_order_equals_one_chunk(tmp_path: Path, cluster: Cluster,
             out = first.result()
             nxt = client.forward_backward(batch, "cross_entropy").result()
             results[name] = (out, nxt)
-            service.close()
+            service.close("success").result()
     finally:
         stop_cluster(small)
     (one, one_next), (chunked, chunked_next) = results["one"], results["chunked"]
@@ -113,7 +113,7 @@ def test_bad_input_is_a_clear_user_error_and_the_cluster_keeps_serving(
     assert resp.json()["category"] == "user" and "nope" in resp.json()["error"]
     # unknown base model: the message lists the served ones
     with pytest.raises(tinker.BadRequestError) as bad_model:
-        service.create_lora_training_client(base_model="nobody/no-such-model", rank=8)
+        service.create_lora_training_client(base_model="nobody/no-such-model", rank=8).result()
     assert "no-such-model" in str(bad_model.value) and str(tiny_model) in str(bad_model.value)
     # oversized request
     resp = wire.forward_backward(b"\x00" * (7 * 1024 * 1024))
@@ -121,10 +121,10 @@ def test_bad_input_is_a_clear_user_error_and_the_cluster_keeps_serving(
     # bad API key
     with pytest.raises(tinker.AuthenticationError):
         bad = tinker.ServiceClient(base_url=cluster.base_url, api_key="tml-wrong-key")
-        bad.create_lora_training_client(base_model=str(tiny_model), rank=8)
+        bad.create_lora_training_client(base_model=str(tiny_model), rank=8).result()
     # load_weights of a path that does not exist
     with pytest.raises(tinker.NotFoundError) as missing:
-        service.create_training_client_from_state("tinker://sess-nope:train:0/weights/nothing")
+        service.create_training_client_from_state("tinker://sess-nope:train:0/weights/nothing").result()
     assert "not found" in str(missing.value)
 
     # still serving, and the client that saw errors still trains

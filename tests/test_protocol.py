@@ -1,0 +1,720 @@
+"""protocol.api and protocol.tensors against the official tinker SDK's own code paths.
+
+Requests are built with the SDK's types and serialized the way the SDK sends them; responses we
+encode are parsed with the SDK's strict validation and proto conversion.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from tinker import types
+from tinker._compat import model_dump
+from tinker._models import validate_type
+from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
+from tinker.proto import tinker_public_pb2 as sdk_pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.types._pydantic_types.tensor_data import TensorData as JsonTensorData
+from tinker.types.request_error_category import RequestErrorCategory
+
+from protocol import api
+from protocol import tinker_wire_pb2 as pb
+from protocol.errors import ErrorCategory, UserError
+from protocol.tensors import (
+    DatumArrays,
+    FwdBwdRequest,
+    decode_forward_backward,
+    decode_forward_backward_output,
+    encode_forward_backward,
+    encode_forward_backward_output,
+    numpy_to_tensor,
+    tensor_to_numpy,
+)
+
+# -- forward_backward request: SDK encoder -> our decoder ----------------------------------------
+
+
+def _sdk_body(data: list[types.Datum], loss_fn: str = "cross_entropy", **kwargs: Any) -> bytes:
+    """The exact bytes `AsyncTrainingResource.forward_backward` posts (before optional zstd)."""
+    forward_only = kwargs.pop("forward_only", False)
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, **kwargs),  # type: ignore[arg-type]
+        model_id="sess-1:train:0",
+        seq_id=7,
+    )
+    message = forward_backward_request_to_proto(request)
+    message.forward_only = forward_only
+    body: bytes = message.SerializeToString()
+    return body
+
+
+def _sparse_2d(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    dense = torch.zeros(rows, cols, dtype=dtype)
+    dense[0, 1] = 5
+    dense[2, 0] = 7
+    dense[3, cols - 1] = 9
+    return dense
+
+
+def test_sdk_request_decodes_to_the_same_arrays() -> None:
+    n = 4
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [0.0, 1.0, 1.0, 0.5]},
+        ),
+        types.Datum(
+            model_input=types.ModelInput(
+                chunks=[
+                    types.EncodedTextChunk(tokens=[9, 8]),
+                    types.EncodedTextChunk(tokens=[7, 70000]),
+                ]
+            ),
+            loss_fn_inputs={
+                "target_tokens": np.array([8, 7, 70000, 1], dtype=np.int64),
+                "logprobs": np.array([-0.5, -1.5, -2.0, -0.25], dtype=np.float32),
+                "advantages": np.array([1.0, -1.0, 0.5, 2.0], dtype=np.float64),
+            },
+        ),
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={
+                "target_tokens": torch.tensor([6, 7, 8, 9], dtype=torch.int32),
+                "weights": torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.bfloat16),
+                "sequence_ratio_mask": torch.ones(n),
+            },
+        ),
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 1, 1, 1]),
+            loss_fn_inputs={
+                "target_tokens": _sparse_2d(n, 6, torch.int64),
+                "weights": _sparse_2d(n, 6, torch.float32) / 10,
+            },
+        ),
+    ]
+    assert data[3].loss_fn_inputs["target_tokens"].sparse_crow_indices is not None  # sent as CSR
+    body = _sdk_body(
+        data, "ppo", loss_fn_config={"clip_low_threshold": 0.8, "loss_id": "abc"}, forward_only=True
+    )
+
+    request = decode_forward_backward(body)
+
+    assert (request.model_id, request.seq_id, request.loss_fn) == ("sess-1:train:0", 7, "ppo")
+    assert request.forward_only is True
+    assert request.loss_fn_config == {"clip_low_threshold": pytest.approx(0.8), "loss_id": "abc"}
+    assert request.n_tokens == 16
+    for sent, got in zip(data, request.datums, strict=True):
+        assert got.tokens.dtype == np.int32
+        np.testing.assert_array_equal(got.tokens, sent.model_input.to_ints())
+        assert sorted(got.inputs) == sorted(sent.loss_fn_inputs)
+        for name, tensor in sent.loss_fn_inputs.items():
+            expected = tensor.to_numpy()
+            assert got.inputs[name].dtype == expected.dtype, name
+            assert got.inputs[name].shape == expected.shape, name
+            np.testing.assert_array_equal(got.inputs[name], expected)
+            assert got.inputs[name].flags.writeable
+    assert request.datums[3].inputs["target_tokens"][3, 5] == 9
+
+
+def test_wire_dtypes_the_sdk_does_not_send() -> None:
+    values = np.array([1.5, -2.0, 0.0, 3.25], dtype=np.float32)
+    bf16 = (values.view(np.uint32) >> 16).astype("<u2").tobytes()
+    int32 = np.array([1, -2, 2**31 - 1], dtype="<i4").tobytes()
+    np.testing.assert_array_equal(
+        tensor_to_numpy(pb.Tensor(dtype=pb.DTYPE_BFLOAT16, dense=bf16, shape=[2, 2])),
+        values.reshape(2, 2),
+    )
+    widened = tensor_to_numpy(pb.Tensor(dtype=pb.DTYPE_INT32, dense=int32))
+    assert widened.dtype == np.int64
+    np.testing.assert_array_equal(widened, [1, -2, 2**31 - 1])
+    round_trip = tensor_to_numpy(numpy_to_tensor(np.arange(6, dtype=np.int64).reshape(2, 3)))
+    np.testing.assert_array_equal(round_trip, np.arange(6).reshape(2, 3))
+
+
+def test_loss_fn_config_v2_wins_and_legacy_numbers_are_kept() -> None:
+    message = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="ppo")
+    message.loss_fn_config["beta"] = 0.5
+    message.loss_fn_config["clip_low_threshold"] = 0.1
+    message.loss_fn_config_v2["clip_low_threshold"].number = 0.8
+    message.loss_fn_config_v2["name"].text = "x"
+    request = decode_forward_backward(message.SerializeToString())
+    assert request.loss_fn_config == {"beta": 0.5, "clip_low_threshold": 0.8, "name": "x"}
+
+
+def test_our_request_encoder_round_trips_and_parses_as_the_sdk_proto() -> None:
+    request = FwdBwdRequest(
+        model_id="m",
+        seq_id=3,
+        loss_fn="cross_entropy",
+        forward_only=False,
+        loss_fn_config={"a": 1.0, "b": "t"},
+        datums=[
+            DatumArrays(
+                tokens=np.array([1, 2, 3], dtype=np.int32),
+                inputs={
+                    "target_tokens": np.array([2, 3, 4], dtype=np.int64),
+                    "weights": np.ones((3, 2), dtype=np.float32),
+                },
+            )
+        ],
+    )
+    body = encode_forward_backward(request)
+    again = decode_forward_backward(body)
+    assert again.loss_fn_config == request.loss_fn_config
+    np.testing.assert_array_equal(again.datums[0].tokens, [1, 2, 3])
+    np.testing.assert_array_equal(again.datums[0].inputs["weights"], np.ones((3, 2)))
+    assert sdk_pb.ForwardBackwardRequest.FromString(body).seq_id == 3
+
+
+def _tensor(**kwargs: Any) -> pb.Tensor:
+    return pb.Tensor(**kwargs)
+
+
+def _body_with(datum: pb.Datum) -> bytes:
+    message = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    message.data.add()  # datum 0 is fine; the broken one is datum 1
+    message.data[0].model_input.add().encoded_text.tokens = b"\x01\x00\x00\x00"
+    message.data.append(datum)
+    body: bytes = message.SerializeToString()
+    return body
+
+
+def _datum(tokens: bytes = b"\x01\x00\x00\x00", **inputs: pb.Tensor) -> pb.Datum:
+    datum = pb.Datum()
+    datum.model_input.add().encoded_text.tokens = tokens
+    for name, tensor in inputs.items():
+        datum.loss_fn_inputs[name].CopyFrom(tensor)
+    return datum
+
+
+def _csr(values: bytes, crow: list[int], col: list[int], shape: list[int]) -> pb.Tensor:
+    tensor = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape)
+    tensor.sparse_csr.values = values
+    tensor.sparse_csr.crow_indices = np.array(crow, dtype="<i8").tobytes()
+    tensor.sparse_csr.col_indices = np.array(col, dtype="<i8").tobytes()
+    return tensor
+
+
+_F2 = np.array([1.0, 2.0], dtype="<f4").tobytes()
+_IMAGE = pb.Datum()
+_IMAGE.model_input.add().image.data = b"\x89PNG"
+_DMEL = pb.Datum()
+_DMEL.model_input.add().dmel.dmel = b"\x00"
+
+MALFORMED = {
+    "image chunk": (_IMAGE, "image chunk"),
+    "dmel chunk": (_DMEL, "dmel"),
+    "token bytes": (_datum(tokens=b"\x01\x00\x00"), "3 token bytes"),
+    "dense bytes": (_datum(weights=_tensor(dtype=pb.DTYPE_FLOAT32, dense=b"1234567")), "'weights'"),
+    "shape": (_datum(weights=_tensor(dtype=pb.DTYPE_FLOAT32, dense=_F2, shape=[3])), "shape [3]"),
+    "dtype": (_datum(weights=_tensor(dense=_F2)), "unsupported dtype"),
+    "crow": (_datum(weights=_csr(_F2, [0, 1, 3], [0, 1], [2, 2])), "crow_indices"),
+    "col range": (_datum(weights=_csr(_F2, [0, 1, 2], [0, 2], [2, 2])), "out of range"),
+    "csr 1-D": (_datum(weights=_csr(_F2, [0, 2], [0, 1], [2])), "2-D shape"),
+    "col count": (_datum(weights=_csr(_F2, [0, 1, 2], [0], [2, 2])), "col_indices"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_request_is_a_one_line_user_error(case: str) -> None:
+    datum, fragment = MALFORMED[case]
+    with pytest.raises(UserError) as caught:
+        decode_forward_backward(_body_with(datum))
+    message = str(caught.value)
+    assert message.startswith("datum 1"), message
+    assert fragment in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("body", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12\x03\xff\xff\xff"])
+def test_unparseable_request_is_a_user_error(body: bytes) -> None:
+    with pytest.raises(UserError, match="not a valid ForwardBackwardRequest"):
+        decode_forward_backward(body)
+
+
+# -- forward_backward output: our encoder -> SDK decoder -----------------------------------------
+
+
+def _outputs() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "logprobs": rng.standard_normal(n).astype(np.float32),
+            "elementwise_loss": rng.standard_normal(n),  # float64 goes out as float32
+            "top": rng.integers(0, 100, size=(n, k)),
+        }
+        for n, k in [(4, 2), (3, 2), (5, 3), (2, 2)]
+    ]
+
+
+def test_output_decodes_with_the_sdk() -> None:
+    outputs = _outputs()
+    metrics = {"loss:sum": 7.5, "tokens:mean": 3.5}
+    body = encode_forward_backward_output(outputs, metrics, "CrossEntropyLossReturn")
+
+    result = deserialize_forward_backward_output(body)
+
+    assert result.loss_fn_output_type == "CrossEntropyLossReturn"
+    assert result.metrics == metrics
+    assert len(result.loss_fn_outputs) == len(outputs)
+    for sent, got in zip(outputs, result.loss_fn_outputs, strict=True):
+        assert sorted(got) == sorted(sent)
+        for name, array in sent.items():
+            expected = array.astype(np.float32 if array.dtype.kind == "f" else np.int64)
+            assert got[name].shape == list(array.shape)
+            np.testing.assert_array_equal(got[name].to_numpy(), expected)
+    # Trailing shape [2] then [3] then [2] again: three records.
+    assert len(pb.ForwardBackwardOutput.FromString(body).loss_fn_outputs) == 3
+    ours = decode_forward_backward_output(body)
+    assert ours.metrics == metrics and ours.loss_fn_output_type == "CrossEntropyLossReturn"
+    for sent, got_ours in zip(outputs, ours.loss_fn_outputs, strict=True):
+        np.testing.assert_array_equal(got_ours["top"], sent["top"])
+
+
+def test_chunk_metric_combining_accepts_our_metrics() -> None:
+    outputs = _outputs()
+    first = deserialize_forward_backward_output(
+        encode_forward_backward_output(outputs[:3], {"loss:sum": 2.0, "acc:mean": 1.0})
+    )
+    second = deserialize_forward_backward_output(
+        encode_forward_backward_output(outputs[3:], {"loss:sum": 3.0, "acc:mean": 0.0})
+    )
+    combined = combine_fwd_bwd_output_results([first, second])
+    assert combined.metrics == {"loss:sum": 5.0, "acc:mean": pytest.approx(0.75)}
+    assert len(combined.loss_fn_outputs) == 4
+
+
+def test_empty_output_and_encoder_invariants() -> None:
+    empty = deserialize_forward_backward_output(
+        encode_forward_backward_output([], {"loss:sum": 0.0})
+    )
+    assert (empty.loss_fn_output_type, empty.loss_fn_outputs) == ("ArrayRecord", [])
+    with pytest.raises(ValueError, match="exactly one ':'"):
+        encode_forward_backward_output([], {"loss": 1.0})
+    with pytest.raises(ValueError, match="datum 1 has fields"):
+        encode_forward_backward_output([{"a": np.zeros(1)}, {"b": np.zeros(1)}], {})
+
+
+# -- JSON responses: our encoder -> SDK strict validation ----------------------------------------
+
+NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+CKPT = api.Checkpoint(
+    checkpoint_id="weights/step-1",
+    checkpoint_type="training",
+    time=datetime(2026, 11, 29, 12, 0, 0),  # naive: taken as UTC
+    tinker_path="tinker://sess-1:train:0/weights/step-1",
+    size_bytes=123,
+    user_metadata={"k": "v"},
+)
+SAMPLER_CKPT = api.Checkpoint(
+    checkpoint_id="sampler_weights/s",
+    checkpoint_type="sampler",
+    time=NOW,
+    tinker_path="tinker://sess-1:train:0/sampler_weights/s",
+    expires_at=NOW.astimezone(timezone(timedelta(hours=2))) + timedelta(days=1),
+)
+RUN = api.TrainingRun(
+    training_run_id="sess-1:train:0",
+    base_model="Qwen/Qwen3-8B",
+    model_owner="tenant-a",
+    is_lora=True,
+    last_request_time=NOW,
+    lora_rank=8,
+    last_checkpoint=CKPT,
+    last_sampler_checkpoint=SAMPLER_CKPT,
+)
+CURSOR = api.Cursor(offset=0, limit=20, total_count=1)
+
+RESPONSES: list[tuple[Any, type[Any]]] = [
+    (
+        api.ClientConfigResponse(proto_compress_fwdbwd=True, use_pyqwest_transport=False),
+        types.ClientConfigResponse,
+    ),
+    (api.ClientDynamicConfigResponse(refresh_interval_sec=60), types.ClientDynamicConfigResponse),
+    (
+        api.GetServerCapabilitiesResponse(
+            supported_models=[
+                api.SupportedModel(model_name="Qwen/Qwen3-8B", max_context_length=4096),
+                api.SupportedModel(),
+            ]
+        ),
+        types.GetServerCapabilitiesResponse,
+    ),
+    (api.HealthResponse(), types.HealthResponse),
+    (api.TelemetryResponse(), types.TelemetryResponse),
+    (
+        api.CreateSessionResponse(session_id="sess-1", warning_message="w"),
+        types.CreateSessionResponse,
+    ),
+    (api.SessionHeartbeatResponse(), types.SessionHeartbeatResponse),
+    (
+        api.GetInfoResponse(
+            model_id="sess-1:train:0",
+            model_data=api.ModelData(
+                arch="qwen3", model_name="Qwen/Qwen3-8B", tokenizer_id="Qwen/Qwen3-8B"
+            ),
+            is_lora=True,
+            lora_rank=8,
+            model_name="Qwen/Qwen3-8B",
+        ),
+        types.GetInfoResponse,
+    ),
+    (
+        api.GetInfoResponse(
+            model_id="m",
+            model_data=api.ModelData(model_name="x"),
+            optimizer_config=api.DimuonOptimizerConfig(),
+        ),
+        types.GetInfoResponse,
+    ),
+    (api.UntypedAPIFuture(request_id="r1", model_id="m"), types.UntypedAPIFuture),
+    (
+        api.UntypedAPIFuture(request_id="r2", sample_sequence_ids=["r2-0", "r2-1"]),
+        types.UntypedAPIFuture,
+    ),
+    (
+        api.TryAgainResponse(
+            request_id="r1", queue_state="paused_capacity", queue_state_reason="busy"
+        ),
+        types.TryAgainResponse,
+    ),
+    (
+        api.RequestFailedResponse(error="bad shape", category=ErrorCategory.USER),
+        types.RequestFailedResponse,
+    ),
+    (api.CreateModelResponse(model_id="sess-1:train:0"), types.CreateModelResponse),
+    (api.OptimStepResponse(metrics={"grad_norm:mean": 0.5}), types.OptimStepResponse),
+    (api.OptimStepResponse(), types.OptimStepResponse),
+    (api.SaveWeightsResponse(path="tinker://r/weights/a"), types.SaveWeightsResponse),
+    (
+        api.SaveWeightsForSamplerResponse(path="tinker://r/sampler_weights/a"),
+        types.SaveWeightsForSamplerResponseInternal,
+    ),
+    (
+        api.SaveWeightsForSamplerResponse(sampling_session_id="sess-1:sample:0"),
+        types.SaveWeightsForSamplerResponseInternal,
+    ),
+    (
+        api.SaveWeightsForSamplerResponse(path="tinker://r/sampler_weights/a"),
+        types.SaveWeightsForSamplerResponse,
+    ),
+    (api.LoadWeightsResponse(path="tinker://r/weights/a", model_id="m"), types.LoadWeightsResponse),
+    (CKPT, types.Checkpoint),
+    (SAMPLER_CKPT, types.Checkpoint),
+    (RUN, types.TrainingRun),
+    (
+        api.TrainingRun(
+            training_run_id="r",
+            base_model="b",
+            model_owner="o",
+            is_lora=True,
+            last_request_time=NOW,
+        ),
+        types.TrainingRun,
+    ),
+    (CURSOR, types.Cursor),
+    (api.TrainingRunsResponse(training_runs=[RUN], cursor=CURSOR), types.TrainingRunsResponse),
+    (api.CheckpointsListResponse(checkpoints=[CKPT, SAMPLER_CKPT]), types.CheckpointsListResponse),
+    (api.CheckpointsListResponse(checkpoints=[], cursor=CURSOR), types.CheckpointsListResponse),
+    (
+        api.WeightsInfoResponse(base_model="b", is_lora=True, lora_rank=8, train_mlp=True),
+        types.WeightsInfoResponse,
+    ),
+    (
+        api.CreateSamplingSessionResponse(sampling_session_id="sess-1:sample:0"),
+        types.CreateSamplingSessionResponse,
+    ),
+    (
+        api.GetSamplerResponse(
+            sampler_id="s", base_model="b", model_path="tinker://r/sampler_weights/a"
+        ),
+        types.GetSamplerResponse,
+    ),
+]
+
+
+def _plain(value: Any) -> Any:
+    """Normalise an SDK model dump and our builtins form so that they compare."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("ours, sdk_type", RESPONSES, ids=lambda x: getattr(x, "__name__", ""))
+def test_response_passes_sdk_strict_validation(ours: Any, sdk_type: type[Any]) -> None:
+    body = api.encode(ours)
+    raw = json.loads(body)
+    assert "null" not in body.decode(), "None optionals are left out"
+    parsed = validate_type(type_=sdk_type, value=raw)  # the strict path of direct responses
+    assert sdk_type.model_validate(raw) == parsed  # the path of future results
+    ours_plain = _plain(msgspec.to_builtins(ours))
+    sdk_plain = _plain(parsed.model_dump(mode="json"))
+    for key, value in ours_plain.items():
+        if key in sdk_plain:
+            assert _same(sdk_plain[key], value), key
+    for key in ("time", "expires_at", "last_request_time"):
+        if key in raw:
+            assert raw[key].endswith("Z") or raw[key][-6] in "+-", raw[key]
+
+
+def _same(sdk_value: Any, our_value: Any) -> bool:
+    if isinstance(our_value, str) and isinstance(sdk_value, str) and our_value[:4].isdigit():
+        return datetime.fromisoformat(sdk_value) == datetime.fromisoformat(our_value)
+    if isinstance(our_value, dict) and isinstance(sdk_value, dict):
+        return all(k in sdk_value and _same(sdk_value[k], v) for k, v in our_value.items())
+    if isinstance(our_value, list) and isinstance(sdk_value, list):
+        return len(our_value) == len(sdk_value) and all(map(_same, sdk_value, our_value))
+    return bool(sdk_value == our_value)
+
+
+def test_every_response_struct_is_checked_against_the_sdk() -> None:
+    checked = {type(ours) for ours, _ in RESPONSES}
+    declared = {
+        obj
+        for obj in vars(api).values()
+        if isinstance(obj, type) and issubclass(obj, api._Response) and obj is not api._Response
+    }
+    assert declared - checked == set()
+
+
+def test_naive_datetimes_are_written_as_utc() -> None:
+    assert json.loads(api.encode(CKPT))["time"] == "2026-11-29T12:00:00Z"
+    assert validate_type(type_=types.Checkpoint, value=json.loads(api.encode(CKPT))).time == NOW
+
+
+def test_complete_metadata_and_error_shapes_match_the_sdk_dispatch() -> None:
+    # api_future_impl reads these keys by hand, before any model validation.
+    assert json.loads(api.encode(api.CompleteMetadataResponse(response_payload_size=226))) == {
+        "response_payload_size": 226,
+        "status": "complete_metadata",
+    }
+    assert (
+        json.loads(api.encode(api.TryAgainResponse(request_id="r", queue_state="active")))["type"]
+        == "try_again"
+    )
+    failed = json.loads(
+        api.encode(api.RequestFailedResponse(error="e", category=ErrorCategory.SERVER))
+    )
+    assert RequestErrorCategory(failed["category"]) is RequestErrorCategory.Server
+
+
+def test_error_categories_are_the_sdk_values() -> None:
+    assert {RequestErrorCategory(c.value).name for c in ErrorCategory} == {
+        "User",
+        "Server",
+        "Unknown",
+    }
+    for category in ErrorCategory:
+        assert RequestErrorCategory(category.value).value == category.value
+
+
+# -- JSON requests: SDK serializer -> our decoder ------------------------------------------------
+
+
+def _sdk_json(request: Any) -> bytes:
+    return json.dumps(
+        model_dump(request, exclude_unset=False, exclude_none=True, mode="json")
+    ).encode()
+
+
+def test_sdk_requests_decode() -> None:
+    lora = types.LoraConfig(rank=8, seed=3, train_unembed=False)
+    create = api.decode(
+        _sdk_json(
+            types.CreateModelRequest(
+                session_id="s", model_seq_id=0, base_model="Qwen/Qwen3-8B", lora_config=lora
+            )
+        ),
+        api.CreateModelRequest,
+    )
+    assert create.lora_config == api.LoraConfig(rank=8, seed=3, train_unembed=False)
+    assert create.optimizer_config == api.AdamOptimizerConfig()
+    dimuon = types.CreateModelRequest(
+        session_id="s",
+        model_seq_id=1,
+        base_model="b",
+        optimizer_config=types.DimuonOptimizerConfig(),
+    )
+    assert api.decode(
+        _sdk_json(dimuon), api.CreateModelRequest
+    ).optimizer_config == api.DimuonOptimizerConfig(version=1)
+
+    session = api.decode(
+        _sdk_json(
+            types.CreateSessionRequest(tags=["a"], user_metadata={"x": 1}, sdk_version="0.38.0")
+        ),
+        api.CreateSessionRequest,
+    )
+    assert (session.tags, session.user_metadata, session.sdk_version) == (["a"], {"x": 1}, "0.38.0")
+
+    adam = types.AdamParams(learning_rate=2e-4, eps=1e-8)
+    optim = api.decode(
+        _sdk_json(types.OptimStepRequest(optim_params=adam, model_id="m", seq_id=2)),
+        api.OptimStepRequest,
+    )
+    assert optim.adam_params == api.AdamParams(learning_rate=2e-4, eps=1e-8) and optim.seq_id == 2
+    dim = types.OptimStepRequest(
+        optim_params=types.DimuonParams(learning_rate=0.01), model_id="m", seq_id=3
+    )
+    optim = api.decode(_sdk_json(dim), api.OptimStepRequest)
+    assert optim.adam_params is None and optim.optimizer_params == api.DimuonParams(
+        learning_rate=0.01
+    )
+
+    save = types.SaveWeightsRequest(
+        model_id="m", path="step-1", seq_id=4, ttl_seconds=3600, user_metadata={"a": "b"}
+    )
+    assert api.decode(_sdk_json(save), api.SaveWeightsRequest) == api.SaveWeightsRequest(
+        model_id="m", path="step-1", seq_id=4, ttl_seconds=3600, user_metadata={"a": "b"}
+    )
+    named = types.SaveWeightsForSamplerRequest(model_id="m", path="s1", seq_id=5)
+    assert api.decode(_sdk_json(named), api.SaveWeightsForSamplerRequest).path == "s1"
+    ephemeral = types.SaveWeightsForSamplerRequest(
+        model_id="m", sampling_session_seq_id=0, kind="inflight", seq_id=6
+    )
+    decoded = api.decode(_sdk_json(ephemeral), api.SaveWeightsForSamplerRequest)
+    assert (decoded.path, decoded.sampling_session_seq_id, decoded.kind) == (None, 0, "inflight")
+
+    via_load = types.LoadWeightsRequest(
+        session_id="s", model_seq_id=2, path="tinker://r/weights/a", optimizer=True
+    )
+    load = api.decode(_sdk_json(via_load), api.LoadWeightsRequest)
+    assert load.creates_model and (load.session_id, load.model_seq_id, load.optimizer) == (
+        "s",
+        2,
+        True,
+    )
+    legacy = types.LoadWeightsRequest(
+        model_id="m", seq_id=1, path="tinker://r/weights/a", optimizer=False
+    )
+    load = api.decode(_sdk_json(legacy), api.LoadWeightsRequest)
+    assert not load.creates_model and (load.model_id, load.seq_id) == ("m", 1)
+
+    assert (
+        api.decode(_sdk_json(types.GetInfoRequest(model_id="m")), api.GetInfoRequest).model_id
+        == "m"
+    )
+    assert (
+        api.decode(
+            _sdk_json(types.SessionHeartbeatRequest(session_id="s")), api.SessionHeartbeatRequest
+        ).session_id
+        == "s"
+    )
+    poll = api.decode(
+        _sdk_json(types.FutureRetrieveRequest(request_id="r", allow_metadata_only=True)),
+        api.FutureRetrieveRequest,
+    )
+    assert poll == api.FutureRetrieveRequest(request_id="r", allow_metadata_only=True)
+    config = api.decode(
+        _sdk_json(types.ClientConfigRequest(sdk_version="0.38.0")), api.ClientConfigRequest
+    )
+    assert config.sdk_version == "0.38.0"
+    sampling = types.CreateSamplingSessionRequest(
+        session_id="s", sampling_session_seq_id=1, model_path="tinker://r/sampler_weights/a"
+    )
+    assert (
+        api.decode(_sdk_json(sampling), api.CreateSamplingSessionRequest).model_path
+        == "tinker://r/sampler_weights/a"
+    )
+
+
+def test_sdk_sample_request_decodes() -> None:
+    target = JsonTensorData(data=[1, -1, 3, 4], dtype="int64", shape=[2, 2])
+    request = types.SampleRequest(
+        num_samples=2,
+        prompt=types.ModelInput(
+            chunks=[types.EncodedTextChunk(tokens=[1, 2]), types.EncodedTextChunk(tokens=[3])]
+        ),
+        sampling_params=types.SamplingParams(max_tokens=3, stop=["\n"], temperature=0.7),
+        sampling_session_id="s:sample:0",
+        seq_id=0,
+        prompt_logprobs=True,
+        target_prompt_logprobs=target,
+    )
+    sample = api.decode(_sdk_json(request), api.SampleRequest)
+    assert sample.prompt.to_tokens() == [1, 2, 3]
+    assert sample.sampling_params == api.SamplingParams(max_tokens=3, stop=["\n"], temperature=0.7)
+    assert sample.target_prompt_logprobs == api.TensorData(
+        data=[1, -1, 3, 4], dtype="int64", shape=[2, 2]
+    )
+    assert (sample.num_samples, sample.seq_id, sample.prompt_logprobs) == (2, 0, True)
+    stop_tokens = types.SamplingParams(stop=[2, 0])
+    assert api.decode(_sdk_json(stop_tokens), api.SamplingParams).stop == [2, 0]
+
+    image = types.SampleRequest(
+        prompt=types.ModelInput(
+            chunks=[types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)]
+        ),
+        sampling_params=types.SamplingParams(),
+    )
+    decoded = api.decode(_sdk_json(image), api.SampleRequest)
+    assert decoded.prompt.chunks == [
+        api.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)
+    ]
+    with pytest.raises(UserError, match="prompt chunk 0 is 'image'"):
+        decoded.prompt.to_tokens()
+
+
+def test_untyped_bodies_the_sdk_sends_decode() -> None:
+    finish = api.decode(
+        json.dumps({"reason": {"type": "errored"}, "detail": None}).encode(),
+        api.SessionFinishRequest,
+    )
+    assert (finish.reason.type, finish.detail) == ("errored", None)
+    assert api.decode(
+        b'{"tinker_path": "tinker://r/weights/a"}', api.WeightsInfoRequest
+    ).tinker_path.endswith("/a")
+    event = types.SessionStartEvent(
+        event="SESSION_START", event_id="e", event_session_index=0, severity="INFO", timestamp=NOW
+    )
+    telemetry = types.TelemetrySendRequest(
+        events=[event], platform="Linux", sdk_version="0.38.0", session_id="s", process_uuid="p"
+    )
+    decoded = api.decode(_sdk_json(telemetry), api.TelemetryRequest)
+    assert decoded.session_id == "s" and decoded.events[0]["event"] == "SESSION_START"
+
+
+@pytest.mark.parametrize(
+    "body, type_, fragment",
+    [
+        (b"{", api.GetInfoRequest, "malformed"),
+        (b'{"model_id": 3}', api.GetInfoRequest, "$.model_id"),
+        (b'{"model_id": "m", "type": "optim_step"}', api.GetInfoRequest, "$.type"),
+        (b"", api.GetInfoRequest, "model_id"),
+        (b'{"model_id": "m", "seq_id": "x", "adam_params": {}}', api.OptimStepRequest, "$.seq_id"),
+        (b'{"path": "tinker://r/weights/a"}', api.LoadWeightsRequest, "model_id"),
+        (b'{"path": "p", "session_id": "s"}', api.LoadWeightsRequest, "model_seq_id"),
+        (
+            b'{"path": "p", "session_id": "s", "model_seq_id": 0, "model_id": "m"}',
+            api.LoadWeightsRequest,
+            "not both",
+        ),
+        (
+            b'{"session_id": "s", "model_seq_id": 0, "base_model": "b", "optimizer_config": {"type": "sgd"}}',
+            api.CreateModelRequest,
+            "optimizer_config",
+        ),
+    ],
+)
+def test_bad_json_request_is_a_one_line_user_error(
+    body: bytes, type_: type[Any], fragment: str
+) -> None:
+    with pytest.raises(UserError) as caught:
+        api.decode(body, type_)
+    assert fragment in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert caught.value.status == 400
+
+
+def test_requests_ignore_unknown_fields_and_missing_type() -> None:
+    body = b'{"model_id": "m", "future_field": {"a": 1}}'
+    assert api.decode(body, api.GetInfoRequest) == api.GetInfoRequest(model_id="m")

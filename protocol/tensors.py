@@ -1,14 +1,46 @@
 """TensorData codecs: the SDK's protobuf ForwardBackwardRequest in, ForwardBackwardOutput out.
 
-Decoded requests hold numpy arrays (dense, row-major, little-endian); the worker turns them into
-torch tensors. Sparse CSR tensors are densified with their pad value (0 for inputs).
+Decoded requests hold numpy arrays (dense, row-major, native byte order); the worker turns them
+into torch tensors. On the wire every number is little-endian: tokens are int32, tensors carry
+their dtype (float32, int64, int32 and bfloat16 are read; int32 widens to int64 and bfloat16 to
+float32), an empty shape means 1-D, and sparse CSR tensors are densified with pad 0.
+
+Anything malformed in a request is a `UserError` whose one-line message names the datum and the
+field, so the client sees what to fix. The output encoder checks our own invariants (same field
+names in every datum, metric keys `name:reduction`) with `ValueError`: breaking them is our bug.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # no stubs here
+
+from protocol import tinker_wire_pb2 as pb
+from protocol.errors import UserError
+
+# Wire dtype -> how its bytes read; the widened result is float32 or int64.
+_WIRE_DTYPES: dict[pb.DType, np.dtype[Any]] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_BFLOAT16: np.dtype("<u2"),
+}
+_DTYPE_NAMES = {
+    pb.DTYPE_FLOAT32: "float32",
+    pb.DTYPE_INT64: "int64",
+    pb.DTYPE_INT32: "int32",
+    pb.DTYPE_BFLOAT16: "bfloat16",
+}
+_TOKEN_DTYPE = np.dtype("<i4")
+# A CSR tensor's dense size is not bounded by the body's size (a few bytes can declare a huge
+# shape), so densifying is capped: 2**26 cells is 256 MiB of float32, far above any real
+# [N, K] input.
+MAX_DENSE_CELLS = 1 << 26
+_OFFSET_DTYPE = np.dtype("<i8")
 
 
 @dataclass
@@ -16,7 +48,8 @@ class DatumArrays:
     """One datum: its input token ids and its `loss_fn_inputs`, dense."""
 
     tokens: np.ndarray  # int32 [N]: the encoded_text chunks concatenated
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # int64 / float32, shape [N] or [N, K]
+    # int64 / float32, shape [N] or [N, K]
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -33,3 +66,294 @@ class FwdBwdRequest:
     @property
     def n_tokens(self) -> int:
         return sum(int(d.tokens.shape[0]) for d in self.datums)
+
+
+@dataclass
+class FwdBwdOutput:
+    """A decoded `ForwardBackwardOutput`: per-datum arrays in request order, and metrics."""
+
+    loss_fn_outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+    loss_fn_output_type: str = "ArrayRecord"
+
+
+# -- single tensors -----------------------------------------------------------------------------
+
+
+def _widen(raw: np.ndarray, dtype: pb.DType) -> np.ndarray:
+    """Wire values -> float32 / int64 in native order (always a fresh, writable copy)."""
+    if dtype == pb.DTYPE_BFLOAT16:
+        # bfloat16 is the upper half of a float32.
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if dtype == pb.DTYPE_FLOAT32:
+        return raw.astype(np.float32)
+    return raw.astype(np.int64)
+
+
+def _read(data: bytes, dtype: pb.DType, where: str, what: str) -> np.ndarray:
+    """Read a little-endian buffer of a wire dtype, checking that its length fits the dtype."""
+    wire = _WIRE_DTYPES[dtype]
+    if len(data) % wire.itemsize:
+        raise UserError(
+            f"{where}: {what} has {len(data)} bytes, not a multiple of {wire.itemsize}"
+            f" ({_DTYPE_NAMES[dtype]})"
+        )
+    return _widen(np.frombuffer(data, dtype=wire), dtype)
+
+
+def _indices(data: bytes, where: str, what: str) -> np.ndarray:
+    if len(data) % 8:
+        raise UserError(f"{where}: {what} has {len(data)} bytes, not a multiple of 8 (int64)")
+    return np.frombuffer(data, dtype=_OFFSET_DTYPE).astype(np.int64)
+
+
+def _densify_csr(msg: pb.Tensor, shape: list[int], pad: float, where: str) -> np.ndarray:
+    if len(shape) != 2:
+        raise UserError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+    nrows, ncols = shape
+    if nrows * ncols > MAX_DENSE_CELLS:
+        raise UserError(
+            f"{where}: sparse shape {shape} is too large to densify (limit {MAX_DENSE_CELLS} cells)"
+        )
+    csr = msg.sparse_csr
+    values = _read(csr.values, msg.dtype, where, "sparse values")
+    crow = _indices(csr.crow_indices, where, "crow_indices")
+    col = _indices(csr.col_indices, where, "col_indices")
+    nnz = values.shape[0]
+    if crow.shape[0] != nrows + 1 or crow[0] != 0 or crow[-1] != nnz:
+        raise UserError(
+            f"{where}: crow_indices must have {nrows + 1} entries from 0 to nnz={nnz},"
+            f" got {crow.shape[0]} ending at {int(crow[-1]) if crow.size else None}"
+        )
+    row_counts = np.diff(crow)
+    if (row_counts < 0).any():
+        raise UserError(f"{where}: crow_indices must not decrease")
+    if col.shape[0] != nnz:
+        raise UserError(f"{where}: col_indices has {col.shape[0]} entries, expected nnz={nnz}")
+    if nnz and (col.min() < 0 or col.max() >= ncols):
+        raise UserError(f"{where}: col_indices out of range for {ncols} columns")
+    dense = np.full((nrows, ncols), pad, dtype=values.dtype)
+    dense[np.repeat(np.arange(nrows), row_counts), col] = values
+    return dense
+
+
+def tensor_to_numpy(msg: pb.Tensor, *, where: str = "tensor", pad: float = 0) -> np.ndarray:
+    """A wire `Tensor` as a dense float32 or int64 array; CSR cells not listed hold `pad`.
+
+    `where` prefixes every error message (e.g. "datum 3 loss_fn_inputs['weights']").
+    """
+    if msg.dtype not in _WIRE_DTYPES:
+        raise UserError(f"{where}: unsupported dtype {msg.dtype}")
+    shape = [int(s) for s in msg.shape]
+    if any(s < 0 for s in shape):
+        raise UserError(f"{where}: negative dimension in shape {shape}")
+    if msg.WhichOneof("encoding") == "sparse_csr":
+        return _densify_csr(msg, shape, pad, where)
+    flat = _read(msg.dense, msg.dtype, where, "dense data")
+    if not shape:
+        return flat
+    if math.prod(shape) != flat.shape[0]:
+        raise UserError(
+            f"{where}: shape {shape} needs {math.prod(shape)} values, got {flat.shape[0]}"
+        )
+    return flat.reshape(shape)
+
+
+def _wire_dtype_of(array: np.ndarray) -> tuple[pb.DType, np.dtype[Any]]:
+    """Floats go out as float32, integers and booleans as int64."""
+    if array.dtype.kind == "f":
+        return pb.DTYPE_FLOAT32, np.dtype("<f4")
+    if array.dtype.kind in "iub":
+        return pb.DTYPE_INT64, np.dtype("<i8")
+    raise ValueError(f"cannot send an array of dtype {array.dtype}")
+
+
+def numpy_to_tensor(array: np.ndarray) -> pb.Tensor:
+    """A dense wire `Tensor` (float32 or int64) with the array's full shape."""
+    dtype, wire = _wire_dtype_of(array)
+    return pb.Tensor(dtype=dtype, shape=list(array.shape), dense=array.astype(wire).tobytes())
+
+
+# -- forward_backward request -------------------------------------------------------------------
+
+
+_UNSUPPORTED_CHUNKS = {"image": "an image chunk", "dmel": "a dmel (audio) chunk"}
+
+
+def _datum_tokens(msg: pb.Datum, index: int) -> np.ndarray:
+    parts: list[bytes] = []
+    for j, chunk in enumerate(msg.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            what = _UNSUPPORTED_CHUNKS.get(kind or "", "an empty chunk")
+            raise UserError(
+                f"datum {index}: model_input chunk {j} is {what}, which text models do not support"
+            )
+        if len(chunk.encoded_text.tokens) % _TOKEN_DTYPE.itemsize:
+            raise UserError(
+                f"datum {index}: model_input chunk {j} has {len(chunk.encoded_text.tokens)} token"
+                " bytes, not a multiple of 4 (int32)"
+            )
+        parts.append(chunk.encoded_text.tokens)
+    return np.frombuffer(b"".join(parts), dtype=_TOKEN_DTYPE).astype(np.int32)
+
+
+def decode_forward_backward(body: bytes) -> FwdBwdRequest:
+    """Decode the SDK's protobuf `ForwardBackwardRequest` (already decompressed)."""
+    try:
+        msg = pb.ForwardBackwardRequest.FromString(body)
+    except DecodeError as exc:
+        raise UserError(
+            f"forward_backward body is not a valid ForwardBackwardRequest: {exc}"
+        ) from None
+    datums: list[DatumArrays] = []
+    for i, datum in enumerate(msg.data):
+        inputs = {
+            name: tensor_to_numpy(
+                datum.loss_fn_inputs[name], where=f"datum {i} loss_fn_inputs[{name!r}]"
+            )
+            for name in sorted(datum.loss_fn_inputs)
+        }
+        datums.append(DatumArrays(tokens=_datum_tokens(datum, i), inputs=inputs))
+    # The SDK writes numbers to both maps and text only to v2; v2 wins where both have a key.
+    config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():
+        kind = value.WhichOneof("value")
+        if kind == "number":
+            config[key] = float(value.number)
+        elif kind == "text":
+            config[key] = value.text
+    return FwdBwdRequest(
+        model_id=msg.model_id,
+        seq_id=int(msg.seq_id),
+        loss_fn=msg.loss_fn,
+        forward_only=bool(msg.forward_only),
+        loss_fn_config=config,
+        datums=datums,
+    )
+
+
+def encode_forward_backward(request: FwdBwdRequest) -> bytes:
+    """The inverse of `decode_forward_backward`, for tests and tools that speak without the SDK."""
+    msg = pb.ForwardBackwardRequest(
+        model_id=request.model_id,
+        seq_id=request.seq_id,
+        loss_fn=request.loss_fn,
+        forward_only=request.forward_only,
+    )
+    for key, value in request.loss_fn_config.items():
+        if isinstance(value, str):
+            msg.loss_fn_config_v2[key].text = value
+        else:
+            msg.loss_fn_config[key] = float(value)
+            msg.loss_fn_config_v2[key].number = float(value)
+    for datum in request.datums:
+        out = msg.data.add()
+        out.model_input.add().encoded_text.tokens = datum.tokens.astype(_TOKEN_DTYPE).tobytes()
+        for name, array in datum.inputs.items():
+            out.loss_fn_inputs[name].CopyFrom(numpy_to_tensor(array))
+    body: bytes = msg.SerializeToString()
+    return body
+
+
+# -- forward_backward output --------------------------------------------------------------------
+
+
+def _signature(datum: dict[str, np.ndarray]) -> tuple[tuple[str, pb.DType, tuple[int, ...]], ...]:
+    """Per field: name, wire dtype, trailing shape. Datums in one ArrayRecord share it."""
+    return tuple(
+        (name, _wire_dtype_of(array)[0], tuple(array.shape[1:]))
+        for name, array in sorted(datum.items())
+    )
+
+
+def _check_metric_keys(metrics: dict[str, float]) -> None:
+    # The SDK splits every key on ':' into exactly (name, reduction); anything else fails the
+    # whole result client-side.
+    for key in metrics:
+        if key.count(":") != 1:
+            raise ValueError(f"metric key {key!r} must be 'name:reduction' with exactly one ':'")
+
+
+def encode_forward_backward_output(
+    outputs: list[dict[str, np.ndarray]],
+    metrics: dict[str, float],
+    loss_fn_output_type: str = "ArrayRecord",
+) -> bytes:
+    """Encode per-datum outputs and metrics as the protobuf `ForwardBackwardOutput`.
+
+    Consecutive datums whose fields agree in dtype and trailing shape share one `ArrayRecord`;
+    a change (ragged `[N, K]` outputs) starts the next record, which the SDK concatenates.
+    """
+    _check_metric_keys(metrics)
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=loss_fn_output_type)
+    for key, value in metrics.items():
+        msg.metrics[key] = float(value)
+    if outputs:
+        names = sorted(outputs[0])
+        for index, datum in enumerate(outputs):
+            if sorted(datum) != names:
+                raise ValueError(f"datum {index} has fields {sorted(datum)}, datum 0 has {names}")
+    groups: list[list[dict[str, np.ndarray]]] = []
+    previous: object = None
+    for datum in outputs:
+        signature = _signature(datum)
+        if signature != previous:
+            groups.append([])
+            previous = signature
+        groups[-1].append(datum)
+    for group in groups:
+        record = msg.loss_fn_outputs.add(type_tag=loss_fn_output_type, num_datums=len(group))
+        for name in sorted(group[0]):
+            dtype, wire = _wire_dtype_of(group[0][name])
+            blobs = [np.ascontiguousarray(d[name], dtype=wire).tobytes() for d in group]
+            offsets = np.cumsum([0, *(len(b) for b in blobs)], dtype=np.int64).astype(_OFFSET_DTYPE)
+            batched = record.fields[name]
+            batched.data = b"".join(blobs)
+            batched.offsets = offsets.tobytes()
+            batched.dtype = dtype
+            batched.trailing_shape.extend(int(s) for s in group[0][name].shape[1:])
+    body: bytes = msg.SerializeToString()
+    return body
+
+
+def decode_forward_backward_output(body: bytes) -> FwdBwdOutput:
+    """Decode a `ForwardBackwardOutput` the way the SDK does (for tests and tools)."""
+    try:
+        msg = pb.ForwardBackwardOutput.FromString(body)
+    except DecodeError as exc:
+        raise UserError(f"body is not a valid ForwardBackwardOutput: {exc}") from None
+    outputs: list[dict[str, np.ndarray]] = []
+    for r, record in enumerate(msg.loss_fn_outputs):
+        datums: list[dict[str, np.ndarray]] = [{} for _ in range(record.num_datums)]
+        for name, batched in record.fields.items():
+            where = f"record {r} field {name!r}"
+            if batched.dtype not in _WIRE_DTYPES:
+                raise UserError(f"{where}: unsupported dtype {batched.dtype}")
+            itemsize = _WIRE_DTYPES[batched.dtype].itemsize
+            flat = _read(batched.data, batched.dtype, where, "data")
+            offsets = _indices(batched.offsets, where, "offsets")
+            if (
+                offsets.shape[0] != record.num_datums + 1
+                or offsets[0] != 0
+                or offsets[-1] != len(batched.data)
+                or (np.diff(offsets) < 0).any()
+                or (offsets % itemsize).any()
+            ):
+                raise UserError(
+                    f"{where}: offsets must be {record.num_datums + 1} ascending byte offsets"
+                    f" from 0 to {len(batched.data)}"
+                )
+            trailing = [int(s) for s in batched.trailing_shape]
+            per_row = math.prod(trailing)
+            for i in range(record.num_datums):
+                values = flat[offsets[i] // itemsize : offsets[i + 1] // itemsize]
+                if per_row == 0 or values.shape[0] % per_row:
+                    raise UserError(f"{where}: datum {i} does not fit trailing shape {trailing}")
+                datums[i][name] = values.reshape([values.shape[0] // per_row, *trailing])
+        outputs.extend(datums)
+    return FwdBwdOutput(
+        loss_fn_outputs=outputs,
+        metrics={k: float(v) for k, v in msg.metrics.items()},
+        loss_fn_output_type=msg.loss_fn_output_type or "ArrayRecord",
+    )

@@ -71,7 +71,7 @@ def start_cluster(data_dir: Path, base_models: list[Path], *extra: str, timeout_
     ready = data_dir / "ready.json"
     log = open(data_dir.parent / f"{data_dir.name}.log", "wb")  # noqa: SIM115 - closed by the child's exit
     cmd = [sys.executable, "-m", "twinkle_async", "up", "--port", "0", "--data-dir", str(data_dir),
-           "--api-key", API_KEY, "--ready-file", str(ready), "--threads", "1", "--max-rank", "16",
+           "--api-key", API_KEY, "--ready-file", str(ready), "--threads", "1", "--max-rank", "16", "--max-slots", "48",
            "--log-level", "INFO", *extra]
     for model in base_models:
         cmd += ["--base-model", str(model)]

@@ -23,6 +23,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 from tinker.types._pydantic_types.tensor_data import TensorData as JsonTensorData
 from tinker.types.request_error_category import RequestErrorCategory
+from tinker.types.try_again_response import TryAgainResponse
 
 from protocol import api
 from protocol import tinker_wire_pb2 as pb
@@ -41,11 +42,18 @@ from protocol.tensors import (
 # -- forward_backward request: SDK encoder -> our decoder ----------------------------------------
 
 
-def _sdk_body(data: list[types.Datum], loss_fn: str = "cross_entropy", **kwargs: Any) -> bytes:
+def _sdk_body(
+    data: list[types.Datum],
+    loss_fn: Any = "cross_entropy",
+    loss_fn_config: dict[str, float | str] | None = None,
+    forward_only: bool = False,
+) -> bytes:
     """The exact bytes `AsyncTrainingResource.forward_backward` posts (before optional zstd)."""
-    forward_only = kwargs.pop("forward_only", False)
+    fwd_bwd_input = types.ForwardBackwardInput(
+        data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config
+    )
     request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, **kwargs),  # type: ignore[arg-type]
+        forward_backward_input=fwd_bwd_input,
         model_id="sess-1:train:0",
         seq_id=7,
     )
@@ -219,6 +227,7 @@ MALFORMED = {
     "col range": (_datum(weights=_csr(_F2, [0, 1, 2], [0, 2], [2, 2])), "out of range"),
     "csr 1-D": (_datum(weights=_csr(_F2, [0, 2], [0, 1], [2])), "2-D shape"),
     "col count": (_datum(weights=_csr(_F2, [0, 1, 2], [0], [2, 2])), "col_indices"),
+    "csr too large": (_datum(weights=_csr(_F2, [0, 1, 2], [0, 1], [2, 10**12])), "too large"),
 }
 
 
@@ -233,7 +242,7 @@ def test_malformed_request_is_a_one_line_user_error(case: str) -> None:
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("body", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12\x03\xff\xff\xff"])
+@pytest.mark.parametrize("body", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x03\xff\xff\xff"])
 def test_unparseable_request_is_a_user_error(body: bytes) -> None:
     with pytest.raises(UserError, match="not a valid ForwardBackwardRequest"):
         decode_forward_backward(body)
@@ -289,6 +298,15 @@ def test_chunk_metric_combining_accepts_our_metrics() -> None:
     combined = combine_fwd_bwd_output_results([first, second])
     assert combined.metrics == {"loss:sum": 5.0, "acc:mean": pytest.approx(0.75)}
     assert len(combined.loss_fn_outputs) == 4
+
+
+def test_malformed_output_is_a_user_error() -> None:
+    message = pb.ForwardBackwardOutput.FromString(
+        encode_forward_backward_output([{"a": np.zeros(2)}, {"a": np.zeros(3)}], {})
+    )
+    message.loss_fn_outputs[0].fields["a"].offsets = np.array([0, 12, 8], dtype="<i8").tobytes()
+    with pytest.raises(UserError, match="record 0 field 'a': offsets"):
+        decode_forward_backward_output(message.SerializeToString())
 
 
 def test_empty_output_and_encoder_invariants() -> None:
@@ -347,6 +365,8 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
         ),
         types.GetServerCapabilitiesResponse,
     ),
+    (api.SupportedModel(model_name="m", trainable=True), types.SupportedModel),
+    (api.ModelData(model_name="m"), types.ModelData),
     (api.HealthResponse(), types.HealthResponse),
     (api.TelemetryResponse(), types.TelemetryResponse),
     (
@@ -383,7 +403,7 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
         api.TryAgainResponse(
             request_id="r1", queue_state="paused_capacity", queue_state_reason="busy"
         ),
-        types.TryAgainResponse,
+        TryAgainResponse,
     ),
     (
         api.RequestFailedResponse(error="bad shape", category=ErrorCategory.USER),
@@ -686,7 +706,8 @@ def test_untyped_bodies_the_sdk_sends_decode() -> None:
 @pytest.mark.parametrize(
     "body, type_, fragment",
     [
-        (b"{", api.GetInfoRequest, "malformed"),
+        (b"{", api.GetInfoRequest, "truncated"),
+        (b"{]", api.GetInfoRequest, "malformed"),
         (b'{"model_id": 3}', api.GetInfoRequest, "$.model_id"),
         (b'{"model_id": "m", "type": "optim_step"}', api.GetInfoRequest, "$.type"),
         (b"", api.GetInfoRequest, "model_id"),

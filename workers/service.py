@@ -253,6 +253,7 @@ class TrainerService:
             assert isinstance(job, OptimStepJob)
             try:
                 self._require_model(job)
+                self.engine.validate_optim_step(job.model_id, job.adam)
             except TwinkleError as err:
                 outcomes[i] = _failed(job, err)
                 continue

@@ -59,8 +59,9 @@ async def serve(settings: GatewaySettings, on_ready: Callable[[str], None] | Non
     await site.start()
     port = settings.port
     server = site._server  # the bound asyncio server: the only place the chosen port is known
-    if server is not None and getattr(server, "sockets", None):
-        port = server.sockets[0].getsockname()[1]
+    sockets = getattr(server, "sockets", None)
+    if sockets:
+        port = int(sockets[0].getsockname()[1])
     base_url = f"http://{settings.host}:{port}"
     log.info("gateway listening on %s", base_url)
     if on_ready is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from protocol import api
-from protocol.errors import NotFound
+from protocol.errors import ErrorCategory, NotFound
 from twinkle_async.gateway.bodies import json_response, read_json
 from twinkle_async.gateway.state import FUTURES, SETTINGS
 
@@ -26,7 +26,8 @@ async def retrieve_future(request: web.Request) -> web.Response:
     if outcome.state == "pending":
         return json_response(api.TryAgainResponse(request_id=body.request_id, queue_state="active"))
     if outcome.state == "error":
-        return json_response(api.RequestFailedResponse(error=outcome.error, category=outcome.category or "unknown"))
+        category = outcome.category if outcome.category in ErrorCategory._value2member_map_ else "unknown"
+        return json_response(api.RequestFailedResponse(error=outcome.error, category=ErrorCategory(category)))
     if outcome.payload_type == "proto":
         return web.Response(body=outcome.payload, content_type="application/x-protobuf")
     return web.Response(body=outcome.payload, content_type="application/json")

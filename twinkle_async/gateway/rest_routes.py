@@ -15,8 +15,8 @@ from twinkle_async.gateway.state import REGISTRY, TENANT
 routes = web.RouteTableDef()
 
 
-def iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat()
+def iso(ts: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ts, dt.UTC)
 
 
 def checkpoint_view(ckpt: CheckpointRecord) -> api.Checkpoint:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from aiohttp import web
 
 from protocol import api, paths, subjects
@@ -39,14 +40,16 @@ async def submit(request: web.Request, job: Job, base_model: str) -> web.Respons
     futures = request.app[FUTURES]
     request_id = await futures.claim(job.model_id, job.seq_id, job.request_id)
     if request_id != job.request_id:
-        job = type(job)(**{**_fields(job), "request_id": request_id})
+        job = msgspec.structs.replace(job, request_id=request_id)
     await futures.record_pending(request_id, request_type_of(job), job.model_id)
     await request.app[BUS].publish_job(subjects.pool_of(base_model), job)
     return json_response(api.UntypedAPIFuture(request_id=request_id, model_id=job.model_id))
 
 
-def _fields(job: Job) -> dict[str, object]:
-    return {name: getattr(job, name) for name in job.__struct_fields__}
+def _seq(seq_id: int | None, what: str) -> int:
+    if seq_id is None or seq_id < 1:
+        raise UserError(f"{what}: seq_id must be a positive integer, got {seq_id!r}")
+    return seq_id
 
 
 def _lora_spec(config: api.LoraConfig | None) -> LoraSpec:
@@ -64,8 +67,8 @@ def _lora_spec(config: api.LoraConfig | None) -> LoraSpec:
 
 
 def _check_optimizer(config: api.OptimizerConfig | None) -> None:
-    if config is not None and config.type != "adamw":
-        raise UserError(f"optimizer_config type {config.type!r} is not supported; use adamw")
+    if isinstance(config, api.DimuonOptimizerConfig):
+        raise UserError("optimizer_config type 'dimuon' is not supported yet; use adamw")
 
 
 @routes.post("/api/v1/create_model")
@@ -162,7 +165,7 @@ async def optim_step(request: web.Request) -> web.Response:
         request_id=new_request_id("optim_step"),
         model_id=body.model_id,
         tenant_id=request[TENANT],
-        seq_id=body.seq_id,
+        seq_id=_seq(body.seq_id, "optim_step"),
         published_at=time.time(),
         adam=AdamSpec(
             learning_rate=p.learning_rate,
@@ -184,9 +187,9 @@ async def save_weights(request: web.Request) -> web.Response:
         request_id=new_request_id("save_weights"),
         model_id=body.model_id,
         tenant_id=request[TENANT],
-        seq_id=body.seq_id,
+        seq_id=_seq(body.seq_id, "save_weights"),
         published_at=time.time(),
-        name=paths.check_name(body.path),
+        name=paths.check_name(body.path or ""),
         kind="weights",
         ttl_seconds=body.ttl_seconds,
         user_metadata=dict(body.user_metadata or {}),
@@ -207,7 +210,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         request_id=new_request_id("save_weights_for_sampler"),
         model_id=body.model_id,
         tenant_id=request[TENANT],
-        seq_id=body.seq_id,
+        seq_id=_seq(body.seq_id, "save_weights_for_sampler"),
         published_at=time.time(),
         name=paths.check_name(body.path),
         kind="sampler_weights",

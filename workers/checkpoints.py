@@ -1,0 +1,250 @@
+"""Checkpoint files of one adapter, in PEFT's on-disk layout (DESIGN.md §4).
+
+Job: write and read a checkpoint directory. Both kinds hold `adapter_config.json` and
+`adapter_model.safetensors`; a `weights` checkpoint adds `optimizer.safetensors` (AdamW moments)
+and `meta.json` (the caller's metadata, the LoRA spec, alpha, the optimizer step count), and check
+a checkpoint's tensors against the model's adaptable layers before anything is loaded. Slots
+and buffers are the engine's.
+
+Invariants:
+- Adapter keys are PEFT's: `base_model.model.<module path>.lora_A.weight` [rank, in] and
+  `….lora_B.weight` [out, rank], at the true rank, fp32, only for the layers the adapter trains,
+  so `peft.PeftModel.from_pretrained(base, directory)` loads a checkpoint as is.
+- Moments are stored under the adapter key plus `.exp_avg` / `.exp_avg_sq`; fp32 on disk, so
+  parameters and moments round-trip bit-exactly.
+- Each file is written under a temporary name and renamed into place: a reader never sees a
+  half-written file.
+- A malformed or incompatible checkpoint is a `UserError` naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import safetensors
+import safetensors.torch
+import torch
+
+from protocol.errors import UserError
+from protocol.jobs import LoraSpec
+from workers.lora import LayerGroup, LayerLayout
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.safetensors"
+META = "meta.json"
+
+Matrix = Literal["A", "B"]
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_KEY_PATTERN = re.compile(r"base_model\.model\.(?P<path>.+)\.lora_(?P<matrix>[AB])\.weight")
+
+
+def adapter_key(path: str, matrix: Matrix) -> str:
+    """PEFT's tensor name for a module's LoRA matrix."""
+    return f"base_model.model.{path}.lora_{matrix}.weight"
+
+
+def parse_adapter_key(key: str) -> tuple[str, Matrix]:
+    """(module path, "A" | "B") of a PEFT adapter tensor name."""
+    match = _KEY_PATTERN.fullmatch(key)
+    if match is None:
+        raise UserError(f"{ADAPTER_WEIGHTS}: unexpected tensor {key!r}, not a LoRA A/B matrix")
+    matrix: Matrix = "A" if match["matrix"] == "A" else "B"
+    return match["path"], matrix
+
+
+def target_modules_for(trained: Iterable[str], all_linears: Iterable[str]) -> list[str] | str:
+    """PEFT `target_modules` selecting exactly the trained module paths.
+
+    Leaf names (["q_proj", …], what vLLM and most tools expect) when no other linear of the
+    model shares a leaf name with a trained one; else a regex matching the full paths.
+    """
+    trained_paths = sorted(set(trained))
+    leaves = {path.rpartition(".")[2] for path in trained_paths}
+    selected = {path for path in all_linears if path.rpartition(".")[2] in leaves}
+    if selected == set(trained_paths):
+        return sorted(leaves)
+    return "|".join(re.escape(path) for path in trained_paths)
+
+
+@dataclass
+class AdapterCheckpoint:
+    """One adapter as stored: tensors by PEFT key, plus what is needed to train it on."""
+
+    base_model: str
+    rank: int
+    lora_alpha: float
+    target_modules: list[str] | str
+    tensors: dict[str, torch.Tensor]  # adapter_key → fp32 CPU tensor
+    spec: LoraSpec | None = None  # None for an adapter-only checkpoint
+    moments: dict[str, torch.Tensor] | None = None  # adapter_key + ".exp_avg" / ".exp_avg_sq"
+    step: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def write_checkpoint(
+    directory: Path, checkpoint: AdapterCheckpoint, *, kind: Literal["weights", "sampler_weights"]
+) -> int:
+    """Write the checkpoint files for `kind`; returns the number of bytes written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": checkpoint.base_model,
+        "r": checkpoint.rank,
+        "lora_alpha": checkpoint.lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": checkpoint.target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    written = _write_bytes(directory / ADAPTER_CONFIG, _json_bytes(adapter_config))
+    written += _write_tensors(directory / ADAPTER_WEIGHTS, checkpoint.tensors)
+    if kind == "weights":
+        if checkpoint.moments is None or checkpoint.spec is None:
+            raise ValueError("a weights checkpoint needs the optimizer moments and the LoRA spec")
+        written += _write_tensors(directory / OPTIMIZER_STATE, checkpoint.moments)
+        meta = {
+            **checkpoint.meta,
+            "base_model": checkpoint.base_model,
+            "lora": msgspec.structs.asdict(checkpoint.spec),
+            "lora_alpha": checkpoint.lora_alpha,
+            "step": checkpoint.step,
+        }
+        written += _write_bytes(directory / META, _json_bytes(meta))
+    return written
+
+
+def read_checkpoint(directory: Path, *, with_optimizer: bool) -> AdapterCheckpoint:
+    """Read a checkpoint directory; `with_optimizer` also reads the moments and step count."""
+    config = _read_json(directory / ADAPTER_CONFIG)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}, expected LORA")
+    for flag in ("use_dora", "use_rslora"):
+        if config.get(flag):
+            raise UserError(f"{ADAPTER_CONFIG}: {flag} adapters are not supported")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise UserError(f"{ADAPTER_CONFIG}: per-module rank_pattern/alpha_pattern is not supported")
+    try:
+        rank = int(config["r"])
+        lora_alpha = float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise UserError(f"{ADAPTER_CONFIG}: missing or invalid r / lora_alpha ({error})") from None
+    stored = _read_tensors(directory / ADAPTER_WEIGHTS)
+    tensors = {key: value.to(torch.float32) for key, value in stored.items()}
+    checkpoint = AdapterCheckpoint(
+        base_model=str(config.get("base_model_name_or_path") or ""),
+        rank=rank,
+        lora_alpha=lora_alpha,
+        target_modules=config.get("target_modules") or [],
+        tensors=tensors,
+    )
+    meta_path = directory / META
+    if meta_path.exists():
+        meta = _read_json(meta_path)
+        try:
+            checkpoint.spec = msgspec.convert(meta["lora"], LoraSpec)
+            checkpoint.step = int(meta["step"])
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as error:
+            raise UserError(f"{META}: missing or invalid lora / step ({error})") from None
+        checkpoint.meta = meta
+    if with_optimizer:
+        if checkpoint.spec is None:
+            raise UserError(
+                f"{directory.name}: no optimizer state ({META} missing); load without it"
+            )
+        checkpoint.moments = _read_tensors(directory / OPTIMIZER_STATE)
+        expected = {f"{key}.{moment}" for key in tensors for moment in MOMENTS}
+        if set(checkpoint.moments) != expected or any(
+            value.dtype != torch.float32 for value in checkpoint.moments.values()
+        ):
+            raise UserError(f"{OPTIMIZER_STATE}: moments do not match the adapter's fp32 tensors")
+    return checkpoint
+
+
+def match_layers(
+    checkpoint: AdapterCheckpoint, layouts: Iterable[LayerLayout], *, max_rank: int
+) -> set[LayerGroup]:
+    """The layer groups a checkpoint covers; a `UserError` unless every matrix fits the model.
+
+    Each stored matrix must belong to an adaptable layer with the right shape, and a covered
+    group must have a complete A/B pair on every one of its layers.
+    """
+    layers = {layout.path: layout for layout in layouts}
+    rank = checkpoint.rank
+    if not 1 <= rank <= max_rank:
+        raise UserError(f"{ADAPTER_CONFIG}: rank {rank} outside [1, {max_rank}]")
+    found: dict[str, set[str]] = {}
+    for key, tensor in checkpoint.tensors.items():
+        if key.endswith(".base_layer.weight"):
+            continue  # PEFT's copy of the base weight beside an adapted lm_head; never loaded
+        path, matrix = parse_adapter_key(key)
+        layout = layers.get(path)
+        if layout is None:
+            raise UserError(f"{ADAPTER_WEIGHTS}: {path!r} is not an adaptable layer of this model")
+        shape = (rank, layout.in_features) if matrix == "A" else (layout.out_features, rank)
+        if tuple(tensor.shape) != shape:
+            raise UserError(
+                f"{ADAPTER_WEIGHTS}: {key} has shape {tuple(tensor.shape)}, expected {shape}"
+            )
+        found.setdefault(path, set()).add(matrix)
+    groups = {layers[path].group for path in found}
+    if not groups:
+        raise UserError(f"{ADAPTER_WEIGHTS}: holds no LoRA matrices")
+    for layout in layers.values():
+        if layout.group in groups and found.get(layout.path) != {"A", "B"}:
+            raise UserError(f"{ADAPTER_WEIGHTS}: no complete A/B pair for {layout.path}")
+    return groups
+
+
+def _json_bytes(value: dict[str, Any]) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _write_bytes(path: Path, data: bytes) -> int:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+    return len(data)
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    temporary = path.with_name(path.name + ".tmp")
+    safetensors.torch.save_file(tensors, str(temporary), metadata={"format": "pt"})
+    os.replace(temporary, path)
+    return path.stat().st_size
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path.name}: not found in checkpoint {path.parent}") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path.name}: unreadable ({error})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path.name}: expected a JSON object")
+    return value
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise UserError(f"{path.name}: not found in checkpoint {path.parent}")
+    try:
+        return safetensors.torch.load_file(str(path))
+    except (OSError, safetensors.SafetensorError) as error:
+        raise UserError(f"{path.name}: unreadable ({error})") from None

@@ -1,0 +1,420 @@
+"""The trainer engine: tenants' LoRA adapters on one frozen base model, trained in shared passes.
+
+Job: run decoded requests as one padded forward/backward over every tenant's rows, per-slot AdamW
+steps, and PEFT checkpoints of a slot. The worker service calls it synchronously from one
+dedicated thread; nothing here is thread-safe or asynchronous.
+
+Step 1 (`create` / `load`): a model_id takes a free slot of the `LoraBank`.
+Step 2 (`validate`): a request is checked before it joins a pass; a bad field is a `UserError`
+        naming the datum and the field.
+Step 3 (`forward_backward`): rows are packed tenant by tenant (one contiguous segment per slot),
+        right-padded, with an attention mask; the routing binds the segments; the pass's loss is
+        the sum of every training item's own summed loss, so each slot receives exactly the
+        gradient of its solo pass. Gradients accumulate in the slot until its optim_step.
+Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings.
+Step 5 (`save` / `load`): a slot to and from a PEFT-layout directory (`workers.checkpoints`).
+
+Invariants: the base model is frozen and in eval mode (no dropout); adapters, gradients and
+moments are fp32; a forward_only item contributes no gradient; a request that fails validation
+changes no state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from protocol.errors import NotFound, ServerError, UserError
+from protocol.jobs import AdamSpec, LoraSpec
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.checkpoints import (
+    MOMENTS,
+    AdapterCheckpoint,
+    adapter_key,
+    match_layers,
+    read_checkpoint,
+    target_modules_for,
+    write_checkpoint,
+)
+from workers.lora import LayerGroup, LoraBank, Segment, SlotRouting
+from workers.losses import TARGET_TOKENS, LossFn, check_config, check_inputs, get_loss
+from workers.optimizer import SlotAdamW, check_adam
+
+_GROUP_FLAGS: dict[LayerGroup, str] = {
+    "attn": "train_attn",
+    "mlp": "train_mlp",
+    "unembed": "train_unembed",
+}
+
+
+def trained_groups(spec: LoraSpec) -> frozenset[LayerGroup]:
+    """The layer groups an adapter trains, from its `train_*` flags."""
+    return frozenset(group for group, flag in _GROUP_FLAGS.items() if getattr(spec, flag))
+
+
+@dataclass
+class FwdBwdResult:
+    """One request's share of a pass: per-datum outputs in request order, and its metrics."""
+
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+    loss_fn_output_type: str
+
+
+@dataclass
+class _Tenant:
+    slot: int
+    spec: LoraSpec
+    lora_alpha: float
+
+
+class Engine:
+    """Adapter slots over one base model; see the module docstring for the flow."""
+
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        max_slots: int = 8,
+        max_rank: int = 32,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        lora_alpha: float = 32.0,
+    ) -> None:
+        if max_slots < 1 or max_rank < 1:
+            raise ValueError(f"max_slots={max_slots} and max_rank={max_rank} must be >= 1")
+        self.device = torch.device(device)
+        # bf16 where it is fast; fp32 on the CPU, where results must match references exactly.
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
+        model.to(self.device)
+        model.requires_grad_(False)
+        model.eval()
+        text_config = model.config.get_text_config()
+        self.base_model = base_model
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_context = int(text_config.max_position_embeddings)
+        self.arch = str(model.config.model_type)
+        self.max_slots = max_slots
+        self.max_rank = max_rank
+        self.lora_alpha = float(lora_alpha)
+        self._linear_paths = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        self.routing = SlotRouting()
+        self.bank = LoraBank(
+            model, max_slots=max_slots, max_rank=max_rank, routing=self.routing, device=self.device
+        )
+        self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
+        self.model = model
+        self._tenants: dict[str, _Tenant] = {}
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def create(self, model_id: str, spec: LoraSpec) -> None:
+        """Give `model_id` a fresh adapter: A kaiming-uniform (seeded if `spec.seed`), B = 0."""
+        if model_id in self._tenants:
+            raise UserError(f"model_id {model_id!r} already has an adapter")
+        self._check_spec(spec)
+        slot = self._free_slot()
+        generator = torch.Generator()
+        if spec.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(spec.seed)
+        self.bank.init_slot(
+            slot,
+            rank=spec.rank,
+            groups=trained_groups(spec),
+            lora_alpha=self.lora_alpha,
+            generator=generator,
+        )
+        self.optimizer.reset_slot(slot)
+        self._tenants[model_id] = _Tenant(slot, spec, self.lora_alpha)
+
+    def has(self, model_id: str) -> bool:
+        return model_id in self._tenants
+
+    def spec(self, model_id: str) -> LoraSpec:
+        return self._tenant(model_id).spec
+
+    def slot(self, model_id: str) -> int:
+        """The bank row holding this model's adapter (for metrics and inspection)."""
+        return self._tenant(model_id).slot
+
+    def slots_used(self) -> int:
+        return len(self._tenants)
+
+    def release(self, model_id: str) -> None:
+        """Free the slot and zero everything in it; releasing an unknown model is a no-op."""
+        tenant = self._tenants.pop(model_id, None)
+        if tenant is not None:
+            self.bank.clear_slot(tenant.slot)
+            self.optimizer.reset_slot(tenant.slot)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def validate(self, model_id: str, req: FwdBwdRequest) -> None:
+        """Raise a `UserError` naming the field if `req` cannot run; changes nothing."""
+        self._tenant(model_id)
+        loss = get_loss(req.loss_fn)
+        check_config(loss, req.loss_fn_config)
+        if not req.datums:
+            raise UserError("datums: the request has no datums")
+        for index, datum in enumerate(req.datums):
+            self._check_tokens(index, datum)
+            check_inputs(loss, index, int(datum.tokens.shape[0]), datum.inputs, self.vocab_size)
+
+    def _check_tokens(self, index: int, datum: DatumArrays) -> None:
+        field = f"datums[{index}].model_input"
+        tokens = datum.tokens
+        if tokens.dtype.kind not in "iu":
+            raise UserError(f"{field}: dtype {tokens.dtype}, expected integer token ids")
+        if tokens.ndim != 1:
+            raise UserError(f"{field}: shape {tokens.shape}, expected one token sequence")
+        if tokens.shape[0] == 0:
+            raise UserError(f"{field}: empty")
+        if tokens.shape[0] > self.max_context:
+            raise UserError(
+                f"{field}: {tokens.shape[0]} tokens exceed the model's context of {self.max_context}"
+            )
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise UserError(
+                f"{field}: token id {bad} outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def forward_backward(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdResult]:
+        """One shared pass over every item; gradients of training items accumulate per slot."""
+        if not batch:
+            return []
+        for model_id, req in batch:
+            self.validate(model_id, req)
+        slots = [self._tenants[model_id].slot for model_id, _ in batch]
+        segments, item_rows, rows = _pack_rows([req for _, req in batch], slots)
+        input_ids, attention_mask = self._padded(rows)
+        training = any(not req.forward_only for _, req in batch)
+
+        with torch.set_grad_enabled(training), self.routing.bind(segments):
+            logits = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).logits
+            results: list[FwdBwdResult] = []
+            training_losses: list[torch.Tensor] = []
+            for (_, req), rows_of_item in zip(batch, item_rows, strict=True):
+                loss, result = self._item_loss(req, logits, rows_of_item)
+                results.append(result)
+                if not req.forward_only:
+                    training_losses.append(loss)
+        if training_losses:
+            total = torch.stack(training_losses).sum()
+            if total.requires_grad:
+                # Each `.grad` is a strided view of the bank's flat gradient buffer by design;
+                # autograd adds into it in place, so the layout advice does not apply.
+                with torch.autograd.enforce_grad_layout_policy(False):
+                    total.backward()
+        return results
+
+    def _padded(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded token ids and the attention mask that hides the padding."""
+        width = max(row.shape[0] for row in rows)
+        input_ids = np.zeros((len(rows), width), dtype=np.int64)
+        attention_mask = np.zeros((len(rows), width), dtype=np.int64)
+        for index, row in enumerate(rows):
+            input_ids[index, : row.shape[0]] = row
+            attention_mask[index, : row.shape[0]] = 1
+        return (
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(attention_mask).to(self.device),
+        )
+
+    def _item_loss(
+        self, req: FwdBwdRequest, logits: torch.Tensor, rows: range
+    ) -> tuple[torch.Tensor, FwdBwdResult]:
+        """A request's summed loss (a graph node) and its detached per-datum outputs."""
+        loss_fn = get_loss(req.loss_fn)
+        datum_losses: list[torch.Tensor] = []
+        outputs: list[dict[str, np.ndarray]] = []
+        for datum, row in zip(req.datums, rows, strict=True):
+            n_tokens = int(datum.tokens.shape[0])
+            logprobs, elementwise = self._datum_loss(loss_fn, req, datum, logits[row, :n_tokens])
+            datum_losses.append(elementwise.sum())
+            outputs.append(
+                {"logprobs": _to_numpy(logprobs), "elementwise_loss": _to_numpy(elementwise)}
+            )
+        loss = torch.stack(datum_losses).sum()
+        metrics = {"loss:sum": float(loss.detach())}
+        return loss, FwdBwdResult(outputs, metrics, loss_fn.output_type)
+
+    def _datum_loss(
+        self, loss_fn: LossFn, req: FwdBwdRequest, datum: DatumArrays, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = {name: self._input_tensor(array) for name, array in datum.inputs.items()}
+        targets = inputs[TARGET_TOKENS]
+        logits = logits.float()
+        # log-softmax at the targets only: gather minus logsumexp keeps no [N, V] output alive.
+        normaliser = torch.logsumexp(logits, dim=-1)
+        if targets.ndim == 1:
+            logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
+        else:
+            logprobs = logits.gather(-1, targets) - normaliser.unsqueeze(-1)
+        return logprobs, loss_fn.elementwise(logprobs, inputs, req.loss_fn_config)
+
+    def _input_tensor(self, array: np.ndarray) -> torch.Tensor:
+        dtype = torch.int64 if array.dtype.kind in "iu" else torch.float32
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
+
+    def validate_optim_step(self, model_id: str, adam: AdamSpec) -> None:
+        """Raise a `UserError` (or `NotFound`) if this step cannot run; changes nothing.
+
+        `optim_step` checks the same and fails as a whole, so callers fusing several tenants'
+        steps check each one first.
+        """
+        self._tenant(model_id)
+        check_adam(adam)
+
+    def optim_step(self, steps: list[tuple[str, AdamSpec]]) -> list[dict[str, float]]:
+        """Apply and clear the accumulated gradients of each listed model, fused across them."""
+        slots: list[int] = []
+        for model_id, adam in steps:
+            self.validate_optim_step(model_id, adam)
+            slot = self._tenant(model_id).slot
+            if slot in slots:
+                raise ServerError(f"optim_step lists model_id {model_id!r} twice in one step")
+            slots.append(slot)
+        return self.optimizer.step(slots, [adam for _, adam in steps])
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(
+        self,
+        model_id: str,
+        directory: Path,
+        *,
+        kind: Literal["weights", "sampler_weights"],
+        meta: dict[str, Any],
+    ) -> int:
+        """Write the slot as a PEFT checkpoint (plus optimizer state for `weights`); bytes written."""
+        tenant = self._tenant(model_id)
+        tensors = self._export_slot(tenant, self.bank.weights)
+        moments: dict[str, torch.Tensor] | None = None
+        if kind == "weights":
+            moments = {}
+            for moment in MOMENTS:
+                buffer = getattr(self.optimizer, moment)
+                moments.update(self._export_slot(tenant, buffer, suffix=f".{moment}"))
+        groups = trained_groups(tenant.spec)
+        trained_paths = [lay.path for lay in self.bank.layouts if lay.group in groups]
+        checkpoint = AdapterCheckpoint(
+            base_model=self.base_model,
+            rank=tenant.spec.rank,
+            lora_alpha=tenant.lora_alpha,
+            target_modules=target_modules_for(trained_paths, self._linear_paths),
+            tensors=tensors,
+            spec=tenant.spec,
+            moments=moments,
+            step=self.optimizer.steps[tenant.slot],
+            meta=meta,
+        )
+        return write_checkpoint(directory, checkpoint, kind=kind)
+
+    def _export_slot(
+        self, tenant: _Tenant, buffer: torch.Tensor, *, suffix: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """The trained layers' matrices of a slot in `buffer`, by PEFT key (+ suffix), on the CPU."""
+        groups = trained_groups(tenant.spec)
+        exported: dict[str, torch.Tensor] = {}
+        for layout, a, b in self.bank.slot_views(buffer, tenant.slot, tenant.spec.rank):
+            if layout.group in groups:
+                exported[adapter_key(layout.path, "A") + suffix] = _exported(a)
+                exported[adapter_key(layout.path, "B") + suffix] = _exported(b)
+        return exported
+
+    def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraSpec:
+        """Load a checkpoint into `model_id` (creating it if new); pending gradients are dropped."""
+        checkpoint = read_checkpoint(directory, with_optimizer=with_optimizer)
+        adapters = match_layers(checkpoint, self.bank.layouts, max_rank=self.max_rank)
+        spec = checkpoint.spec or LoraSpec(
+            rank=checkpoint.rank,
+            **{flag: group in adapters for group, flag in _GROUP_FLAGS.items()},
+        )
+        self._check_spec(spec)
+        if spec.rank != checkpoint.rank or set(adapters) != trained_groups(spec):
+            raise UserError(f"{directory.name}: the adapter's layers do not match its LoRA spec")
+        tenant = self._tenants.get(model_id)
+        slot = tenant.slot if tenant is not None else self._free_slot()
+
+        # Everything is checked; from here on the slot is overwritten.
+        self.bank.clear_slot(slot)
+        self.bank.set_scales(
+            slot, rank=spec.rank, groups=adapters, lora_alpha=checkpoint.lora_alpha
+        )
+        self.optimizer.reset_slot(slot)
+        buffers = [("", self.bank.weights)]
+        if with_optimizer:
+            buffers += [(f".{moment}", getattr(self.optimizer, moment)) for moment in MOMENTS]
+            self.optimizer.steps[slot] = checkpoint.step
+        stored = {**checkpoint.tensors, **(checkpoint.moments or {})}
+        for suffix, buffer in buffers:
+            for layout, a, b in self.bank.slot_views(buffer, slot, spec.rank):
+                if layout.group in adapters:
+                    a.copy_(stored[adapter_key(layout.path, "A") + suffix])
+                    b.copy_(stored[adapter_key(layout.path, "B") + suffix])
+        self._tenants[model_id] = _Tenant(slot, spec, checkpoint.lora_alpha)
+        return spec
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _tenant(self, model_id: str) -> _Tenant:
+        tenant = self._tenants.get(model_id)
+        if tenant is None:
+            raise NotFound(f"model_id {model_id!r} has no adapter on this worker")
+        return tenant
+
+    def _check_spec(self, spec: LoraSpec) -> None:
+        if not 1 <= spec.rank <= self.max_rank:
+            raise UserError(f"lora_config.rank: {spec.rank} outside [1, {self.max_rank}]")
+        if not trained_groups(spec):
+            raise UserError("lora_config: train_attn, train_mlp and train_unembed are all off")
+        if spec.seed is not None and not -(2**63) <= spec.seed < 2**64:
+            raise UserError(f"lora_config.seed: {spec.seed} outside the 64-bit range")
+
+    def _free_slot(self) -> int:
+        used = {tenant.slot for tenant in self._tenants.values()}
+        for slot in range(self.max_slots):
+            if slot not in used:
+                return slot
+        raise ServerError(
+            f"no free adapter slot: all {self.max_slots} slots of this worker are in use"
+        )
+
+
+def _pack_rows(
+    requests: list[FwdBwdRequest], slots: list[int]
+) -> tuple[list[Segment], list[range], list[np.ndarray]]:
+    """Order the pass's rows tenant by tenant: (segments, each request's rows, the rows)."""
+    rows: list[np.ndarray] = []
+    item_rows: list[range] = [range(0)] * len(requests)
+    segments: list[Segment] = []
+    for slot in dict.fromkeys(slots):  # each slot once, in order of first appearance
+        start = len(rows)
+        for index, (req, item_slot) in enumerate(zip(requests, slots, strict=True)):
+            if item_slot == slot:
+                first = len(rows)
+                rows.extend(datum.tokens for datum in req.datums)
+                item_rows[index] = range(first, len(rows))
+        segments.append(Segment(slot, start, len(rows)))
+    return segments, item_rows, rows
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def _exported(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 CPU copy, detached from the live buffer."""
+    return tensor.detach().to("cpu", torch.float32).clone(memory_format=torch.contiguous_format)

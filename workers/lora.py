@@ -1,0 +1,284 @@
+"""Multi-slot LoRA: every tenant's adapter on the same frozen linears, chosen per row of a pass.
+
+Job: own the adapter parameters of all S slots and add each row's own low-rank update to the
+frozen base linears, so one forward/backward serves several tenants at once:
+`y = x·Wᵀ + scale_slot · ((x·A_slotᵀ)·B_slotᵀ)` for the rows of that slot.
+
+Layout. All adapter values live in one flat fp32 buffer `weights[S, P]`, one row per slot, and
+their gradients in `grads[S, P]`. For every wrapped linear, `lora_A[S, r_max, in]` and
+`lora_B[S, out, r_max]` are views into those rows and each view's `.grad` is the matching view
+of `grads`, so autograd accumulates straight into the buffer. A slot's whole state is one row:
+the optimizer steps rows, a checkpoint reads a row, a release zeroes a row.
+
+Invariants:
+- A slot of true rank r uses A rows / B columns [:r]; the padding up to r_max is exactly 0 in
+  weights and grads, so padding never changes a result and never moves.
+- A slot that does not train a layer group has scale 0 there and A = B = 0; the layer skips it,
+  so its gradient there is exactly 0.
+- Base weights are never modified: wrapped linears keep their module path and their original
+  `nn.Linear` as `base_layer`, so a tied `lm_head` stays tied to the embedding.
+- The row → slot mapping of a pass is set only through `SlotRouting.bind`; outside a pass the
+  wrapped model computes the plain base output.
+
+Place in the flow: the engine builds one `LoraBank` at start-up, binds each pass's segments on
+its `SlotRouting`, runs the model, and hands `weights`/`grads` rows to the optimizer and to
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from protocol.errors import ServerError
+
+LayerGroup = Literal["attn", "mlp", "unembed"]
+LAYER_GROUPS: tuple[LayerGroup, ...] = ("attn", "mlp", "unembed")
+
+# Blocks whose linears count as attention: full attention (`self_attn`) and the linear-attention
+# blocks of hybrid models such as Qwen3.5 (`linear_attn`, with in_proj_qkv/in_proj_z/out_proj…).
+# Classifying by parent rather than by projection name covers architectures we never listed.
+_ATTN_PARENTS = frozenset({"self_attn", "linear_attn", "attention", "self_attention"})
+_MLP_PARENTS = frozenset({"mlp", "feed_forward"})
+# Multimodal checkpoints also have `attn`/`mlp` blocks in their vision tower; tenants train text.
+_VISION_PREFIXES = ("visual", "vision")
+
+
+def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
+    """The linears a slot may train, by module path, grouped by the block that holds them."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    output_embeddings = get_output_embeddings() if get_output_embeddings is not None else None
+    targets: dict[str, LayerGroup] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if module is output_embeddings:
+            targets[path] = "unembed"
+            continue
+        parts = path.split(".")
+        if any(part.startswith(_VISION_PREFIXES) for part in parts):
+            continue
+        parent = parts[-2] if len(parts) >= 2 else ""
+        if parent in _ATTN_PARENTS:
+            targets[path] = "attn"
+        elif parent in _MLP_PARENTS:
+            targets[path] = "mlp"
+    return targets
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, stop) of a pass, all using one slot's adapter."""
+
+    slot: int
+    start: int
+    stop: int
+
+
+class SlotRouting:
+    """Which slot each row of the pass in progress uses; empty outside a pass."""
+
+    def __init__(self) -> None:
+        self.segments: tuple[Segment, ...] = ()
+        self.n_rows = 0
+
+    @contextmanager
+    def bind(self, segments: Sequence[Segment]) -> Iterator[None]:
+        """Route the rows of one pass; the segments must tile rows 0..n contiguously."""
+        if self.segments:
+            raise ServerError("a LoRA pass is already in progress on this engine")
+        expected_start = 0
+        for segment in segments:
+            if segment.start != expected_start or segment.stop <= segment.start:
+                raise ServerError(f"LoRA segments do not tile the pass's rows: {list(segments)}")
+            expected_start = segment.stop
+        self.segments, self.n_rows = tuple(segments), expected_start
+        try:
+            yield
+        finally:
+            self.segments, self.n_rows = (), 0
+
+
+class MultiSlotLoraLinear(nn.Module):
+    """A frozen `nn.Linear` plus one LoRA update per slot, applied to that slot's rows."""
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        *,
+        group: LayerGroup,
+        lora_A: nn.Parameter,
+        lora_B: nn.Parameter,
+        slot_scales: list[float],
+        routing: SlotRouting,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.group = group
+        self.lora_A = lora_A  # [S, r_max, in], a view of the bank's weights
+        self.lora_B = lora_B  # [S, out, r_max]
+        # Shared with the bank (one list per layer group): alpha/rank, or 0 where not trained.
+        self.slot_scales = slot_scales
+        self.routing = routing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        segments = self.routing.segments
+        if not segments:
+            return y
+        if x.shape[0] != self.routing.n_rows:
+            raise ServerError(
+                f"LoRA layer ({self.group}) got {x.shape[0]} rows, the pass has {self.routing.n_rows}"
+            )
+        # One unbind per layer: its backward stacks the per-slot gradients into a single
+        # [S, ...] tensor (zeros for slots absent from the pass) instead of one per segment.
+        a_slots = self.lora_A.unbind(0)
+        b_slots = self.lora_B.unbind(0)
+        updates: list[torch.Tensor] = []
+        any_trained = False
+        for segment in segments:
+            x_rows = x[segment.start : segment.stop]
+            scale = self.slot_scales[segment.slot]
+            if scale == 0.0:
+                updates.append(x_rows.new_zeros(*x_rows.shape[:-1], y.shape[-1]))
+                continue
+            any_trained = True
+            # Scale the rank-r intermediate rather than the [*, out] result: same value, less work.
+            shrunk = F.linear(x_rows, a_slots[segment.slot].to(x.dtype)) * scale
+            updates.append(F.linear(shrunk, b_slots[segment.slot].to(x.dtype)))
+        if not any_trained:
+            return y
+        return y + torch.cat(updates, dim=0)
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where one wrapped linear's A and B live inside a slot's row of the bank."""
+
+    path: str
+    group: LayerGroup
+    in_features: int
+    out_features: int
+    a_offset: int
+    b_offset: int
+
+
+class LoraBank:
+    """Adapter storage for every slot of one model, and the wrapped linears that read it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_slots: int,
+        max_rank: int,
+        routing: SlotRouting,
+        device: torch.device,
+    ) -> None:
+        targets = find_target_linears(model)
+        if not targets:
+            raise ServerError("the base model has no attention, MLP or output linears to adapt")
+        self.max_slots = max_slots
+        self.max_rank = max_rank
+        self.routing = routing
+        layouts: list[LayerLayout] = []
+        offset = 0
+        for path, group in targets.items():
+            linear = cast(nn.Linear, model.get_submodule(path))
+            a_size = max_rank * linear.in_features
+            layouts.append(
+                LayerLayout(
+                    path, group, linear.in_features, linear.out_features, offset, offset + a_size
+                )
+            )
+            offset += a_size + linear.out_features * max_rank
+        self.layouts: tuple[LayerLayout, ...] = tuple(layouts)
+        self.slot_numel = offset
+        self.weights = torch.zeros(max_slots, offset, dtype=torch.float32, device=device)
+        self.grads = torch.zeros_like(self.weights)
+        self.scales: dict[LayerGroup, list[float]] = {g: [0.0] * max_slots for g in LAYER_GROUPS}
+        self.layers: dict[str, MultiSlotLoraLinear] = {}
+        for layout in self.layouts:
+            self._wrap(model, layout)
+
+    def _wrap(self, model: nn.Module, layout: LayerLayout) -> None:
+        lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
+        lora_A.grad = self._stacked_a(self.grads, layout)
+        lora_B = nn.Parameter(self._stacked_b(self.weights, layout))
+        lora_B.grad = self._stacked_b(self.grads, layout)
+        parent_path, _, leaf = layout.path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        layer = MultiSlotLoraLinear(
+            cast(nn.Linear, getattr(parent, leaf)),
+            group=layout.group,
+            lora_A=lora_A,
+            lora_B=lora_B,
+            slot_scales=self.scales[layout.group],
+            routing=self.routing,
+        )
+        setattr(parent, leaf, layer)
+        self.layers[layout.path] = layer
+
+    def _stacked_a(self, buffer: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+        size = self.max_rank * layout.in_features
+        chunk = buffer[:, layout.a_offset : layout.a_offset + size]
+        return chunk.view(self.max_slots, self.max_rank, layout.in_features)
+
+    def _stacked_b(self, buffer: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+        size = layout.out_features * self.max_rank
+        chunk = buffer[:, layout.b_offset : layout.b_offset + size]
+        return chunk.view(self.max_slots, layout.out_features, self.max_rank)
+
+    def slot_views(
+        self, buffer: torch.Tensor, slot: int, rank: int
+    ) -> Iterator[tuple[LayerLayout, torch.Tensor, torch.Tensor]]:
+        """Each layer's (A[:rank], B[:, :rank]) of one slot, as views of `buffer`.
+
+        `buffer` is any [S, P] tensor with the bank's layout: weights, grads or a moment.
+        """
+        for layout in self.layouts:
+            a = self._stacked_a(buffer, layout)[slot, :rank]
+            b = self._stacked_b(buffer, layout)[slot, :, :rank]
+            yield layout, a, b
+
+    def init_slot(
+        self,
+        slot: int,
+        *,
+        rank: int,
+        groups: Iterable[LayerGroup],
+        lora_alpha: float,
+        generator: torch.Generator,
+    ) -> None:
+        """Fresh adapter: A kaiming-uniform (as PEFT initialises it), B = 0, grads 0."""
+        trained = frozenset(groups)
+        self.clear_slot(slot)
+        for layout, a, _ in self.slot_views(self.weights, slot, rank):
+            if layout.group not in trained:
+                continue
+            # Drawn on the CPU so a seed gives the same adapter on every device.
+            init = torch.empty(rank, layout.in_features, dtype=torch.float32)
+            nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+            a.copy_(init)
+        self.set_scales(slot, rank=rank, groups=trained, lora_alpha=lora_alpha)
+
+    def set_scales(
+        self, slot: int, *, rank: int, groups: Iterable[LayerGroup], lora_alpha: float
+    ) -> None:
+        trained = frozenset(groups)
+        for group in LAYER_GROUPS:
+            self.scales[group][slot] = lora_alpha / rank if group in trained else 0.0
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot's weights, gradients and scales (its optimizer state is the optimizer's)."""
+        self.weights[slot].zero_()
+        self.grads[slot].zero_()
+        for group in LAYER_GROUPS:
+            self.scales[group][slot] = 0.0

@@ -51,7 +51,7 @@ def main() -> None:
     proc, info = start(tmp, model)
     try:
         service = tinker.ServiceClient(base_url=info["base_url"], api_key=info["api_key"])
-        client = service.create_lora_training_client(base_model=str(model), rank=8, seed=0)
+        client = service.create_lora_training_client(base_model=str(model), rank=8, seed=0).result()
         tokens = list(range(3, 3 + args.length + 1))
         batch = [
             types.Datum(

@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
-    client = service.create_lora_training_client(base_model=args.base_model, rank=8, seed=0)
+    client = service.create_lora_training_client(base_model=args.base_model, rank=8, seed=0).result()
     batch = make_batch(client.get_tokenizer())
 
     losses = train(client, batch, args.steps, args.lr, "train")
@@ -72,7 +72,7 @@ def main() -> None:
     print(f"saved state: {path}")
     after = train(client, batch, 3, args.lr, "continue")
 
-    resumed = service.create_training_client_from_state_with_optimizer(path)
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
     again = train(resumed, batch, 3, args.lr, "resumed")
     gap = max(abs(a - b) for a, b in zip(after, again, strict=True))
     print(f"resumed run repeats the original's next 3 losses (max difference {gap:.2e})")

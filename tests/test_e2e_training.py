@@ -22,7 +22,7 @@ def service(cluster: Cluster):
 
 
 def test_sft_loss_falls_below_half(service: tinker.ServiceClient, tiny_model: Path) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=1)
+    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=1).result()
     losses = train_steps(client, toy_batch(), 30)
     assert len(losses) == 30
     assert losses[-1] < 0.5 * losses[0], losses
@@ -30,17 +30,17 @@ def test_sft_loss_falls_below_half(service: tinker.ServiceClient, tiny_model: Pa
 
 def test_exact_resume_with_and_without_optimizer(service: tinker.ServiceClient, tiny_model: Path) -> None:
     batch = toy_batch(seed=3)
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=2)
+    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=2).result()
     train_steps(client, batch, 10)
     path = client.save_state("after-10").result().path
     assert path.startswith("tinker://") and path.endswith("/weights/after-10")
     original = train_steps(client, batch, 5)
 
-    resumed = service.create_training_client_from_state_with_optimizer(path)
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
     again = train_steps(resumed, batch, 5)
     assert max(abs(a - b) for a, b in zip(original, again, strict=True)) <= 1e-5, (original, again)
 
-    weights_only = service.create_training_client_from_state(path)
+    weights_only = service.create_training_client_from_state(path).result()
     fresh_optimizer = train_steps(weights_only, batch, 5)
     # Same weights, so the first loss matches; a restarted AdamW then takes other steps.
     assert abs(fresh_optimizer[0] - original[0]) <= 1e-5
@@ -48,7 +48,7 @@ def test_exact_resume_with_and_without_optimizer(service: tinker.ServiceClient, 
 
 
 def test_rest_lists_runs_and_checkpoints(service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=5)
+    client = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=5).result()
     train_steps(client, toy_batch(n=2), 2)
     state = client.save_state("ckpt-a").result().path
     sampler = client.save_weights_for_sampler("snap-a").result().path
@@ -75,7 +75,7 @@ def test_rest_lists_runs_and_checkpoints(service: tinker.ServiceClient, cluster:
 
 
 def test_qwen3_5_trains_through_the_same_path(service: tinker.ServiceClient, tiny_model_35: Path) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model_35), rank=8, seed=0)
+    client = service.create_lora_training_client(base_model=str(tiny_model_35), rank=8, seed=0).result()
     info = client.get_info()
     assert info.model_data.model_name == str(tiny_model_35)
     losses = train_steps(client, toy_batch(), 12)
@@ -88,6 +88,6 @@ def test_tokenizer_and_capabilities(
     caps = tinker.RestClient(base_url=cluster.base_url, api_key=cluster.api_key).get_server_capabilities().result()
     names = {m.model_name for m in caps.supported_models}
     assert {str(tiny_model), str(tiny_model_35)} <= names
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=4)
+    client = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     tokenizer = client.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"

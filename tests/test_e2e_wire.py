@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
+from tinker.types.request_error_category import RequestErrorCategory
 
 from tests.conftest import Cluster, start_cluster, stop_cluster
 from tests.sdk_helpers import toy_batch, train_steps
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.e2e
 def wire(cluster: Cluster) -> Iterator[Wire]:
     client = Wire(cluster.base_url, cluster.api_key)
     yield client
-    client.close("success").result()
+    client.close()
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_chunked_out_of_order_equals_one_chunk(tmp_path: Path, cluster: Cluster,
         results = {}
         for name, where in (("one", cluster), ("chunked", small)):
             service = tinker.ServiceClient(base_url=where.base_url, api_key=where.api_key)
-            client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=21)
+            client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=21).result()
             first = client.forward_backward(batch, "cross_entropy")
             client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
             out = first.result()
@@ -85,7 +86,7 @@ def test_chunked_out_of_order_equals_one_chunk(tmp_path: Path, cluster: Cluster,
 def test_bad_input_is_a_clear_user_error_and_the_cluster_keeps_serving(
     wire: Wire, service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path
 ) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=0)
+    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=0).result()
     good = toy_batch(n=2)
 
     # unknown model_id
@@ -99,13 +100,13 @@ def test_bad_input_is_a_clear_user_error_and_the_cluster_keeps_serving(
                              loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})]
     with pytest.raises(tinker.RequestFailedError) as err:
         client.forward_backward(bad_token, "cross_entropy").result()
-    assert err.value.category == tinker.RequestErrorCategory.User and "vocab" in str(err.value)
+    assert err.value.category == RequestErrorCategory.User and "vocab" in str(err.value)
     # target_tokens length differs from the input
     bad_len = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
                            loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})]
     with pytest.raises(tinker.RequestFailedError) as err:
         client.forward_backward(bad_len, "cross_entropy").result()
-    assert err.value.category == tinker.RequestErrorCategory.User and "target_tokens" in str(err.value)
+    assert err.value.category == RequestErrorCategory.User and "target_tokens" in str(err.value)
     # unknown loss name (sent raw: the SDK only builds known names)
     session = wire.session()
     model_id = wire.create_model(session, str(tiny_model))

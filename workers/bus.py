@@ -61,7 +61,9 @@ class WorkerBus:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+            # close, not drain: every op is acked explicitly, and an un-acked one must be
+            # redelivered to the next worker rather than waited for here
+            await self.nc.close()
 
     async def consume_shard(self, pool: str, shard: int, on_msg: Callable[[Msg], Awaitable[None]]) -> None:
         """Start the fetch loop of one shard's durable consumer."""

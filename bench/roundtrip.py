@@ -27,9 +27,26 @@ from tinker import types
 def start(tmp: Path, model: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     ready = tmp / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "twinkle_async", "up", "--base-model", str(model), "--port", "0",
-         "--data-dir", str(tmp / "data"), "--api-key", "tml-bench", "--ready-file", str(ready),
-         "--threads", "1", "--log-level", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "twinkle_async",
+            "up",
+            "--base-model",
+            str(model),
+            "--port",
+            "0",
+            "--data-dir",
+            str(tmp / "data"),
+            "--api-key",
+            "tml-bench",
+            "--ready-file",
+            str(ready),
+            "--threads",
+            "1",
+            "--log-level",
+            "WARNING",
+        ],
     )
     while not ready.exists():
         if proc.poll() is not None:
@@ -47,7 +64,11 @@ def main() -> None:
     os.environ.update(HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE", TINKER_TELEMETRY="0")
     tmp = Path(tempfile.mkdtemp(prefix="twinkle-bench-"))
     model = tmp / "tiny"
-    subprocess.run([sys.executable, "-m", "workers.tiny_model", str(model)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "workers.tiny_model", str(model)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     proc, info = start(tmp, model)
     try:
         service = tinker.ServiceClient(base_url=info["base_url"], api_key=info["api_key"])

@@ -21,21 +21,40 @@ def main() -> int:
     work = ROOT / ".demo"
     work.mkdir(exist_ok=True)
     model_dir = work / "tiny-qwen3"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if not (model_dir / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "twinkle_async", "make-tiny-model", str(model_dir)], check=True, env=env)
+        subprocess.run(
+            [sys.executable, "-m", "twinkle_async", "make-tiny-model", str(model_dir)],
+            check=True,
+            env=env,
+        )
     ready = Path(tempfile.mkdtemp(prefix="twinkle-demo-")) / "ready.json"
     api_key = "tml-demo-key"
     up = subprocess.Popen(
         [
-            sys.executable, "-m", "twinkle_async", "up",
-            "--base-model", str(model_dir),
-            "--port", "0",
-            "--data-dir", str(work / "data"),
-            "--api-key", api_key,
-            "--ready-file", str(ready),
-            "--threads", "1",
-            "--log-level", "WARNING",
+            sys.executable,
+            "-m",
+            "twinkle_async",
+            "up",
+            "--base-model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--data-dir",
+            str(work / "data"),
+            "--api-key",
+            api_key,
+            "--ready-file",
+            str(ready),
+            "--threads",
+            "1",
+            "--log-level",
+            "WARNING",
         ],
         env=env,
     )
@@ -51,8 +70,16 @@ def main() -> int:
             time.sleep(0.1)
         base_url = json.loads(ready.read_text())["base_url"]
         return subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "sft.py"), "--base-url", base_url, "--api-key", api_key,
-             "--base-model", str(model_dir)],
+            [
+                sys.executable,
+                str(ROOT / "examples" / "sft.py"),
+                "--base-url",
+                base_url,
+                "--api-key",
+                api_key,
+                "--base-model",
+                str(model_dir),
+            ],
             env=env,
         ).returncode
     finally:

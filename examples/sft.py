@@ -37,7 +37,9 @@ def make_batch(tokenizer: object) -> list[types.Datum]:
     return batch
 
 
-def train(client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float, label: str) -> list[float]:
+def train(
+    client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float, label: str
+) -> list[float]:
     """`steps` pipelined forward_backward + optim_step rounds; returns the loss per token."""
     n_tokens = sum(len(d.loss_fn_inputs["target_tokens"].data) for d in batch)
     losses = []
@@ -48,7 +50,10 @@ def train(client: tinker.TrainingClient, batch: list[types.Datum], steps: int, l
         loss = fwd.result().metrics["loss:sum"] / n_tokens
         opt.result()
         losses.append(loss)
-        print(f"{label} step {step:3d}  loss/token {loss:.4f}  ({(time.perf_counter() - started) * 1e3:.0f} ms)", flush=True)
+        print(
+            f"{label} step {step:3d}  loss/token {loss:.4f}  ({(time.perf_counter() - started) * 1e3:.0f} ms)",
+            flush=True,
+        )
     return losses
 
 
@@ -62,13 +67,17 @@ def main() -> None:
     args = parser.parse_args()
 
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
-    client = service.create_lora_training_client(base_model=args.base_model, rank=8, seed=0).result()
+    client = service.create_lora_training_client(
+        base_model=args.base_model, rank=8, seed=0
+    ).result()
     batch = make_batch(client.get_tokenizer())
 
     losses = train(client, batch, args.steps, args.lr, "train")
-    print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f} ({losses[-1] / losses[0]:.0%} of the first)")
+    print(
+        f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f} ({losses[-1] / losses[0]:.0%} of the first)"
+    )
 
-    path = client.save_state("demo-step-%d" % args.steps).result().path
+    path = client.save_state(f"demo-step-{args.steps}").result().path
     print(f"saved state: {path}")
     after = train(client, batch, 3, args.lr, "continue")
 

@@ -92,11 +92,24 @@ class UnloadModelJob(JobBase, frozen=True, tag="unload_model"):
     """Release the model's slot (session finished or expired)."""
 
 
-Job = CreateModelJob | ForwardBackwardJob | OptimStepJob | SaveWeightsJob | LoadWeightsJob | UnloadModelJob
+Job = (
+    CreateModelJob
+    | ForwardBackwardJob
+    | OptimStepJob
+    | SaveWeightsJob
+    | LoadWeightsJob
+    | UnloadModelJob
+)
 
 RequestType = Literal[
-    "create_model", "forward_backward", "forward", "optim_step", "save_weights",
-    "save_weights_for_sampler", "load_weights", "unload_model",
+    "create_model",
+    "forward_backward",
+    "forward",
+    "optim_step",
+    "save_weights",
+    "save_weights_for_sampler",
+    "load_weights",
+    "unload_model",
 ]
 
 

@@ -44,5 +44,7 @@ def parse_path(path: str) -> TinkerPath:
 def check_name(name: str) -> str:
     """A checkpoint name must be one path segment of safe characters."""
     if not name or "/" in name or name in (".", "..") or len(name) > 200:
-        raise UserError(f"checkpoint name {name!r} is invalid: one path segment, at most 200 characters")
+        raise UserError(
+            f"checkpoint name {name!r} is invalid: one path segment, at most 200 characters"
+        )
     return name

@@ -41,7 +41,9 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 def build_model(directory: Path, arch: str) -> Path:
     """A tiny model built offline, in a child process so the test process stays torch-free."""
     if not (directory / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "workers.tiny_model", str(directory), "--arch", arch], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "workers.tiny_model", str(directory), "--arch", arch], check=True
+        )
     return directory
 
 
@@ -67,24 +69,52 @@ class Cluster:
     process: subprocess.Popen[bytes]
 
 
-def start_cluster(data_dir: Path, base_models: list[Path], *extra: str, timeout_s: float = 240.0) -> Cluster:
+def start_cluster(
+    data_dir: Path, base_models: list[Path], *extra: str, timeout_s: float = 240.0
+) -> Cluster:
     ready = data_dir / "ready.json"
     log = open(data_dir.parent / f"{data_dir.name}.log", "wb")  # noqa: SIM115 - closed by the child's exit
-    cmd = [sys.executable, "-m", "twinkle_async", "up", "--port", "0", "--data-dir", str(data_dir),
-           "--api-key", API_KEY, "--ready-file", str(ready), "--threads", "1", "--max-rank", "16", "--max-slots", "48",
-           "--log-level", "INFO", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "twinkle_async",
+        "up",
+        "--port",
+        "0",
+        "--data-dir",
+        str(data_dir),
+        "--api-key",
+        API_KEY,
+        "--ready-file",
+        str(ready),
+        "--threads",
+        "1",
+        "--max-rank",
+        "16",
+        "--max-slots",
+        "48",
+        "--log-level",
+        "INFO",
+        *extra,
+    ]
     for model in base_models:
         cmd += ["--base-model", str(model)]
     data_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"cluster failed to start; log: {log.name}\n" + Path(log.name).read_text()[-4000:])
+            raise RuntimeError(
+                f"cluster failed to start; log: {log.name}\n" + Path(log.name).read_text()[-4000:]
+            )
         time.sleep(0.05)
     info = json.loads(ready.read_text())
-    return Cluster(info["base_url"], info["api_key"], info["nats_url"], data_dir, info["base_models"], proc)
+    return Cluster(
+        info["base_url"], info["api_key"], info["nats_url"], data_dir, info["base_models"], proc
+    )
 
 
 def stop_cluster(cluster: Cluster) -> None:
@@ -97,8 +127,12 @@ def stop_cluster(cluster: Cluster) -> None:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_model_35: Path) -> Iterator[Cluster]:
-    running = start_cluster(tmp_path_factory.mktemp("cluster") / "data", [tiny_model, tiny_model_35])
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_model_35: Path
+) -> Iterator[Cluster]:
+    running = start_cluster(
+        tmp_path_factory.mktemp("cluster") / "data", [tiny_model, tiny_model_35]
+    )
     try:
         yield running
     finally:

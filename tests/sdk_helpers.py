@@ -17,7 +17,10 @@ def toy_batch(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0) -> 
         batch.append(
             types.Datum(
                 model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
-                loss_fn_inputs={"target_tokens": seq[1:].tolist(), "weights": [1.0] * (len(seq) - 1)},
+                loss_fn_inputs={
+                    "target_tokens": seq[1:].tolist(),
+                    "weights": [1.0] * (len(seq) - 1),
+                },
             )
         )
     return batch
@@ -27,7 +30,9 @@ def n_targets(batch: list[types.Datum]) -> int:
     return sum(len(d.loss_fn_inputs["target_tokens"].data) for d in batch)
 
 
-def train_steps(client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float = 1e-2) -> list[float]:
+def train_steps(
+    client: tinker.TrainingClient, batch: list[types.Datum], steps: int, lr: float = 1e-2
+) -> list[float]:
     """Pipelined rounds as the cookbook runs them: step i+1 is submitted before step i's
     results are read. Returns the loss per target token of each step."""
     n = n_targets(batch)

@@ -22,15 +22,21 @@ def service(cluster: Cluster):
 
 
 def test_sft_loss_falls_below_half(service: tinker.ServiceClient, tiny_model: Path) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=1).result()
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=1
+    ).result()
     losses = train_steps(client, toy_batch(), 30)
     assert len(losses) == 30
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_exact_resume_with_and_without_optimizer(service: tinker.ServiceClient, tiny_model: Path) -> None:
+def test_exact_resume_with_and_without_optimizer(
+    service: tinker.ServiceClient, tiny_model: Path
+) -> None:
     batch = toy_batch(seed=3)
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=2).result()
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=2
+    ).result()
     train_steps(client, batch, 10)
     path = client.save_state("after-10").result().path
     assert path.startswith("tinker://") and path.endswith("/weights/after-10")
@@ -47,8 +53,12 @@ def test_exact_resume_with_and_without_optimizer(service: tinker.ServiceClient, 
     assert max(abs(a - b) for a, b in zip(original[1:], fresh_optimizer[1:], strict=True)) > 1e-4
 
 
-def test_rest_lists_runs_and_checkpoints(service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=5).result()
+def test_rest_lists_runs_and_checkpoints(
+    service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path
+) -> None:
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=4, seed=5
+    ).result()
     train_steps(client, toy_batch(n=2), 2)
     state = client.save_state("ckpt-a").result().path
     sampler = client.save_weights_for_sampler("snap-a").result().path
@@ -65,7 +75,10 @@ def test_rest_lists_runs_and_checkpoints(service: tinker.ServiceClient, cluster:
     ckpts = rest.list_checkpoints(model_id).result().checkpoints
     by_path = {c.tinker_path: c for c in ckpts}
     assert set(by_path) == {state, sampler}
-    assert by_path[state].checkpoint_type == "training" and by_path[state].checkpoint_id == "weights/ckpt-a"
+    assert (
+        by_path[state].checkpoint_type == "training"
+        and by_path[state].checkpoint_id == "weights/ckpt-a"
+    )
     assert by_path[sampler].checkpoint_type == "sampler" and by_path[sampler].size_bytes > 0
 
     run = rest.get_training_run(model_id).result()
@@ -74,8 +87,12 @@ def test_rest_lists_runs_and_checkpoints(service: tinker.ServiceClient, cluster:
     assert info.lora_rank == 4 and info.base_model == str(tiny_model)
 
 
-def test_qwen3_5_trains_through_the_same_path(service: tinker.ServiceClient, tiny_model_35: Path) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model_35), rank=8, seed=0).result()
+def test_qwen3_5_trains_through_the_same_path(
+    service: tinker.ServiceClient, tiny_model_35: Path
+) -> None:
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model_35), rank=8, seed=0
+    ).result()
     info = client.get_info()
     assert info.model_data.model_name == str(tiny_model_35)
     losses = train_steps(client, toy_batch(), 12)
@@ -85,7 +102,11 @@ def test_qwen3_5_trains_through_the_same_path(service: tinker.ServiceClient, tin
 def test_tokenizer_and_capabilities(
     service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path, tiny_model_35: Path
 ) -> None:
-    caps = tinker.RestClient(base_url=cluster.base_url, api_key=cluster.api_key).get_server_capabilities().result()
+    caps = (
+        tinker.RestClient(base_url=cluster.base_url, api_key=cluster.api_key)
+        .get_server_capabilities()
+        .result()
+    )
     names = {m.model_name for m in caps.supported_models}
     assert {str(tiny_model), str(tiny_model_35)} <= names
     client = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()

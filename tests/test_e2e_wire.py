@@ -59,14 +59,18 @@ def test_retried_submits_get_the_same_request_and_apply_once(wire: Wire, tiny_mo
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_chunked_out_of_order_equals_one_chunk(tmp_path: Path, cluster: Cluster, tiny_model: Path) -> None:
+def test_chunked_out_of_order_equals_one_chunk(
+    tmp_path: Path, cluster: Cluster, tiny_model: Path
+) -> None:
     batch = toy_batch(n=10, seed=11)
     small = start_cluster(tmp_path / "chunked", [tiny_model], "--fwdbwd-max-chunk-len", "3")
     try:
         results = {}
         for name, where in (("one", cluster), ("chunked", small)):
             service = tinker.ServiceClient(base_url=where.base_url, api_key=where.api_key)
-            client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=21).result()
+            client = service.create_lora_training_client(
+                base_model=str(tiny_model), rank=8, seed=21
+            ).result()
             first = client.forward_backward(batch, "cross_entropy")
             client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
             out = first.result()
@@ -86,31 +90,49 @@ def test_chunked_out_of_order_equals_one_chunk(tmp_path: Path, cluster: Cluster,
 def test_bad_input_is_a_clear_user_error_and_the_cluster_keeps_serving(
     wire: Wire, service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path
 ) -> None:
-    client = service.create_lora_training_client(base_model=str(tiny_model), rank=8, seed=0).result()
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=0
+    ).result()
     good = toy_batch(n=2)
 
     # unknown model_id
     resp = wire.forward_backward(wire.fwdbwd_body("sess-nope:train:0", 1, good))
-    assert resp.status_code == 404 and resp.json()["category"] == "user" and "model_id" in resp.json()["detail"]
+    assert (
+        resp.status_code == 404
+        and resp.json()["category"] == "user"
+        and "model_id" in resp.json()["detail"]
+    )
     # malformed protobuf
     resp = wire.forward_backward(b"\xff\xff\xff not a protobuf")
     assert resp.status_code == 400 and resp.json()["category"] == "user"
     # a token id >= vocab size
-    bad_token = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 10**6]),
-                             loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})]
+    bad_token = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 10**6]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+        )
+    ]
     with pytest.raises(tinker.RequestFailedError) as err:
         client.forward_backward(bad_token, "cross_entropy").result()
     assert err.value.category == RequestErrorCategory.User and "vocab" in str(err.value)
     # target_tokens length differs from the input
-    bad_len = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                           loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})]
+    bad_len = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]},
+        )
+    ]
     with pytest.raises(tinker.RequestFailedError) as err:
         client.forward_backward(bad_len, "cross_entropy").result()
     assert err.value.category == RequestErrorCategory.User and "target_tokens" in str(err.value)
     # unknown loss name (sent raw: the SDK only builds known names)
     session = wire.session()
     model_id = wire.create_model(session, str(tiny_model))
-    resp = wire.result(wire.forward_backward(wire.fwdbwd_body(model_id, 1, good, loss_fn="nope")).json()["request_id"])
+    resp = wire.result(
+        wire.forward_backward(wire.fwdbwd_body(model_id, 1, good, loss_fn="nope")).json()[
+            "request_id"
+        ]
+    )
     assert resp.json()["category"] == "user" and "nope" in resp.json()["error"]
     # unknown base model: the message lists the served ones
     with pytest.raises(tinker.BadRequestError) as bad_model:
@@ -125,7 +147,9 @@ def test_bad_input_is_a_clear_user_error_and_the_cluster_keeps_serving(
         bad.create_lora_training_client(base_model=str(tiny_model), rank=8).result()
     # load_weights of a path that does not exist
     with pytest.raises(tinker.NotFoundError) as missing:
-        service.create_training_client_from_state("tinker://sess-nope:train:0/weights/nothing").result()
+        service.create_training_client_from_state(
+            "tinker://sess-nope:train:0/weights/nothing"
+        ).result()
     assert "not found" in str(missing.value)
 
     # still serving, and the client that saw errors still trains

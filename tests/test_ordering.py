@@ -8,7 +8,9 @@ from workers.sequencer import Pending, Sequencer
 
 
 def fwd(model: str, seq: int, tokens: int = 10) -> Job:
-    return ForwardBackwardJob(request_id=f"r-{model}-{seq}", model_id=model, tenant_id="t", seq_id=seq, n_tokens=tokens)
+    return ForwardBackwardJob(
+        request_id=f"r-{model}-{seq}", model_id=model, tenant_id="t", seq_id=seq, n_tokens=tokens
+    )
 
 
 def opt(model: str, seq: int) -> Job:
@@ -64,7 +66,11 @@ def test_plan_merges_models_into_one_pass_then_fuses_optim_steps() -> None:
         offer(seq, job)
     offer(seq, SaveWeightsJob(request_id="s", model_id="c", tenant_id="t", seq_id=1, name="x"))
     cycle = plan(seq.ready(), token_budget=1000)
-    assert [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass] == [("a", 1), ("a", 2), ("b", 1)]
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass] == [
+        ("a", 1),
+        ("a", 2),
+        ("b", 1),
+    ]
     assert [(p.job.model_id, p.job.seq_id) for p in cycle.optim_steps] == [("a", 3), ("b", 2)]
     assert [(p.job.model_id, p.job.seq_id) for p in cycle.others] == [("c", 1)]
 

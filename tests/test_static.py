@@ -15,9 +15,31 @@ STDLIB = set(sys.stdlib_module_names)
 ALLOWED: dict[str, set[str]] = {
     # protocol: pure data; numpy only for the TensorData codecs the issue asks of it
     "protocol": {"msgspec", "google", "numpy"},
-    "twinkle_async": {"protocol", "aiohttp", "nats", "msgspec", "zstandard", "typer", "uvloop", "numpy", "google"},
+    "twinkle_async": {
+        "protocol",
+        "aiohttp",
+        "nats",
+        "msgspec",
+        "zstandard",
+        "typer",
+        "uvloop",
+        "numpy",
+        "google",
+    },
     "admin_cli": {"typer", "aiohttp", "httpx", "msgspec"},
-    "workers": {"protocol", "torch", "transformers", "peft", "safetensors", "numpy", "nats", "msgspec", "tokenizers", "uvloop", "google"},
+    "workers": {
+        "protocol",
+        "torch",
+        "transformers",
+        "peft",
+        "safetensors",
+        "numpy",
+        "nats",
+        "msgspec",
+        "tokenizers",
+        "uvloop",
+        "google",
+    },
 }
 
 

@@ -27,22 +27,44 @@ class Wire:
         return self.http.post(f"/api/v1/{path}", **kwargs)
 
     def session(self) -> str:
-        resp = self.post("create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"})
+        resp = self.post(
+            "create_session",
+            {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"},
+        )
         resp.raise_for_status()
         return str(resp.json()["session_id"])
 
-    def create_model(self, session_id: str, base_model: str, seq: int = 0, rank: int = 8, seed: int = 0) -> str:
+    def create_model(
+        self, session_id: str, base_model: str, seq: int = 0, rank: int = 8, seed: int = 0
+    ) -> str:
         resp = self.post(
             "create_model",
-            {"session_id": session_id, "model_seq_id": seq, "base_model": base_model,
-             "lora_config": {"rank": rank, "seed": seed, "train_unembed": True, "train_mlp": True, "train_attn": True},
-             "type": "create_model"},
+            {
+                "session_id": session_id,
+                "model_seq_id": seq,
+                "base_model": base_model,
+                "lora_config": {
+                    "rank": rank,
+                    "seed": seed,
+                    "train_unembed": True,
+                    "train_mlp": True,
+                    "train_attn": True,
+                },
+                "type": "create_model",
+            },
         )
         resp.raise_for_status()
         self.result(resp.json()["request_id"])
         return str(resp.json()["model_id"])
 
-    def fwdbwd_body(self, model_id: str, seq_id: int, data: list[types.Datum], loss_fn: str = "cross_entropy", forward_only: bool = False) -> bytes:
+    def fwdbwd_body(
+        self,
+        model_id: str,
+        seq_id: int,
+        data: list[types.Datum],
+        loss_fn: str = "cross_entropy",
+        forward_only: bool = False,
+    ) -> bytes:
         request = types.ForwardBackwardRequest(
             model_id=model_id,
             seq_id=seq_id,
@@ -54,21 +76,39 @@ class Wire:
         return msg.SerializeToString()
 
     def forward_backward(self, body: bytes) -> httpx.Response:
-        return self.post("forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+        return self.post(
+            "forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"}
+        )
 
     def optim_step(self, model_id: str, seq_id: int, lr: float = 1e-2) -> httpx.Response:
         return self.post(
             "optim_step",
-            {"model_id": model_id, "seq_id": seq_id, "type": "optim_step",
-             "adam_params": {"learning_rate": lr, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}},
+            {
+                "model_id": model_id,
+                "seq_id": seq_id,
+                "type": "optim_step",
+                "adam_params": {
+                    "learning_rate": lr,
+                    "beta1": 0.9,
+                    "beta2": 0.95,
+                    "eps": 1e-12,
+                    "weight_decay": 0.0,
+                    "grad_clip_norm": 0.0,
+                },
+            },
         )
 
     def result(self, request_id: str, timeout_s: float = 120.0) -> httpx.Response:
         """Poll until the future is no longer pending; return the final response."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            resp = self.post("retrieve_future", {"request_id": request_id, "allow_metadata_only": False})
-            if resp.headers.get("content-type", "").startswith("application/json") and resp.json().get("type") == "try_again":
+            resp = self.post(
+                "retrieve_future", {"request_id": request_id, "allow_metadata_only": False}
+            )
+            if (
+                resp.headers.get("content-type", "").startswith("application/json")
+                and resp.json().get("type") == "try_again"
+            ):
                 continue
             return resp
         raise TimeoutError(request_id)

@@ -63,11 +63,20 @@ class Bus:
             await self.js.publish(
                 subject,
                 encode_job(job),
-                headers={"Nats-Msg-Id": subjects.msg_id(job.model_id, job.seq_id), "Tw-Request-Id": job.request_id},
+                headers={
+                    "Nats-Msg-Id": subjects.msg_id(job.model_id, job.seq_id),
+                    "Tw-Request-Id": job.request_id,
+                },
                 timeout=self.settings.request_timeout_s,
             )
-        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError) as exc:
-            raise Unavailable(f"the job bus did not accept {job.request_id}: {type(exc).__name__}") from exc
+        except (
+            nats.errors.TimeoutError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.NoRespondersError,
+        ) as exc:
+            raise Unavailable(
+                f"the job bus did not accept {job.request_id}: {type(exc).__name__}"
+            ) from exc
 
     async def get(self, bucket: str, key: str) -> bytes | None:
         try:
@@ -93,7 +102,9 @@ class Bus:
     async def keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Keys of a bucket (optionally under a `prefix.`), read through a short-lived watch."""
         kv = self.kv[bucket]
-        watcher = await kv.watch(f"{prefix}.>" if prefix else ">", ignore_deletes=True, meta_only=True)
+        watcher = await kv.watch(
+            f"{prefix}.>" if prefix else ">", ignore_deletes=True, meta_only=True
+        )
         keys: list[str] = []
         try:
             while True:
@@ -125,7 +136,9 @@ class Bus:
             await watcher.stop()
         return values
 
-    async def subscribe_kv(self, bucket: str, pattern: str, callback: Callable[[str, bytes], Awaitable[None]]) -> Subscription:
+    async def subscribe_kv(
+        self, bucket: str, pattern: str, callback: Callable[[str, bytes], Awaitable[None]]
+    ) -> Subscription:
         """Live updates of a bucket's keys (no replay of what is already stored)."""
         assert self.nc is not None
         prefix = f"$KV.{bucket}."
@@ -138,7 +151,9 @@ class Bus:
 
 async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
     """Create the ops stream and the KV buckets if they do not exist (idempotent)."""
-    stream = topology.StreamSpec(duplicate_window_s=settings.duplicate_window_s, max_age_s=settings.ops_max_age_s)
+    stream = topology.StreamSpec(
+        duplicate_window_s=settings.duplicate_window_s, max_age_s=settings.ops_max_age_s
+    )
     config = js_api.StreamConfig(
         name=stream.name,
         subjects=list(stream.subjects),

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -17,11 +16,15 @@ import typer
 
 from twinkle_async.settings import BusSettings, GatewaySettings, bus_from_env, load_api_keys
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Twinkle Async: a Tinker-API training backend.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Twinkle Async: a Tinker-API training backend."
+)
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def _run(coro: object) -> None:
@@ -35,15 +38,23 @@ def _run(coro: object) -> None:
 
 @app.command()
 def up(
-    base_model: Annotated[list[str], typer.Option("--base-model", help="model id or local dir; repeat for several")],
+    base_model: Annotated[
+        list[str], typer.Option("--base-model", help="model id or local dir; repeat for several")
+    ],
     host: Annotated[str, typer.Option(help="address the gateway binds")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gateway port (0 picks a free one)")] = 8000,
     data_dir: Annotated[Path, typer.Option(help="NATS store and checkpoints")] = Path("data"),
-    api_key: Annotated[str | None, typer.Option(help="the tml-... key clients use (generated if absent)")] = None,
-    ready_file: Annotated[Path | None, typer.Option(help="write base_url and api_key here as JSON once ready")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="the tml-... key clients use (generated if absent)")
+    ] = None,
+    ready_file: Annotated[
+        Path | None, typer.Option(help="write base_url and api_key here as JSON once ready")
+    ] = None,
     max_slots: Annotated[int, typer.Option(help="adapter slots per worker")] = 8,
     max_rank: Annotated[int, typer.Option(help="largest LoRA rank a worker accepts")] = 32,
-    fwdbwd_max_chunk_len: Annotated[int, typer.Option(help="datums per forward_backward chunk (client/config)")] = 1024,
+    fwdbwd_max_chunk_len: Annotated[
+        int, typer.Option(help="datums per forward_backward chunk (client/config)")
+    ] = 1024,
     threads: Annotated[int, typer.Option(help="torch threads per worker (0 = torch default)")] = 0,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
@@ -52,8 +63,17 @@ def up(
 
     _logging(log_level)
     if api_key is not None and not api_key.startswith("tml-"):
-        raise typer.BadParameter("the API key must start with 'tml-' (the tinker SDK refuses others)")
-    worker_args = ["--max-slots", str(max_slots), "--max-rank", str(max_rank), "--log-level", log_level]
+        raise typer.BadParameter(
+            "the API key must start with 'tml-' (the tinker SDK refuses others)"
+        )
+    worker_args = [
+        "--max-slots",
+        str(max_slots),
+        "--max-rank",
+        str(max_rank),
+        "--log-level",
+        log_level,
+    ]
     if threads:
         worker_args += ["--threads", str(threads)]
     options = UpOptions(
@@ -71,14 +91,20 @@ def up(
 
 @app.command()
 def gateway(
-    nats_url: Annotated[str | None, typer.Option(help="NATS URL (default $TWINKLE_NATS_URL)")] = None,
+    nats_url: Annotated[
+        str | None, typer.Option(help="NATS URL (default $TWINKLE_NATS_URL)")
+    ] = None,
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
     api_key: Annotated[str | None, typer.Option(help="a tml-... key for tenant 'default'")] = None,
     key_file: Annotated[Path | None, typer.Option(help="lines of 'tml-KEY TENANT'")] = None,
-    base_model: Annotated[list[str] | None, typer.Option("--base-model", help="advertise before a worker reports in")] = None,
+    base_model: Annotated[
+        list[str] | None, typer.Option("--base-model", help="advertise before a worker reports in")
+    ] = None,
     fwdbwd_max_chunk_len: Annotated[int, typer.Option()] = 1024,
-    ready_file: Annotated[Path | None, typer.Option(help="write the base URL here as JSON once listening")] = None,
+    ready_file: Annotated[
+        Path | None, typer.Option(help="write the base URL here as JSON once listening")
+    ] = None,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Serve the Tinker HTTP API over a running NATS."""
@@ -91,7 +117,9 @@ def gateway(
         api_keys=load_api_keys(key_file, api_key),
         base_models=tuple(base_model or ()),
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
-        bus=bus_from_env(nats_url) if nats_url or os.environ.get("TWINKLE_NATS_URL") else BusSettings(),
+        bus=bus_from_env(nats_url)
+        if nats_url or os.environ.get("TWINKLE_NATS_URL")
+        else BusSettings(),
     )
 
     def on_ready(base_url: str) -> None:
@@ -114,7 +142,9 @@ def make_tiny_model(
     arch: Annotated[str, typer.Option(help="qwen3 or qwen3_5")] = "qwen3",
 ) -> None:
     """Write a small random model and tokenizer, built offline, to DIRECTORY."""
-    os.execv(sys.executable, [sys.executable, "-m", "workers.tiny_model", str(directory), "--arch", arch])
+    os.execv(
+        sys.executable, [sys.executable, "-m", "workers.tiny_model", str(directory), "--arch", arch]
+    )
 
 
 def main() -> None:

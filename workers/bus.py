@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 class WorkerBus:
     """A worker's connection, KV handles and shard fetch loops."""
 
-    def __init__(self, nats_url: str, *, ack_wait_s: float = 120.0, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, nats_url: str, *, ack_wait_s: float = 120.0, timeout_s: float = 10.0
+    ) -> None:
         self.nats_url = nats_url
         self.ack_wait_s = ack_wait_s
         self.timeout_s = timeout_s
@@ -51,7 +53,9 @@ class WorkerBus:
                 return
             except (NotFoundError, BucketNotFoundError):
                 if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError(f"the gateway did not create the bus topology within {wait_topology_s} s") from None
+                    raise TimeoutError(
+                        f"the gateway did not create the bus topology within {wait_topology_s} s"
+                    ) from None
                 log.info("waiting for the gateway to create the bus topology")
                 await asyncio.sleep(0.2)
 
@@ -65,7 +69,9 @@ class WorkerBus:
             # redelivered to the next worker rather than waited for here
             await self.nc.close()
 
-    async def consume_shard(self, pool: str, shard: int, on_msg: Callable[[Msg], Awaitable[None]]) -> None:
+    async def consume_shard(
+        self, pool: str, shard: int, on_msg: Callable[[Msg], Awaitable[None]]
+    ) -> None:
         """Start the fetch loop of one shard's durable consumer."""
         assert self.js is not None
         config = js_api.ConsumerConfig(

@@ -97,7 +97,12 @@ class TrainerService:
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._keepalive_loop(), name="keepalive"),
         ]
-        log.info("worker %s serving %s (pool %s)", self.settings.worker_id, self.settings.base_model, self.settings.pool)
+        log.info(
+            "worker %s serving %s (pool %s)",
+            self.settings.worker_id,
+            self.settings.base_model,
+            self.settings.pool,
+        )
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -114,7 +119,12 @@ class TrainerService:
             await msg.term()
             return
         if not self.sequencer.offer(Pending(job=job, handle=msg, received_at=time.monotonic())):
-            log.info("duplicate op %s seq %d of %s; already handled", job.request_id, job.seq_id, job.model_id)
+            log.info(
+                "duplicate op %s seq %d of %s; already handled",
+                job.request_id,
+                job.seq_id,
+                job.model_id,
+            )
             await msg.ack()
             return
         self._wake.set()
@@ -155,7 +165,9 @@ class TrainerService:
     async def _cycle_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=min(5.0, self.settings.gap_timeout_s))
+                await asyncio.wait_for(
+                    self._wake.wait(), timeout=min(5.0, self.settings.gap_timeout_s)
+                )
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -173,7 +185,10 @@ class TrainerService:
             await self._run([item], self._other)
         log.debug(
             "cycle: %d fwd, %d optim, %d other in %.1f ms",
-            len(cycle.shared_pass), len(cycle.optim_steps), len(cycle.others), (time.perf_counter() - started) * 1e3,
+            len(cycle.shared_pass),
+            len(cycle.optim_steps),
+            len(cycle.others),
+            (time.perf_counter() - started) * 1e3,
         )
 
     async def _run(self, items: list[Item], fn: Any) -> None:
@@ -181,7 +196,9 @@ class TrainerService:
         self._in_flight = [item.handle for item in items]
         loop = asyncio.get_running_loop()
         try:
-            results: list[tuple[Outcome, CheckpointRecord | None]] = await loop.run_in_executor(self._executor, fn, items)
+            results: list[tuple[Outcome, CheckpointRecord | None]] = await loop.run_in_executor(
+                self._executor, fn, items
+            )
         except Exception:
             log.exception("engine batch of %d ops crashed", len(items))
             err = ServerError("the worker failed while running this request; see the worker log")
@@ -195,7 +212,11 @@ class TrainerService:
             await self._finish(item, outcome)
 
     async def _finish(self, item: Item, outcome: Outcome) -> None:
-        await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(outcome.request_id), encode_outcome(outcome))
+        await self.bus.put(
+            subjects.BUCKET_FUTURES,
+            subjects.future_key(outcome.request_id),
+            encode_outcome(outcome),
+        )
         await item.handle.ack()
         self.sequencer.applied(item.job)
         if isinstance(item.job, UnloadModelJob):
@@ -203,23 +224,33 @@ class TrainerService:
                 await stale.handle.ack()
 
     async def _fail_stalled(self) -> None:
-        for model_id, items in self.sequencer.stalled(time.monotonic(), self.settings.gap_timeout_s).items():
+        for model_id, items in self.sequencer.stalled(
+            time.monotonic(), self.settings.gap_timeout_s
+        ).items():
             first = items[0].job.seq_id
-            log.error("model %s: seq before %d never arrived; failing %d ops", model_id, first, len(items))
+            log.error(
+                "model %s: seq before %d never arrived; failing %d ops", model_id, first, len(items)
+            )
             for item in items:
                 err = ServerError(
                     f"request seq_id {item.job.seq_id} of {model_id} waited {self.settings.gap_timeout_s:.0f} s "
                     f"for an earlier request that never arrived; restore from your last checkpoint"
                 )
                 outcome = _failed(item.job, err)
-                await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(outcome.request_id), encode_outcome(outcome))
+                await self.bus.put(
+                    subjects.BUCKET_FUTURES,
+                    subjects.future_key(outcome.request_id),
+                    encode_outcome(outcome),
+                )
                 await item.handle.ack()
 
     # -- engine-thread work (synchronous) ----------------------------------------------------
 
     def _require_model(self, job: Job) -> None:
         if not self.engine.has(job.model_id):
-            raise UserError(f"model_id {job.model_id!r} is not loaded (its create_model or load failed)")
+            raise UserError(
+                f"model_id {job.model_id!r} is not loaded (its create_model or load failed)"
+            )
 
     def _shared_pass(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
         outcomes: dict[int, Outcome] = {}
@@ -240,7 +271,9 @@ class TrainerService:
         if batch:
             results = self.engine.forward_backward(batch)
             for i, result in zip(batch_index, results, strict=True):
-                payload = encode_forward_backward_output(result.outputs, result.metrics, result.loss_fn_output_type)
+                payload = encode_forward_backward_output(
+                    result.outputs, result.metrics, result.loss_fn_output_type
+                )
                 outcomes[i] = _done(items[i].job, payload, "proto")
         return [(outcomes[i], None) for i in range(len(items))]
 
@@ -261,7 +294,9 @@ class TrainerService:
             index.append(i)
         if steps:
             for i, metrics in zip(index, self.engine.optim_step(steps), strict=True):
-                outcomes[i] = _done(items[i].job, api.encode(api.OptimStepResponse(metrics=metrics)))
+                outcomes[i] = _done(
+                    items[i].job, api.encode(api.OptimStepResponse(metrics=metrics))
+                )
         return [(outcomes[i], None) for i in range(len(items))]
 
     def _other(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
@@ -271,7 +306,9 @@ class TrainerService:
             if isinstance(job, CreateModelJob):
                 if not self.engine.has(job.model_id):
                     self.engine.create(job.model_id, job.lora)
-                return [(_done(job, api.encode(api.CreateModelResponse(model_id=job.model_id))), None)]
+                return [
+                    (_done(job, api.encode(api.CreateModelResponse(model_id=job.model_id))), None)
+                ]
             if isinstance(job, SaveWeightsJob):
                 return [self._save(job)]
             if isinstance(job, LoadWeightsJob):
@@ -279,7 +316,9 @@ class TrainerService:
             if isinstance(job, UnloadModelJob):
                 if self.engine.has(job.model_id):
                     self.engine.release(job.model_id)
-                return [(_done(job, api.encode(api.UnloadModelResponse(model_id=job.model_id))), None)]
+                return [
+                    (_done(job, api.encode(api.UnloadModelResponse(model_id=job.model_id))), None)
+                ]
             raise ServerError(f"op {type(job).__name__} cannot run here")
         except TwinkleError as err:
             return [(_failed(job, err), None)]
@@ -292,7 +331,12 @@ class TrainerService:
         path = TinkerPath(run_id=job.model_id, kind=job.kind, name=job.name)
         directory = self._checkpoint_dir(path)
         now = time.time()
-        meta = {"model_id": job.model_id, "seq_id": job.seq_id, "base_model": self.settings.base_model, "saved_at": now}
+        meta = {
+            "model_id": job.model_id,
+            "seq_id": job.seq_id,
+            "base_model": self.settings.base_model,
+            "saved_at": now,
+        }
         size = self.engine.save(job.model_id, directory, kind=job.kind, meta=meta)
         record = CheckpointRecord(
             run_id=job.model_id,

@@ -45,7 +45,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         incident = uuid.uuid4().hex[:12]
         log.exception("%s %s crashed (incident %s)", request.method, request.path, incident)
-        body = {"detail": f"internal server error (incident {incident})", "category": "server", "code": "internal"}
+        body = {
+            "detail": f"internal server error (incident {incident})",
+            "category": "server",
+            "code": "internal",
+        }
         return web.json_response(body, status=500, headers={"x-should-retry": "false"})
 
 

@@ -73,7 +73,8 @@ async def list_training_runs(request: web.Request) -> web.Response:
     views = [run_view(run, await registry.checkpoints(run.model_id)) for run in page]
     return json_response(
         api.TrainingRunsResponse(
-            training_runs=views, cursor=api.Cursor(offset=offset, limit=limit, total_count=len(runs))
+            training_runs=views,
+            cursor=api.Cursor(offset=offset, limit=limit, total_count=len(runs)),
         )
     )
 
@@ -90,7 +91,9 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     run = await registry.run(request.match_info["run_id"], request[TENANT])
     ckpts = await registry.checkpoints(run.model_id)
-    return json_response(api.CheckpointsListResponse(checkpoints=[checkpoint_view(c) for c in ckpts]))
+    return json_response(
+        api.CheckpointsListResponse(checkpoints=[checkpoint_view(c) for c in ckpts])
+    )
 
 
 @routes.post("/api/v1/weights_info")

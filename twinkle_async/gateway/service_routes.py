@@ -33,7 +33,9 @@ async def client_config(request: web.Request) -> web.Response:
 
 @routes.post("/api/v1/client/dynamic_config")
 async def client_dynamic_config(request: web.Request) -> web.Response:
-    return json_response(api.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=False))
+    return json_response(
+        api.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=False)
+    )
 
 
 @routes.get("/api/v1/get_server_capabilities")

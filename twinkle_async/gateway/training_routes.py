@@ -56,7 +56,9 @@ def _lora_spec(config: api.LoraConfig | None) -> LoraSpec:
     if config is None:
         return LoraSpec()
     if not (config.train_attn or config.train_mlp or config.train_unembed):
-        raise UserError("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+        raise UserError(
+            "lora_config: at least one of train_attn, train_mlp, train_unembed must be true"
+        )
     return LoraSpec(
         rank=config.rank,
         seed=config.seed,
@@ -159,8 +161,16 @@ async def optim_step(request: web.Request) -> web.Response:
     if body.adam_params is None:
         raise UserError("optim_step: only adam_params is supported (the dimuon optimizer is not)")
     p = body.adam_params
-    if p.learning_rate < 0 or not (0 <= p.beta1 < 1) or not (0 <= p.beta2 < 1) or p.eps < 0 or p.grad_clip_norm < 0:
-        raise UserError("optim_step: adam_params out of range (learning_rate >= 0, 0 <= beta < 1, eps >= 0, grad_clip_norm >= 0)")
+    if (
+        p.learning_rate < 0
+        or not (0 <= p.beta1 < 1)
+        or not (0 <= p.beta2 < 1)
+        or p.eps < 0
+        or p.grad_clip_norm < 0
+    ):
+        raise UserError(
+            "optim_step: adam_params out of range (learning_rate >= 0, 0 <= beta < 1, eps >= 0, grad_clip_norm >= 0)"
+        )
     job = OptimStepJob(
         request_id=new_request_id("optim_step"),
         model_id=body.model_id,
@@ -228,14 +238,18 @@ async def load_weights(request: web.Request) -> web.Response:
     path = paths.parse_path(body.path)
     ckpt = await registry.checkpoint(path.run_id, path.checkpoint_id, tenant)
     if path.kind != "weights":
-        raise UserError(f"load_weights needs a training checkpoint (tinker://<run>/weights/<name>), got {body.path!r}")
+        raise UserError(
+            f"load_weights needs a training checkpoint (tinker://<run>/weights/<name>), got {body.path!r}"
+        )
     if body.optimizer and not ckpt.with_optimizer:
         raise UserError(f"checkpoint {body.path!r} has no optimizer state")
     now = time.time()
     if body.model_id is not None:  # legacy addressing: load into an existing model
         run = await registry.run(body.model_id, tenant)
         if run.base_model != ckpt.base_model:
-            raise UserError(f"checkpoint base model {ckpt.base_model!r} differs from the model's {run.base_model!r}")
+            raise UserError(
+                f"checkpoint base model {ckpt.base_model!r} differs from the model's {run.base_model!r}"
+            )
         model_id, seq_id, create = run.model_id, body.seq_id or 0, False
     else:  # create-via-load: the SDK derives the model id itself
         if body.session_id is None or body.model_seq_id is None:

@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
 .PHONY: install test demo lint format clean
 

@@ -26,6 +26,7 @@ def main() -> int:
         "HF_HUB_OFFLINE": "1",
         "OMP_WAIT_POLICY": "PASSIVE",
         "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
     if not (model_dir / "config.json").exists():
         subprocess.run(

@@ -112,3 +112,21 @@ def test_tokenizer_and_capabilities(
     client = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
     tokenizer = client.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
+
+
+@pytest.mark.filterwarnings(
+    "ignore::FutureWarning"
+)  # load_state_* is deprecated in the SDK, still sent by old loops
+def test_legacy_load_state_into_an_existing_client(
+    service: tinker.ServiceClient, tiny_model: Path
+) -> None:
+    batch = toy_batch(seed=9)
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=4
+    ).result()
+    train_steps(client, batch, 4)
+    path = client.save_state("legacy").result().path
+    original = train_steps(client, batch, 3)
+    client.load_state_with_optimizer(path).result()
+    again = train_steps(client, batch, 3)
+    assert max(abs(a - b) for a, b in zip(original, again, strict=True)) <= 1e-5, (original, again)

@@ -155,3 +155,30 @@ def test_bad_input_is_a_clear_user_error_and_the_cluster_keeps_serving(
     # still serving, and the client that saw errors still trains
     losses = train_steps(client, good, 3)
     assert losses[-1] < losses[0]
+
+
+def test_zstd_compressed_forward_backward(wire: Wire, tiny_model: Path) -> None:
+    import zstandard
+
+    batch = toy_batch(n=2)
+    session = wire.session()
+    plain_model = wire.create_model(session, str(tiny_model), seq=0, seed=3)
+    zstd_model = wire.create_model(session, str(tiny_model), seq=1, seed=3)
+    plain = wire.forward_backward(wire.fwdbwd_body(plain_model, 1, batch, forward_only=True))
+    body = zstandard.ZstdCompressor().compress(
+        wire.fwdbwd_body(zstd_model, 1, batch, forward_only=True)
+    )
+    packed = wire.post(
+        "forward_backward",
+        content=body,
+        headers={"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"},
+    )
+    assert packed.status_code == 200, packed.text
+    a = _logprobs(wire.fwdbwd_output(wire.result(plain.json()["request_id"])))
+    b = _logprobs(wire.fwdbwd_output(wire.result(packed.json()["request_id"])))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    garbage = wire.post(
+        "forward_backward", content=b"not zstd", headers={"Content-Encoding": "zstd"}
+    )
+    assert garbage.status_code == 400 and garbage.json()["category"] == "user"

@@ -91,8 +91,8 @@ class WorkerBus:
             while True:
                 try:
                     msgs = await sub.fetch(batch=256, timeout=5.0)
-                except nats.errors.TimeoutError:
-                    continue
+                except (nats.errors.TimeoutError, TimeoutError):
+                    continue  # nothing arrived within the long-poll window
                 except (nats.errors.ConnectionClosedError, asyncio.CancelledError):
                     raise
                 except Exception:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -85,6 +86,8 @@ class TrainerService:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._in_flight: list[Msg] = []
+        # models per shared pass, most recent last: the measure of cross-tenant merging
+        self.pass_models: deque[int] = deque(maxlen=1000)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,6 +181,7 @@ class TrainerService:
     async def _run_cycle(self, cycle: Cycle[Msg]) -> None:
         started = time.perf_counter()
         if cycle.shared_pass:
+            self.pass_models.append(len({item.job.model_id for item in cycle.shared_pass}))
             await self._run(cycle.shared_pass, self._shared_pass)
         if cycle.optim_steps:
             await self._run(cycle.optim_steps, self._optim_steps)

@@ -25,6 +25,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.utils import logging as transformers_logging
 
 Arch = Literal["qwen3", "qwen3_5"]
 
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    transformers_logging.disable_progress_bar()
     path = build_tiny_model(
         args.directory,
         args.arch,

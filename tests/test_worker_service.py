@@ -1,0 +1,137 @@
+"""The trainer service against a real nats-server and a real engine, in-process: ops published
+before the worker starts are merged into one shared pass across models, outcomes land in KV,
+and a model whose next seq never arrives fails loudly instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from protocol import subjects
+from protocol.jobs import (
+    CreateModelJob,
+    ForwardBackwardJob,
+    Job,
+    LoraSpec,
+    OptimStepJob,
+    Outcome,
+    decode_outcome,
+)
+from protocol.tensors import (
+    DatumArrays,
+    FwdBwdRequest,
+    decode_forward_backward_output,
+    encode_forward_backward,
+)
+from twinkle_async.bus import Bus
+from twinkle_async.nats_server import NatsServer
+from twinkle_async.settings import BusSettings
+from workers.bus import WorkerBus
+from workers.engine import Engine
+from workers.service import TrainerService
+from workers.settings import WorkerSettings
+from workers.tiny_model import build_tiny_model
+
+
+def fwd_job(model_id: str, seq_id: int, length: int) -> ForwardBackwardJob:
+    tokens = np.arange(3, 3 + length + 1, dtype=np.int64)
+    request = FwdBwdRequest(
+        model_id=model_id,
+        seq_id=seq_id,
+        loss_fn="cross_entropy",
+        forward_only=False,
+        loss_fn_config={},
+        datums=[
+            DatumArrays(tokens=tokens[:-1].astype(np.int32), inputs={"target_tokens": tokens[1:]})
+        ],
+    )
+    return ForwardBackwardJob(
+        request_id=f"req-{model_id}-{seq_id}",
+        model_id=model_id,
+        tenant_id="t",
+        seq_id=seq_id,
+        body=encode_forward_backward(request),
+        n_tokens=length,
+    )
+
+
+async def wait_outcome(bus: Bus, request_id: str, timeout_s: float = 60.0) -> Outcome:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        data = await bus.get(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
+        if data:
+            return decode_outcome(data)
+        await asyncio.sleep(0.05)
+    raise TimeoutError(request_id)
+
+
+@pytest.mark.timeout(120)
+async def test_service_merges_models_and_fails_gaps(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    settings = WorkerSettings(
+        base_model=str(model_dir),
+        nats_url=nats_server.url,
+        data_dir=tmp_path / "data",
+        max_rank=8,
+        gap_timeout_s=1.0,
+    )
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    models = ["m-a", "m-b", "m-c"]
+    jobs: list[Job] = []
+    for i, model_id in enumerate(models):
+        jobs.append(
+            CreateModelJob(
+                request_id=f"req-{model_id}-0",
+                model_id=model_id,
+                tenant_id="t",
+                seq_id=0,
+                base_model=str(model_dir),
+                lora=LoraSpec(rank=4 + 2 * i, seed=i),
+            )
+        )
+        jobs.append(fwd_job(model_id, 1, length=5 + i))
+        jobs.append(
+            OptimStepJob(request_id=f"req-{model_id}-2", model_id=model_id, tenant_id="t", seq_id=2)
+        )
+    # a model whose seq 1 never comes: its seq 2 must fail, not hang
+    jobs.append(
+        CreateModelJob(
+            request_id="req-gap-0",
+            model_id="m-gap",
+            tenant_id="t",
+            seq_id=0,
+            base_model=str(model_dir),
+            lora=LoraSpec(rank=4),
+        )
+    )
+    jobs.append(fwd_job("m-gap", 2, length=4))
+    for job in reversed(jobs):  # arrival order is the reverse of seq order
+        await gateway_bus.publish_job(settings.pool, job)
+
+    engine = Engine(settings.base_model, max_slots=8, max_rank=8)
+    worker_bus = WorkerBus(nats_server.url)
+    await worker_bus.connect()
+    service = TrainerService(worker_bus, engine, settings)
+    task = asyncio.create_task(service.run())
+    try:
+        for model_id in models:
+            out = await wait_outcome(gateway_bus, f"req-{model_id}-1")
+            assert out.state == "done" and out.payload_type == "proto"
+            decoded = decode_forward_backward_output(out.payload)
+            assert decoded.metrics["loss:sum"] > 0
+            assert (await wait_outcome(gateway_bus, f"req-{model_id}-2")).state == "done"
+        gap = await wait_outcome(gateway_bus, "req-m-gap-2", timeout_s=30)
+        assert gap.state == "error" and gap.category == "server" and "never arrived" in gap.error
+        assert max(service.pass_models) == 3, list(service.pass_models)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker_bus.close()
+        await gateway_bus.close()

@@ -138,3 +138,17 @@ def cluster(
         yield running
     finally:
         stop_cluster(running)
+
+
+@pytest.fixture(scope="session")
+def chunked_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Iterator[Cluster]:
+    """A second cluster whose client/config splits forward_backward calls into 3-datum chunks."""
+    running = start_cluster(
+        tmp_path_factory.mktemp("chunked") / "data", [tiny_model], "--fwdbwd-max-chunk-len", "3"
+    )
+    try:
+        yield running
+    finally:
+        stop_cluster(running)

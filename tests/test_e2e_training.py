@@ -130,3 +130,27 @@ def test_legacy_load_state_into_an_existing_client(
     client.load_state_with_optimizer(path).result()
     again = train_steps(client, batch, 3)
     assert max(abs(a - b) for a, b in zip(original, again, strict=True)) <= 1e-5, (original, again)
+
+
+def test_concurrent_clients_match_their_solo_runs(
+    service: tinker.ServiceClient, tiny_model: Path
+) -> None:
+    """Several clients training at once share passes on the worker; each sees its solo numbers."""
+    import concurrent.futures
+
+    setups = [
+        (rank, seed, toy_batch(n=2 + seed % 3, seed=40 + seed))
+        for rank, seed in ((4, 1), (8, 2), (16, 3))
+    ]
+
+    def run(rank: int, seed: int, batch: list) -> list[float]:
+        client = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=rank, seed=seed
+        ).result()
+        return train_steps(client, batch, 6)
+
+    solo = [run(*setup) for setup in setups]
+    with concurrent.futures.ThreadPoolExecutor(len(setups)) as pool:
+        together = list(pool.map(lambda setup: run(*setup), setups))
+    for a, b in zip(solo, together, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4, (a, b)

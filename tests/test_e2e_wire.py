@@ -12,7 +12,7 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from tests.conftest import Cluster, start_cluster, stop_cluster
+from tests.conftest import Cluster
 from tests.sdk_helpers import toy_batch, train_steps
 from tests.wire import Wire
 
@@ -60,25 +60,21 @@ def test_retried_submits_get_the_same_request_and_apply_once(wire: Wire, tiny_mo
 
 
 def test_chunked_out_of_order_equals_one_chunk(
-    tmp_path: Path, cluster: Cluster, tiny_model: Path
+    cluster: Cluster, chunked_cluster: Cluster, tiny_model: Path
 ) -> None:
     batch = toy_batch(n=10, seed=11)
-    small = start_cluster(tmp_path / "chunked", [tiny_model], "--fwdbwd-max-chunk-len", "3")
-    try:
-        results = {}
-        for name, where in (("one", cluster), ("chunked", small)):
-            service = tinker.ServiceClient(base_url=where.base_url, api_key=where.api_key)
-            client = service.create_lora_training_client(
-                base_model=str(tiny_model), rank=8, seed=21
-            ).result()
-            first = client.forward_backward(batch, "cross_entropy")
-            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-            out = first.result()
-            nxt = client.forward_backward(batch, "cross_entropy").result()
-            results[name] = (out, nxt)
-            service.close("success").result()
-    finally:
-        stop_cluster(small)
+    results = {}
+    for name, where in (("one", cluster), ("chunked", chunked_cluster)):
+        service = tinker.ServiceClient(base_url=where.base_url, api_key=where.api_key)
+        client = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=8, seed=21
+        ).result()
+        first = client.forward_backward(batch, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        out = first.result()
+        nxt = client.forward_backward(batch, "cross_entropy").result()
+        results[name] = (out, nxt)
+        service.close("success").result()
     (one, one_next), (chunked, chunked_next) = results["one"], results["chunked"]
     assert len(chunked.loss_fn_outputs) == len(one.loss_fn_outputs) == 10
     for a, b in zip(_logprobs(one), _logprobs(chunked), strict=True):

@@ -42,7 +42,14 @@ from workers.checkpoints import (
     write_checkpoint,
 )
 from workers.lora import LayerGroup, LoraBank, Segment, SlotRouting
-from workers.losses import TARGET_TOKENS, LossFn, check_config, check_inputs, get_loss
+from workers.losses import (
+    TARGET_TOKENS,
+    LossFn,
+    Settings,
+    check_inputs,
+    get_loss,
+    resolve_config,
+)
 from workers.optimizer import SlotAdamW, check_adam
 
 _GROUP_FLAGS: dict[LayerGroup, str] = {
@@ -161,12 +168,13 @@ class Engine:
         """Raise a `UserError` naming the field if `req` cannot run; changes nothing."""
         self._tenant(model_id)
         loss = get_loss(req.loss_fn)
-        check_config(loss, req.loss_fn_config)
+        settings = resolve_config(loss, req.loss_fn_config)
         if not req.datums:
             raise UserError("datums: the request has no datums")
         for index, datum in enumerate(req.datums):
             self._check_tokens(index, datum)
-            check_inputs(loss, index, int(datum.tokens.shape[0]), datum.inputs, self.vocab_size)
+            n_tokens = int(datum.tokens.shape[0])
+            check_inputs(loss, settings, index, n_tokens, datum.inputs, self.vocab_size)
 
     def _check_tokens(self, index: int, datum: DatumArrays) -> None:
         field = f"datums[{index}].model_input"
@@ -237,11 +245,14 @@ class Engine:
     ) -> tuple[torch.Tensor, FwdBwdResult]:
         """A request's summed loss (a graph node) and its detached per-datum outputs."""
         loss_fn = get_loss(req.loss_fn)
+        settings = resolve_config(loss_fn, req.loss_fn_config)
         datum_losses: list[torch.Tensor] = []
         outputs: list[dict[str, np.ndarray]] = []
         for datum, row in zip(req.datums, rows, strict=True):
             n_tokens = int(datum.tokens.shape[0])
-            logprobs, elementwise = self._datum_loss(loss_fn, req, datum, logits[row, :n_tokens])
+            logprobs, elementwise = self._datum_loss(
+                loss_fn, settings, datum, logits[row, :n_tokens]
+            )
             datum_losses.append(elementwise.sum())
             outputs.append(
                 {"logprobs": _to_numpy(logprobs), "elementwise_loss": _to_numpy(elementwise)}
@@ -251,7 +262,7 @@ class Engine:
         return loss, FwdBwdResult(outputs, metrics, loss_fn.output_type)
 
     def _datum_loss(
-        self, loss_fn: LossFn, req: FwdBwdRequest, datum: DatumArrays, logits: torch.Tensor
+        self, loss_fn: LossFn, settings: Settings, datum: DatumArrays, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {name: self._input_tensor(array) for name, array in datum.inputs.items()}
         targets = inputs[TARGET_TOKENS]
@@ -262,7 +273,7 @@ class Engine:
             logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
         else:
             logprobs = logits.gather(-1, targets) - normaliser.unsqueeze(-1)
-        return logprobs, loss_fn.elementwise(logprobs, inputs, req.loss_fn_config)
+        return logprobs, loss_fn.elementwise(logprobs, inputs, settings)
 
     def _input_tensor(self, array: np.ndarray) -> torch.Tensor:
         dtype = torch.int64 if array.dtype.kind in "iu" else torch.float32

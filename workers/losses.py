@@ -118,7 +118,9 @@ def _importance_sampling(
     return elementwise if weights is None else weights * elementwise
 
 
-def _ppo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: Settings) -> torch.Tensor:
+def _ppo(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: Settings
+) -> torch.Tensor:
     # ℓ = −min(r·A, clamp(r, lo, hi)·A), token-wise; lo/hi are absolute ratio bounds.
     advantages = inputs["advantages"]
     ratio = torch.exp(_log_ratio(logprobs, inputs))
@@ -135,14 +137,18 @@ def _cispo(
     return -(torch.clamp(ratio, low, high).detach() * logprobs * inputs["advantages"])
 
 
-def _dro(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: Settings) -> torch.Tensor:
+def _dro(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: Settings
+) -> torch.Tensor:
     # ℓ = −(lp·A − ½β(lp − q)²). The penalty applies at A = 0 positions too (measured on the
     # live service, §2.5): a prompt padded with q = 0 adds ½β·lp². Reproduced, not "fixed".
     penalty = 0.5 * settings["beta"] * (logprobs - inputs["logprobs"]) ** 2
     return -(logprobs * inputs["advantages"] - penalty)
 
 
-def _gspo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: Settings) -> torch.Tensor:
+def _gspo(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: Settings
+) -> torch.Tensor:
     # GSPO-token (§2.6): one sequence ratio s per datum, the geometric mean of the token ratios
     # over the mask M; ρ_t = exp(log s + lp_t − sg[lp_t]) has value s and gradient s·∂lp_t.
     # ℓ_t = −min(ρ_t·A_t, clamp(ρ_t, lo, hi)·A_t), summed over all t (the clamp/min lines
@@ -151,9 +157,7 @@ def _gspo(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: 
     selected = inputs["sequence_ratio_mask"] != 0  # a boolean mask, not weights
     detached = logprobs.detach()
     log_s = (detached - inputs["logprobs"])[selected].mean()
-    log_rho = torch.where(
-        advantages != 0, log_s + logprobs - detached, torch.zeros_like(logprobs)
-    )
+    log_rho = torch.where(advantages != 0, log_s + logprobs - detached, torch.zeros_like(logprobs))
     rho = torch.exp(log_rho)
     clipped = torch.clamp(rho, settings[CLIP_LOW], settings[CLIP_HIGH])
     return -torch.min(rho * advantages, clipped * advantages)
@@ -196,7 +200,11 @@ def _check_sequence_mask(
 # -- the registry --------------------------------------------------------------------------------
 
 _TARGETS = LossInput(TARGET_TOKENS, "int", True)
-_RL_INPUTS = (_TARGETS, LossInput("logprobs", "float", True), LossInput("advantages", "float", True))
+_RL_INPUTS = (
+    _TARGETS,
+    LossInput("logprobs", "float", True),
+    LossInput("advantages", "float", True),
+)
 _CLIP_INPUTS = (LossInput(CLIP_LOW, "float", False), LossInput(CLIP_HIGH, "float", False))
 
 CROSS_ENTROPY = LossFn(

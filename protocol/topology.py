@@ -44,3 +44,14 @@ class StreamSpec:
     max_age_s: float = 7 * 24 * 3600.0
     duplicate_window_s: float = 600.0
     max_msg_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SampleStreamSpec:
+    """Sample jobs: work-queue retention (an answered sample is never replayed)."""
+
+    name: str = subjects.STREAM_SAMPLE
+    subjects: tuple[str, ...] = (f"{subjects.SAMPLE_PREFIX}.>",)
+    max_age_s: float = 3600.0
+    duplicate_window_s: float = 120.0
+    max_msg_bytes: int = 8 * 1024 * 1024

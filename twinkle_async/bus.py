@@ -20,7 +20,7 @@ from nats.js.kv import KeyValue
 
 from protocol import subjects, topology
 from protocol.errors import Unavailable
-from protocol.jobs import Job, encode_job
+from protocol.jobs import Job, SampleJob, encode_job, encode_sample_job
 from twinkle_async.settings import BusSettings
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,25 @@ class Bus:
                     "Nats-Msg-Id": subjects.msg_id(job.model_id, job.seq_id),
                     "Tw-Request-Id": job.request_id,
                 },
+                timeout=self.settings.request_timeout_s,
+            )
+        except (
+            nats.errors.TimeoutError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.NoRespondersError,
+        ) as exc:
+            raise Unavailable(
+                f"the job bus did not accept {job.request_id}: {type(exc).__name__}"
+            ) from exc
+
+    async def publish_sample(self, pool: str, job: SampleJob, dedupe_id: str) -> None:
+        """Publish a sample job for any sampler of the pool; a repeat of `dedupe_id` is dropped."""
+        assert self.js is not None
+        try:
+            await self.js.publish(
+                subjects.sample_subject(pool),
+                encode_sample_job(job),
+                headers={"Nats-Msg-Id": dedupe_id, "Tw-Request-Id": job.request_id},
                 timeout=self.settings.request_timeout_s,
             )
         except (
@@ -163,10 +182,21 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
         duplicate_window=stream.duplicate_window_s,
         max_msg_size=stream.max_msg_bytes,
     )
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        await js.update_stream(config)
+    sample = topology.SampleStreamSpec()
+    sample_config = js_api.StreamConfig(
+        name=sample.name,
+        subjects=list(sample.subjects),
+        retention=js_api.RetentionPolicy.WORK_QUEUE,
+        storage=js_api.StorageType.FILE,
+        max_age=sample.max_age_s,
+        duplicate_window=sample.duplicate_window_s,
+        max_msg_size=sample.max_msg_bytes,
+    )
+    for stream_config in (config, sample_config):
+        try:
+            await js.add_stream(stream_config)
+        except BadRequestError:
+            await js.update_stream(stream_config)
     for spec in topology.buckets(settings.futures_ttl_s):
         try:
             await js.create_key_value(bucket=spec.name, ttl=spec.ttl_s, history=spec.history)

@@ -56,6 +56,9 @@ def up(
         int, typer.Option(help="datums per forward_backward chunk (client/config)")
     ] = 1024,
     threads: Annotated[int, typer.Option(help="torch threads per worker (0 = torch default)")] = 0,
+    sampler: Annotated[
+        str, typer.Option(help="torch (in the trainer), vllm (own process) or none")
+    ] = "torch",
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Start NATS, the gateway and one worker per base model; stop all on Ctrl-C."""
@@ -85,6 +88,8 @@ def up(
         ready_file=ready_file,
         worker_args=worker_args,
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
+        vllm_sampler=sampler == "vllm",
+        sampler_args=["--max-lora-rank", str(max_rank), "--log-level", log_level],
     )
     _run(run_up(options))
 
@@ -134,6 +139,12 @@ def gateway(
 def worker(ctx: typer.Context) -> None:
     """Run a trainer worker: `twinkle-async worker --base-model ID [--nats-url ...]`."""
     os.execv(sys.executable, [sys.executable, "-m", "workers", *ctx.args])
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def sampler(ctx: typer.Context) -> None:
+    """Run a sampler: `twinkle-async sampler --base-model ID --backend vllm [--nats-url ...]`."""
+    os.execv(sys.executable, [sys.executable, "-m", "workers.sampler_main", *ctx.args])
 
 
 @app.command("make-tiny-model")

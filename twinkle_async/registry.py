@@ -13,7 +13,7 @@ from nats.aio.subscription import Subscription
 
 from protocol import records, subjects
 from protocol.errors import NotFound, UserError
-from protocol.records import CheckpointRecord, RunRecord, SessionRecord, WorkerRecord
+from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord, WorkerRecord
 from twinkle_async.bus import Bus
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,18 @@ class Registry:
         fresh = time.time() - WORKER_STALE_S
         served: dict[str, WorkerRecord | None] = {name: None for name in self.configured_models}
         for worker in self.workers.values():
-            if worker.heartbeat_at >= fresh:
+            if worker.heartbeat_at >= fresh and worker.role == "trainer":
                 served[worker.base_model] = worker
         return served
+
+    def sampler_backends(self, base_model: str) -> set[str]:
+        """Sampler backends live for a base model (empty: nothing samples it)."""
+        fresh = time.time() - WORKER_STALE_S
+        return {
+            w.sampler_backend
+            for w in self.workers.values()
+            if w.base_model == base_model and w.sampler_backend and w.heartbeat_at >= fresh
+        }
 
     def check_base_model(self, base_model: str) -> WorkerRecord | None:
         served = self.served_models()
@@ -82,6 +91,21 @@ class Registry:
         if session.tenant_id != tenant_id:
             raise NotFound(f"session {session_id!r} not found")
         return session
+
+    # -- sampling sessions -------------------------------------------------------------------
+
+    async def put_sampler(self, sampler: SamplerRecord) -> None:
+        key = subjects.sampler_key(sampler.sampling_session_id)
+        await self.bus.put(subjects.BUCKET_SESSIONS, key, records.encode(sampler))
+
+    async def sampler(self, sampling_session_id: str, tenant_id: str) -> SamplerRecord:
+        data = await self.bus.get(
+            subjects.BUCKET_SESSIONS, subjects.sampler_key(sampling_session_id)
+        )
+        sampler = records.decode(data, SamplerRecord) if data else None
+        if sampler is None or sampler.tenant_id != tenant_id:
+            raise NotFound(f"sampling session {sampling_session_id!r} not found")
+        return sampler
 
     # -- runs --------------------------------------------------------------------------------
 

@@ -42,19 +42,18 @@ class UpOptions:
     worker_args: list[str] = field(default_factory=list)
     fwdbwd_max_chunk_len: int = 1024
     worker_ready_timeout_s: float = 300.0
+    vllm_sampler: bool = False
+    sampler_args: list[str] = field(default_factory=list)
 
 
 async def _wait_for_workers(
-    bus: Bus, base_models: list[str], procs: list[Process], timeout_s: float
+    bus: Bus, expected: set[tuple[str, str]], procs: list[Process], timeout_s: float
 ) -> None:
-    """Until every base model has a worker heartbeat in `tw_workers`."""
+    """Until every (base model, role) expected has a heartbeat in `tw_workers`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        seen = {
-            records.decode(v, WorkerRecord).base_model
-            for v in await bus.values(subjects.BUCKET_WORKERS)
-        }
-        if all(model in seen for model in base_models):
+        found = [records.decode(v, WorkerRecord) for v in await bus.values(subjects.BUCKET_WORKERS)]
+        if expected <= {(record.base_model, record.role) for record in found}:
             return
         for proc in procs:
             if proc.returncode is not None:
@@ -64,19 +63,21 @@ async def _wait_for_workers(
         await asyncio.sleep(0.2)
 
 
-def _worker_command(base_model: str, nats_url: str, options: UpOptions) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "workers",
+def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[str, list[str]]]:
+    """(role, argv) of each process a base model needs: a trainer, and a vLLM sampler if asked."""
+    common = [
         "--base-model",
         base_model,
         "--nats-url",
         nats_url,
         "--data-dir",
         str(options.data_dir),
-        *options.worker_args,
     ]
+    commands = [("trainer", [sys.executable, "-m", "workers", *common, *options.worker_args])]
+    if options.vllm_sampler:
+        sampler = [sys.executable, "-m", "workers.sampler_main", *common, "--backend", "vllm"]
+        commands.append(("sampler", [*sampler, *options.sampler_args]))
+    return commands
 
 
 async def run_up(options: UpOptions) -> None:
@@ -107,14 +108,13 @@ async def run_up(options: UpOptions) -> None:
                 gateway.result()
             await asyncio.sleep(0.01)
         await bus.connect()
+        expected: set[tuple[str, str]] = set()
         for base_model in options.base_models:
-            procs.append(
-                await asyncio.create_subprocess_exec(
-                    *_worker_command(base_model, nats_url, options)
-                )
-            )
+            for role, argv in _commands(base_model, nats_url, options):
+                procs.append(await asyncio.create_subprocess_exec(*argv))
+                expected.add((base_model, role))
         ready = asyncio.create_task(
-            _wait_for_workers(bus, options.base_models, procs, options.worker_ready_timeout_s)
+            _wait_for_workers(bus, expected, procs, options.worker_ready_timeout_s)
         )
         stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({ready, stopper, gateway}, return_when=asyncio.FIRST_COMPLETED)

@@ -32,6 +32,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=int(env("TORCH_THREADS", "0")) or None)
     parser.add_argument("--shards", type=int, default=int(env("SHARDS", "16")))
     parser.add_argument("--gap-timeout-s", type=float, default=float(env("GAP_TIMEOUT_S", "120")))
+    parser.add_argument(
+        "--sampler",
+        choices=["torch", "none"],
+        default=env("SAMPLER", "torch"),
+        help="serve sample requests in this process with the torch sampler",
+    )
     parser.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -54,7 +60,14 @@ async def serve(settings: WorkerSettings) -> None:
     bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
     await bus.connect()
     service = TrainerService(bus, engine, settings)
-    task = asyncio.create_task(service.run())
+    runs = [service.run()]
+    if settings.sampler == "torch":
+        from workers.sampler_service import SamplerService, TorchBackend
+        from workers.sampling_torch import TorchSampler
+
+        backend = TorchBackend(TorchSampler(engine), engine, service.executor)
+        runs.append(SamplerService(bus, backend, settings.pool, settings.checkpoint_root).run())
+    task = asyncio.ensure_future(asyncio.gather(*runs))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
@@ -83,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         threads=args.threads,
         gap_timeout_s=args.gap_timeout_s,
+        sampler="" if args.sampler == "none" else args.sampler,
     )
     import uvloop
 

@@ -48,6 +48,7 @@ class WorkerBus:
         while True:
             try:
                 await self.js.stream_info(subjects.STREAM_OPS)
+                await self.js.stream_info(subjects.STREAM_SAMPLE)
                 for name in names:
                     self.kv[name] = await self.js.key_value(name)
                 return
@@ -73,6 +74,21 @@ class WorkerBus:
         self, pool: str, shard: int, on_msg: Callable[[Msg], Awaitable[None]]
     ) -> None:
         """Start the fetch loop of one shard's durable consumer."""
+        await self.consume(
+            subjects.STREAM_OPS,
+            subjects.shard_filter(pool, shard),
+            subjects.consumer_name(pool, shard),
+            on_msg,
+        )
+
+    async def consume(
+        self,
+        stream: str,
+        filter_subject: str,
+        durable: str,
+        on_msg: Callable[[Msg], Awaitable[None]],
+    ) -> None:
+        """Start a long-poll fetch loop on a durable pull consumer, handing each message to `on_msg`."""
         assert self.js is not None
         config = js_api.ConsumerConfig(
             ack_policy=js_api.AckPolicy.EXPLICIT,
@@ -81,10 +97,7 @@ class WorkerBus:
             deliver_policy=js_api.DeliverPolicy.ALL,
         )
         sub = await self.js.pull_subscribe(
-            subjects.shard_filter(pool, shard),
-            durable=subjects.consumer_name(pool, shard),
-            stream=subjects.STREAM_OPS,
-            config=config,
+            filter_subject, durable=durable, stream=stream, config=config
         )
 
         async def loop() -> None:
@@ -96,13 +109,13 @@ class WorkerBus:
                 except (nats.errors.ConnectionClosedError, asyncio.CancelledError):
                     raise
                 except Exception:
-                    log.exception("fetch from shard %d failed; retrying", shard)
+                    log.exception("fetch from %s failed; retrying", durable)
                     await asyncio.sleep(1.0)
                     continue
                 for msg in msgs:
                     await on_msg(msg)
 
-        self._tasks.append(asyncio.create_task(loop(), name=f"shard-{shard}"))
+        self._tasks.append(asyncio.create_task(loop(), name=f"fetch-{durable}"))
 
     async def put(self, bucket: str, key: str, value: bytes) -> None:
         await self.kv[bucket].put(key, value)

@@ -78,13 +78,20 @@ def _failed(job: Job, err: TwinkleError) -> Outcome:
 class TrainerService:
     """One trainer worker: owns every shard of its pool (leases come with more workers)."""
 
-    def __init__(self, bus: WorkerBus, engine: Engine, settings: WorkerSettings) -> None:
+    def __init__(
+        self,
+        bus: WorkerBus,
+        engine: Engine,
+        settings: WorkerSettings,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.bus = bus
         self.engine = engine
         self.settings = settings
         self.sequencer: Sequencer[Msg] = Sequencer()
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # the engine is not thread-safe: every engine call (training or torch sampling) runs here
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._in_flight: list[Msg] = []
         # models per shared pass, most recent last: the measure of cross-tenant merging
         self.pass_models: deque[int] = deque(maxlen=1000)
@@ -112,7 +119,7 @@ class TrainerService:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -145,6 +152,7 @@ class TrainerService:
                 slots_total=self.settings.max_slots,
                 slots_used=self.engine.slots_used(),
                 heartbeat_at=time.time(),
+                sampler_backend=self.settings.sampler,
             )
             key = subjects.worker_key(self.settings.pool, self.settings.worker_id)
             try:
@@ -201,7 +209,7 @@ class TrainerService:
         loop = asyncio.get_running_loop()
         try:
             results: list[tuple[Outcome, CheckpointRecord | None]] = await loop.run_in_executor(
-                self._executor, fn, items
+                self.executor, fn, items
             )
         except Exception:
             log.exception("engine batch of %d ops crashed", len(items))
@@ -359,6 +367,10 @@ class TrainerService:
         )
         if job.kind == "weights":
             body = api.encode(api.SaveWeightsResponse(path=str(path)))
+        elif job.sampling_session_id:
+            body = api.encode(
+                api.SaveWeightsForSamplerResponse(sampling_session_id=job.sampling_session_id)
+            )
         else:
             body = api.encode(api.SaveWeightsForSamplerResponse(path=str(path)))
         return _done(job, body), record

@@ -27,6 +27,7 @@ class WorkerSettings:
     gap_timeout_s: float = 120.0
     ack_wait_s: float = 120.0
     heartbeat_s: float = 5.0
+    sampler: str = "torch"  # the in-process sampler: "torch", or "" for none
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
 
     @property

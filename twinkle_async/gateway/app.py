@@ -13,7 +13,13 @@ from aiohttp import web
 
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
-from twinkle_async.gateway import futures_routes, rest_routes, service_routes, training_routes
+from twinkle_async.gateway import (
+    futures_routes,
+    rest_routes,
+    sampling_routes,
+    service_routes,
+    training_routes,
+)
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, SETTINGS
 from twinkle_async.registry import Registry
@@ -43,7 +49,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
     )
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_bus_ctx)
-    for module in (service_routes, training_routes, futures_routes, rest_routes):
+    for module in (service_routes, training_routes, sampling_routes, futures_routes, rest_routes):
         app.add_routes(module.routes)
     return app
 

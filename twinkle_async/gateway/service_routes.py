@@ -41,13 +41,14 @@ async def client_dynamic_config(request: web.Request) -> web.Response:
 @routes.get("/api/v1/get_server_capabilities")
 async def get_server_capabilities(request: web.Request) -> web.Response:
     models = []
-    for name, worker in sorted(request.app[REGISTRY].served_models().items()):
+    registry = request.app[REGISTRY]
+    for name, worker in sorted(registry.served_models().items()):
         models.append(
             api.SupportedModel(
                 model_name=name,
                 max_context_length=worker.max_context if worker else None,
                 trainable=True,
-                sampleable=False,
+                sampleable=bool(registry.sampler_backends(name)),
             )
         )
     return json_response(api.GetServerCapabilitiesResponse(supported_models=models))

@@ -26,7 +26,7 @@ from protocol.jobs import (
     SaveWeightsJob,
     request_type_of,
 )
-from protocol.records import RunRecord
+from protocol.records import RunRecord, SamplerRecord
 from protocol.tensors import decode_forward_backward
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
@@ -209,23 +209,43 @@ async def save_weights(request: web.Request) -> web.Response:
 
 @routes.post("/api/v1/save_weights_for_sampler")
 async def save_weights_for_sampler(request: web.Request) -> web.Response:
+    """Named: a sampler checkpoint at `path`. Unnamed (`save_weights_and_get_sampling_client`):
+    an immutable snapshot plus a sampling session bound to it, answered by its id."""
     body = await read_json(request, api.SaveWeightsForSamplerRequest)
-    run = await request.app[REGISTRY].run(body.model_id, request[TENANT])
-    if body.path is None:
-        raise UserError(
-            "save_weights_and_get_sampling_client is not served yet: sampling is not enabled on this "
-            "cluster; use save_weights_for_sampler(name)"
+    tenant = request[TENANT]
+    registry = request.app[REGISTRY]
+    run = await registry.run(body.model_id, tenant)
+    seq_id = _seq(body.seq_id, "save_weights_for_sampler")
+    session_sampler = ""
+    if body.path is not None:
+        name = paths.check_name(body.path)
+    elif body.sampling_session_seq_id is not None:
+        session_sampler = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
+        name = f"snapshot-{seq_id}-{body.sampling_session_seq_id}"
+        snapshot = paths.TinkerPath(run_id=run.model_id, kind="sampler_weights", name=name)
+        await registry.put_sampler(
+            SamplerRecord(
+                sampling_session_id=session_sampler,
+                tenant_id=tenant,
+                session_id=run.session_id,
+                base_model=run.base_model,
+                model_path=str(snapshot),
+                created_at=time.time(),
+            )
         )
+    else:
+        raise UserError("save_weights_for_sampler needs path or sampling_session_seq_id")
     job = SaveWeightsJob(
         request_id=new_request_id("save_weights_for_sampler"),
         model_id=body.model_id,
-        tenant_id=request[TENANT],
-        seq_id=_seq(body.seq_id, "save_weights_for_sampler"),
+        tenant_id=tenant,
+        seq_id=seq_id,
         published_at=time.time(),
-        name=paths.check_name(body.path),
+        name=name,
         kind="sampler_weights",
         ttl_seconds=body.ttl_seconds,
         user_metadata=dict(body.user_metadata or {}),
+        sampling_session_id=session_sampler,
     )
     return await submit(request, job, run.base_model)
 

@@ -1,0 +1,119 @@
+"""Sampling endpoints: create_sampling_session, samplers/{id}, asample.
+
+A sampling session points at a base model or at an immutable sampler checkpoint. `asample`
+validates the request against the model (context, vocabulary) and publishes a `SampleJob` to
+`tw.v1.sample.<pool>`, where any sampler of the pool takes it; the answer carries one
+`sample_sequence_ids` entry per sample, as the SDK requires.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from protocol import api, paths, subjects
+from protocol.errors import UserError
+from protocol.jobs import SampleJob
+from protocol.records import SamplerRecord
+from protocol.sampling import sample_spec
+from twinkle_async.futures import new_request_id
+from twinkle_async.gateway.bodies import json_response, read_body, read_json
+from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
+
+routes = web.RouteTableDef()
+
+
+def sampling_session_id(session_id: str, seq_id: int) -> str:
+    return f"{session_id}:sample:{seq_id}"
+
+
+@routes.post("/api/v1/create_sampling_session")
+async def create_sampling_session(request: web.Request) -> web.Response:
+    body = await read_json(request, api.CreateSamplingSessionRequest)
+    tenant = request[TENANT]
+    registry = request.app[REGISTRY]
+    session = await registry.session(body.session_id, tenant)
+    if body.model_path:
+        path = paths.parse_path(body.model_path)
+        ckpt = await registry.checkpoint(path.run_id, path.checkpoint_id, tenant)
+        if path.kind != "sampler_weights":
+            raise UserError(
+                f"model_path {body.model_path!r} is a training checkpoint; sample from a sampler "
+                "checkpoint (save_weights_for_sampler) instead"
+            )
+        base_model = ckpt.base_model
+    elif body.base_model:
+        base_model = body.base_model
+    else:
+        raise UserError("create_sampling_session needs base_model or model_path")
+    registry.check_base_model(base_model)
+    sampler = SamplerRecord(
+        sampling_session_id=sampling_session_id(session.session_id, body.sampling_session_seq_id),
+        tenant_id=tenant,
+        session_id=session.session_id,
+        base_model=base_model,
+        model_path=body.model_path or None,
+        created_at=time.time(),
+    )
+    await registry.put_sampler(sampler)
+    return json_response(
+        api.CreateSamplingSessionResponse(sampling_session_id=sampler.sampling_session_id)
+    )
+
+
+@routes.get("/api/v1/samplers/{sampler_id}")
+async def get_sampler(request: web.Request) -> web.Response:
+    sampler = await request.app[REGISTRY].sampler(request.match_info["sampler_id"], request[TENANT])
+    return json_response(
+        api.GetSamplerResponse(
+            sampler_id=sampler.sampling_session_id,
+            base_model=sampler.base_model,
+            model_path=sampler.model_path,
+        )
+    )
+
+
+@routes.post("/api/v1/asample")
+async def asample(request: web.Request) -> web.Response:
+    raw = await read_body(request)
+    body = api.decode(raw, api.SampleRequest)
+    tenant = request[TENANT]
+    registry = request.app[REGISTRY]
+    if body.sampling_session_id is None:
+        raise UserError("asample needs a sampling_session_id (create_sampling_session first)")
+    sampler = await registry.sampler(body.sampling_session_id, tenant)
+    worker = registry.check_base_model(sampler.base_model)
+    if not registry.sampler_backends(sampler.base_model):
+        raise UserError(
+            f"no sampler serves {sampler.base_model!r} on this cluster (start one with --sampler)"
+        )
+    sample_spec(
+        body,
+        max_context=worker.max_context if worker else None,
+        vocab_size=worker.vocab_size if worker else None,
+    )
+    futures = request.app[FUTURES]
+    request_id = new_request_id("sample")
+    dedupe = (
+        f"{sampler.sampling_session_id}/{body.seq_id}" if body.seq_id is not None else request_id
+    )
+    if body.seq_id is not None:
+        request_id = await futures.claim(sampler.sampling_session_id, body.seq_id, request_id)
+    await futures.record_pending(request_id, "sample", "")
+    job = SampleJob(
+        request_id=request_id,
+        tenant_id=tenant,
+        sampling_session_id=sampler.sampling_session_id,
+        base_model=sampler.base_model,
+        adapter_path=sampler.model_path or "",
+        body=raw,
+        published_at=time.time(),
+    )
+    await request.app[BUS].publish_sample(subjects.pool_of(sampler.base_model), job, dedupe)
+    return json_response(
+        api.UntypedAPIFuture(
+            request_id=request_id,
+            sample_sequence_ids=[f"{request_id}-seq{i}" for i in range(body.num_samples)],
+        )
+    )

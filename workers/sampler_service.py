@@ -1,0 +1,217 @@
+"""The sampler service: sample jobs of one pool in, protobuf `SampleResponse` outcomes out.
+
+Every sampler of a pool (the torch sampler inside a trainer, or a vLLM sampler process) reads
+the shared durable consumer `sample-<pool>` on the work-queue stream `TW_SAMPLE`, so each job is
+taken once. Two backend shapes:
+- batched (torch): everything waiting is run as one generation on the engine's thread;
+- concurrent (vLLM): each job is submitted at once and the engine batches continuously.
+A sampling session names an immutable sampler checkpoint; adapters load by its path and are
+cached by it, so training never changes what a session samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+from nats.aio.msg import Msg
+
+from protocol import api, subjects
+from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
+from protocol.paths import parse_path
+from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
+from workers.bus import WorkerBus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A sample job, validated, with its adapter resolved to a checkpoint directory."""
+
+    job: SampleJob
+    msg: Msg
+    spec: SampleSpec
+    adapter_dir: Path | None
+
+
+class SamplerBackend(Protocol):
+    """What the service needs of a sampling engine."""
+
+    name: str
+    concurrent: bool
+    vocab_size: int
+    max_context: int
+
+    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]: ...
+
+
+class TorchBackend:
+    """The trainer's torch sampler: one batched generation per wake-up, on the engine thread."""
+
+    name = "torch"
+    concurrent = False
+
+    def __init__(self, sampler: Any, engine: Any, executor: Executor) -> None:
+        self.sampler = sampler
+        self.executor = executor
+        self.vocab_size = int(engine.vocab_size)
+        self.max_context = int(engine.max_context)
+
+    def _run(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
+        results: list[SampleOutput | TwinkleError | None] = [None] * len(items)
+        requests: list[tuple[SampleSpec, str | None]] = []
+        index: list[int] = []
+        for i, item in enumerate(items):
+            key = str(item.adapter_dir) if item.adapter_dir else None
+            try:
+                if key is not None and not self.sampler.has_adapter(key):
+                    assert item.adapter_dir is not None
+                    self.sampler.load_adapter(key, item.adapter_dir)
+            except TwinkleError as err:
+                results[i] = err
+                continue
+            requests.append((item.spec, key))
+            index.append(i)
+        if requests:
+            for i, output in zip(index, self.sampler.sample(requests), strict=True):
+                results[i] = output
+        return [r if r is not None else ServerError("sample produced no result") for r in results]
+
+    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._run, items)
+
+
+class VllmBackend:
+    """A vLLM engine: every job is submitted at once; vLLM batches continuously."""
+
+    name = "vllm"
+    concurrent = True
+
+    def __init__(self, sampler: Any, vocab_size: int, max_context: int) -> None:
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+
+    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
+        async def one(item: Prepared) -> SampleOutput | TwinkleError:
+            key = str(item.adapter_dir) if item.adapter_dir else None
+            try:
+                result: SampleOutput = await self.sampler.sample(item.spec, item.adapter_dir, key)
+            except TwinkleError as err:
+                return err
+            return result
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+
+class SamplerService:
+    """Consumes a pool's sample jobs and answers them through KV `tw_futures`."""
+
+    def __init__(
+        self, bus: WorkerBus, backend: SamplerBackend, pool: str, checkpoint_root: Path
+    ) -> None:
+        self.bus = bus
+        self.backend = backend
+        self.pool = pool
+        self.checkpoint_root = checkpoint_root
+        self._queue: asyncio.Queue[Prepared] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.served = 0
+
+    async def run(self) -> None:
+        await self.bus.consume(
+            subjects.STREAM_SAMPLE,
+            subjects.sample_subject(self.pool),
+            subjects.sample_consumer(self.pool),
+            self._on_msg,
+        )
+        log.info("sampler (%s) serving pool %s", self.backend.name, self.pool)
+        try:
+            while True:
+                first = await self._queue.get()
+                batch = [first]
+                while not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                if self.backend.concurrent:
+                    task = asyncio.create_task(self._serve(batch))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                else:
+                    await self._serve(batch)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            job = decode_sample_job(msg.data)
+        except msgspec.DecodeError:
+            log.error("dropping undecodable sample job")
+            await msg.term()
+            return
+        try:
+            body = api.decode(job.body, api.SampleRequest)
+            spec = sample_spec(
+                body, max_context=self.backend.max_context, vocab_size=self.backend.vocab_size
+            )
+            adapter_dir = self._adapter_dir(job.adapter_path) if job.adapter_path else None
+        except TwinkleError as err:
+            await self._finish(job, msg, err)
+            return
+        self._queue.put_nowait(Prepared(job=job, msg=msg, spec=spec, adapter_dir=adapter_dir))
+
+    def _adapter_dir(self, adapter_path: str) -> Path:
+        path = parse_path(adapter_path)
+        directory = self.checkpoint_root / path.run_id / path.kind / path.name
+        if not (directory / "adapter_config.json").exists():
+            raise UserError(f"sampler checkpoint {adapter_path!r} is not in the checkpoint store")
+        return directory
+
+    async def _serve(self, batch: list[Prepared]) -> None:
+        started = time.perf_counter()
+        try:
+            results = await self.backend.sample_many(batch)
+        except Exception:
+            log.exception("sampling a batch of %d failed", len(batch))
+            results = [
+                ServerError("the sampler failed on this request; see the sampler log")
+            ] * len(batch)
+        for item, result in zip(batch, results, strict=True):
+            await self._finish(item.job, item.msg, result)
+        self.served += len(batch)
+        log.debug(
+            "sampled %d requests in %.1f ms", len(batch), (time.perf_counter() - started) * 1e3
+        )
+
+    async def _finish(self, job: SampleJob, msg: Msg, result: SampleOutput | TwinkleError) -> None:
+        if isinstance(result, TwinkleError):
+            outcome = Outcome(
+                request_id=job.request_id,
+                state="error",
+                request_type="sample",
+                error=result.message,
+                category=result.category.value,
+                finished_at=time.time(),
+            )
+        else:
+            outcome = Outcome(
+                request_id=job.request_id,
+                state="done",
+                request_type="sample",
+                payload=encode_sample_response(result),
+                payload_type="proto",
+                finished_at=time.time(),
+            )
+        await self.bus.put(
+            subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encode_outcome(outcome)
+        )
+        await msg.ack()

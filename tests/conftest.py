@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 from twinkle_async.nats_server import NatsServer  # noqa: E402
 
 API_KEY = "tml-test-key-0123456789"
+OTHER_TENANT_KEY = "tml-other-tenant-key-9876543210"
 
 
 @pytest.fixture
@@ -74,6 +75,9 @@ def start_cluster(
     data_dir: Path, base_models: list[Path], *extra: str, timeout_s: float = 240.0
 ) -> Cluster:
     ready = data_dir / "ready.json"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    key_file = data_dir / "keys.txt"
+    key_file.write_text(f"{OTHER_TENANT_KEY} other\n")
     log = open(data_dir.parent / f"{data_dir.name}.log", "wb")  # noqa: SIM115 - closed by the child's exit
     cmd = [
         sys.executable,
@@ -88,6 +92,8 @@ def start_cluster(
         API_KEY,
         "--ready-file",
         str(ready),
+        "--key-file",
+        str(key_file),
         "--threads",
         "1",
         "--max-rank",

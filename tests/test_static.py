@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
         "tokenizers",
         "uvloop",
         "google",
+        "vllm",
     },
 }
 

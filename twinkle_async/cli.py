@@ -50,6 +50,9 @@ def up(
     ready_file: Annotated[
         Path | None, typer.Option(help="write base_url and api_key here as JSON once ready")
     ] = None,
+    key_file: Annotated[
+        Path | None, typer.Option(help="more keys for more tenants: lines of 'tml-KEY TENANT'")
+    ] = None,
     max_slots: Annotated[int, typer.Option(help="adapter slots per worker")] = 8,
     max_rank: Annotated[int, typer.Option(help="largest LoRA rank a worker accepts")] = 32,
     fwdbwd_max_chunk_len: Annotated[
@@ -85,6 +88,7 @@ def up(
         port=port,
         data_dir=data_dir,
         api_key=api_key,
+        extra_keys=load_api_keys(key_file, None) if key_file else {},
         ready_file=ready_file,
         worker_args=worker_args,
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,

@@ -38,6 +38,7 @@ class UpOptions:
     port: int = 8000
     data_dir: Path = Path("data")
     api_key: str | None = None
+    extra_keys: dict[str, str] = field(default_factory=dict)  # more tml- keys -> tenant ids
     ready_file: Path | None = None
     worker_args: list[str] = field(default_factory=list)
     fwdbwd_max_chunk_len: int = 1024
@@ -89,7 +90,7 @@ async def run_up(options: UpOptions) -> None:
     settings = GatewaySettings(
         host=options.host,
         port=options.port,
-        api_keys={api_key: "default"},
+        api_keys={**options.extra_keys, api_key: "default"},
         base_models=tuple(options.base_models),
         fwdbwd_max_chunk_len=options.fwdbwd_max_chunk_len,
         bus=BusSettings(nats_url=nats_url),

@@ -13,14 +13,17 @@ Step 3 (`forward_backward`): rows are packed tenant by tenant (one contiguous se
         gradient of its solo pass. Gradients accumulate in the slot until its optim_step.
 Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings.
 Step 5 (`save` / `load`): a slot to and from a PEFT-layout directory (`workers.checkpoints`).
+Step 6 (`load_snapshot`): a sampler checkpoint into an inference-only slot that sampling passes
+        (`workers.sampling_torch`) route rows to; idle slots keep snapshots until a tenant asks.
 
 Invariants: the base model is frozen and in eval mode (no dropout); adapters, gradients and
 moments are fp32; a forward_only item contributes no gradient; a request that fails validation
-changes no state.
+changes no state; a snapshot slot is never trained, stepped or saved.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -118,6 +121,7 @@ class Engine:
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
         self.model = model
         self._tenants: dict[str, _Tenant] = {}
+        self._snapshots: OrderedDict[str, int] = OrderedDict()  # key → slot, least recent first
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -347,6 +351,24 @@ class Engine:
 
     def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraSpec:
         """Load a checkpoint into `model_id` (creating it if new); pending gradients are dropped."""
+        checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=with_optimizer)
+        tenant = self._tenants.get(model_id)
+        slot = tenant.slot if tenant is not None else self._free_slot()
+
+        # Everything is checked; from here on the slot is overwritten.
+        self.optimizer.reset_slot(slot)
+        buffers = [("", self.bank.weights)]
+        if with_optimizer:
+            buffers += [(f".{moment}", getattr(self.optimizer, moment)) for moment in MOMENTS]
+            self.optimizer.steps[slot] = checkpoint.step
+        self._write_slot(slot, checkpoint, spec, adapters, buffers)
+        self._tenants[model_id] = _Tenant(slot, spec, checkpoint.lora_alpha)
+        return spec
+
+    def _read_adapter(
+        self, directory: Path, *, with_optimizer: bool
+    ) -> tuple[AdapterCheckpoint, LoraSpec, set[LayerGroup]]:
+        """A checkpoint checked against this model: (checkpoint, LoRA spec, covered groups)."""
         checkpoint = read_checkpoint(directory, with_optimizer=with_optimizer)
         adapters = match_layers(checkpoint, self.bank.layouts, max_rank=self.max_rank)
         spec = checkpoint.spec or LoraSpec(
@@ -356,27 +378,67 @@ class Engine:
         self._check_spec(spec)
         if spec.rank != checkpoint.rank or set(adapters) != trained_groups(spec):
             raise UserError(f"{directory.name}: the adapter's layers do not match its LoRA spec")
-        tenant = self._tenants.get(model_id)
-        slot = tenant.slot if tenant is not None else self._free_slot()
+        return checkpoint, spec, adapters
 
-        # Everything is checked; from here on the slot is overwritten.
+    def _write_slot(
+        self,
+        slot: int,
+        checkpoint: AdapterCheckpoint,
+        spec: LoraSpec,
+        adapters: set[LayerGroup],
+        buffers: list[tuple[str, torch.Tensor]],
+    ) -> None:
+        """Overwrite a slot's scales and `buffers` (weights, maybe moments) from a checkpoint."""
         self.bank.clear_slot(slot)
         self.bank.set_scales(
             slot, rank=spec.rank, groups=adapters, lora_alpha=checkpoint.lora_alpha
         )
-        self.optimizer.reset_slot(slot)
-        buffers = [("", self.bank.weights)]
-        if with_optimizer:
-            buffers += [(f".{moment}", getattr(self.optimizer, moment)) for moment in MOMENTS]
-            self.optimizer.steps[slot] = checkpoint.step
         stored = {**checkpoint.tensors, **(checkpoint.moments or {})}
         for suffix, buffer in buffers:
             for layout, a, b in self.bank.slot_views(buffer, slot, spec.rank):
                 if layout.group in adapters:
                     a.copy_(stored[adapter_key(layout.path, "A") + suffix])
                     b.copy_(stored[adapter_key(layout.path, "B") + suffix])
-        self._tenants[model_id] = _Tenant(slot, spec, checkpoint.lora_alpha)
-        return spec
+
+    # -- inference-only snapshots --------------------------------------------------------------
+    # A snapshot is a sampler checkpoint in a slot of its own that only sampling passes read: it
+    # is never trained, stepped or saved, so what it samples cannot change. Snapshots live in the
+    # slots no tenant holds; a tenant that needs a slot takes the least recently used snapshot's.
+
+    def load_snapshot(self, key: str, directory: Path) -> None:
+        """Load a sampler checkpoint as snapshot `key`; a key already loaded is only marked used.
+
+        Evicts the least recently used snapshot when no slot is free; a `ServerError` when
+        tenants hold every slot.
+        """
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return
+        checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=False)
+        slot = self._free_slot()
+        self._write_slot(slot, checkpoint, spec, adapters, [("", self.bank.weights)])
+        self._snapshots[key] = slot
+
+    def has_snapshot(self, key: str) -> bool:
+        return key in self._snapshots
+
+    def snapshot_slot(self, key: str) -> int:
+        """The slot of snapshot `key`, marked as just used; `NotFound` if it is not loaded."""
+        slot = self._snapshots.get(key)
+        if slot is None:
+            raise NotFound(f"snapshot {key!r} is not loaded on this worker")
+        self._snapshots.move_to_end(key)
+        return slot
+
+    def snapshot_capacity(self) -> int:
+        """How many snapshots fit at once: the slots no tenant holds."""
+        return self.max_slots - len(self._tenants)
+
+    def drop_snapshot(self, key: str) -> None:
+        """Free a snapshot's slot and zero it; dropping an unknown key is a no-op."""
+        slot = self._snapshots.pop(key, None)
+        if slot is not None:
+            self.bank.clear_slot(slot)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -395,10 +457,16 @@ class Engine:
             raise UserError(f"lora_config.seed: {spec.seed} outside the 64-bit range")
 
     def _free_slot(self) -> int:
+        """A slot nobody holds, else the least recently used snapshot's (evicted)."""
         used = {tenant.slot for tenant in self._tenants.values()}
+        used.update(self._snapshots.values())
         for slot in range(self.max_slots):
             if slot not in used:
                 return slot
+        if self._snapshots:
+            key, slot = next(iter(self._snapshots.items()))
+            self.drop_snapshot(key)
+            return slot
         raise ServerError(
             f"no free adapter slot: all {self.max_slots} slots of this worker are in use"
         )

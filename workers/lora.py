@@ -18,7 +18,7 @@ Invariants:
 - Base weights are never modified: wrapped linears keep their module path and their original
   `nn.Linear` as `base_layer`, so a tied `lm_head` stays tied to the embedding.
 - The row → slot mapping of a pass is set only through `SlotRouting.bind`; outside a pass the
-  wrapped model computes the plain base output.
+  wrapped model computes the plain base output, and so do rows routed to `BASE_SLOT`.
 
 Place in the flow: the engine builds one `LoraBank` at start-up, binds each pass's segments on
 its `SlotRouting`, runs the model, and hands `weights`/`grads` rows to the optimizer and to
@@ -50,6 +50,9 @@ _MLP_PARENTS = frozenset({"mlp", "feed_forward"})
 # Multimodal checkpoints also have `attn`/`mlp` blocks in their vision tower; tenants train text.
 _VISION_PREFIXES = ("visual", "vision")
 
+# The slot of rows that use no adapter (sampling from the base model): no update at all.
+BASE_SLOT = -1
+
 
 def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
     """The linears a slot may train, by module path, grouped by the block that holds them."""
@@ -75,7 +78,7 @@ def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows [start, stop) of a pass, all using one slot's adapter."""
+    """Rows [start, stop) of a pass, all using one slot's adapter (none for `BASE_SLOT`)."""
 
     slot: int
     start: int
@@ -145,7 +148,7 @@ class MultiSlotLoraLinear(nn.Module):
         any_trained = False
         for segment in segments:
             x_rows = x[segment.start : segment.stop]
-            scale = self.slot_scales[segment.slot]
+            scale = 0.0 if segment.slot == BASE_SLOT else self.slot_scales[segment.slot]
             if scale == 0.0:
                 updates.append(x_rows.new_zeros(*x_rows.shape[:-1], y.shape[-1]))
                 continue

@@ -119,6 +119,9 @@ def _config(
         head_dim=HEAD_DIM,
         max_position_embeddings=CONTEXT_LENGTH,
         tie_word_embeddings=True,
+        # Wider than the usual 0.02 so that a random model's logits have some range: with tiny
+        # embeddings a LoRA on attention/MLP alone can barely move the output distribution.
+        initializer_range=0.1,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )

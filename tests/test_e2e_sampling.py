@@ -1,0 +1,127 @@
+"""Sampling with LoRA through the official SDK and a real cluster (torch sampler in the
+trainer): logprobs that match the trainer's, immutable snapshots, an RL loop whose reward rises,
+and clear errors for bad sampling input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from examples import rl
+from tests.conftest import OTHER_TENANT_KEY, Cluster
+from tests.sdk_helpers import toy_batch, train_steps
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = [7, 19, 23, 42, 101, 7, 19, 250]
+
+
+@pytest.fixture
+def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
+    yield client
+    client.close("success").result()
+
+
+def trainer_logprobs(client: tinker.TrainingClient, prompt: list[int]) -> np.ndarray:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(prompt[:-1]),
+        loss_fn_inputs={"target_tokens": prompt[1:], "weights": [0.0] * (len(prompt) - 1)},
+    )
+    out = client.forward([datum], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].data, dtype=np.float64)
+
+
+def test_prompt_logprobs_match_the_trainer(service: tinker.ServiceClient, tiny_model: Path) -> None:
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=3
+    ).result()
+    train_steps(client, toy_batch(seed=8), 3)
+    sampler = client.save_weights_and_get_sampling_client().result()
+    sampled = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
+    assert sampled[0] is None and len(sampled) == len(PROMPT)
+    np.testing.assert_allclose(
+        np.asarray(sampled[1:], dtype=np.float64), trainer_logprobs(client, PROMPT), atol=1e-4
+    )
+
+
+def test_a_snapshot_never_changes(service: tinker.ServiceClient, tiny_model: Path) -> None:
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=4
+    ).result()
+    train_steps(client, toy_batch(seed=9), 2)
+    snapshot = client.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1234, stop=[])
+    prompt = types.ModelInput.from_ints(PROMPT)
+    before = snapshot.sample(prompt, num_samples=3, sampling_params=params).result()
+    before_lps = snapshot.compute_logprobs(prompt).result()
+    train_steps(client, toy_batch(seed=9), 3)
+    after = snapshot.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in before.sequences] == [s.tokens for s in after.sequences]
+    assert [s.logprobs for s in before.sequences] == [s.logprobs for s in after.sequences]
+    assert all(len(s.tokens) == 8 and s.stop_reason == "length" for s in after.sequences)
+    newer = client.save_weights_and_get_sampling_client().result()
+    newer_lps = newer.compute_logprobs(prompt).result()
+    assert max(abs(a - b) for a, b in zip(before_lps[1:], newer_lps[1:], strict=True)) > 1e-3
+
+
+def test_named_sampler_checkpoint_and_base_model_sessions(
+    service: tinker.ServiceClient, tiny_model: Path
+) -> None:
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=5
+    ).result()
+    train_steps(client, toy_batch(seed=10), 2)
+    path = client.save_weights_for_sampler("named").result().path
+    by_path = service.create_sampling_client(model_path=path).result()
+    np.testing.assert_allclose(
+        np.asarray(by_path.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]),
+        trainer_logprobs(client, PROMPT),
+        atol=1e-4,
+    )
+    base = service.create_sampling_client(base_model=str(tiny_model)).result()
+    greedy = types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])
+    out = base.sample(
+        types.ModelInput.from_ints(PROMPT), num_samples=2, sampling_params=greedy
+    ).result()
+    assert len(out.sequences) == 2 and out.sequences[0].tokens == out.sequences[1].tokens
+
+
+def test_rl_loop_raises_the_reward(cluster: Cluster, tiny_model: Path) -> None:
+    history = rl.run(cluster.base_url, cluster.api_key, str(tiny_model), iterations=20)
+    first, last = float(np.mean(history[:5])), float(np.mean(history[-5:]))
+    assert last > first + 0.12, history
+
+
+def test_bad_sampling_input_is_a_clear_error(
+    service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path
+) -> None:
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=6
+    ).result()
+    path = client.save_weights_for_sampler("mine").result().path
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    ok = types.SamplingParams(max_tokens=4)
+    with pytest.raises(tinker.BadRequestError, match="context"):
+        sampler.sample(types.ModelInput.from_ints([5] * 5000), 1, ok).result()
+    for n in (0, 100000):
+        with pytest.raises(tinker.BadRequestError, match="num_samples"):
+            sampler.sample(prompt, n, ok).result()
+    with pytest.raises(tinker.BadRequestError, match="top_p"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, top_p=1.5)).result()
+    with pytest.raises(tinker.NotFoundError):
+        service.create_sampling_client(
+            model_path=f"tinker://{client.model_id}/sampler_weights/nope"
+        ).result()
+    other = tinker.ServiceClient(base_url=cluster.base_url, api_key=OTHER_TENANT_KEY)
+    with pytest.raises(tinker.NotFoundError):
+        other.create_sampling_client(model_path=path).result()
+    other.close("success").result()
+    # still serving
+    assert len(sampler.sample(prompt, 2, ok).result().sequences) == 2

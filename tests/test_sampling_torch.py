@@ -1,0 +1,364 @@
+"""The torch sampler on the engine's multi-slot model (fp32, CPU, tiny models built offline):
+logprobs against the engine's own forward, snapshot isolation from training, seeds, stops,
+batch composition, and snapshot slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.errors import NotFound, ServerError
+from protocol.jobs import AdamSpec, LoraSpec
+from protocol.sampling import SampleOutput, SampleSpec
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.engine import Engine
+from workers.sampling_torch import TorchSampler
+from workers.tiny_model import EOS_ID, build_tiny_model
+
+TOLERANCE = 1e-4
+ADAM = AdamSpec(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_5"), "qwen3_5")
+
+
+Setup = tuple[Engine, TorchSampler]
+
+
+@pytest.fixture
+def make_setup(tiny_qwen3: Path) -> Callable[..., Setup]:
+    def make(max_slots: int = 4, model: Path = tiny_qwen3) -> Setup:
+        engine = Engine(str(model), max_slots=max_slots, max_rank=8)
+        return engine, TorchSampler(engine)
+
+    return make
+
+
+def perturb_b(engine: Engine, model_id: str, seed: int) -> None:
+    """Random non-zero B, so the adapter changes the model's output."""
+    generator = torch.Generator().manual_seed(seed)
+    rank = engine.spec(model_id).rank
+    for _, _, b in engine.bank.slot_views(engine.bank.weights, engine.slot(model_id), rank):
+        b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
+
+
+def train_step(engine: Engine, model_id: str, seed: int, targets: int | None = None) -> None:
+    """One forward_backward + optim_step on random tokens (all targets `targets` if given)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, engine.vocab_size, 12).astype(np.int32)
+    target = np.full(12, targets) if targets is not None else np.roll(tokens, -1)
+    datum = DatumArrays(tokens, {"target_tokens": target.astype(np.int64)})
+    request = FwdBwdRequest(model_id, 1, "cross_entropy", False, {}, [datum])
+    engine.forward_backward([(model_id, request)])
+    engine.optim_step([(model_id, ADAM)])
+
+
+def adapter(engine: Engine, model_id: str, seed: int, directory: Path) -> Path:
+    """A trained adapter `model_id`, saved as a sampler checkpoint in `directory`."""
+    engine.create(model_id, LoraSpec(rank=8, seed=seed))
+    perturb_b(engine, model_id, seed=100 + seed)
+    train_step(engine, model_id, seed=200 + seed)
+    engine.save(model_id, directory, kind="sampler_weights", meta={})
+    return directory
+
+
+def base_reference(engine: Engine) -> str:
+    """A tenant whose adapter is exactly zero (B = 0): its forward is the base model's."""
+    engine.create("base-reference", LoraSpec(rank=1, seed=0))
+    return "base-reference"
+
+
+def forward_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.ndarray:
+    """The engine's forward logprobs of every vocabulary token after each prefix of `tokens`:
+    [len(tokens) - 1, vocab], row i predicting tokens[i + 1]."""
+    n = len(tokens) - 1
+    every = np.broadcast_to(np.arange(engine.vocab_size, dtype=np.int64), (n, engine.vocab_size))
+    datum = DatumArrays(np.asarray(tokens[:-1], np.int32), {"target_tokens": every.copy()})
+    request = FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, [datum])
+    [result] = engine.forward_backward([(model_id, request)])
+    return result.outputs[0]["logprobs"]
+
+
+def max_diff(a: object, b: object) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def assert_same(got: SampleOutput, want: SampleOutput) -> None:
+    """Same tokens and stop reasons; logprobs equal up to fp32 rounding."""
+    assert len(got.sequences) == len(want.sequences)
+    for seq, ref in zip(got.sequences, want.sequences, strict=True):
+        assert seq.tokens == ref.tokens and seq.stop_reason == ref.stop_reason
+        assert max_diff(seq.logprobs, ref.logprobs) <= TOLERANCE
+    assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
+    if got.prompt_logprobs is not None and want.prompt_logprobs is not None:
+        assert max_diff(got.prompt_logprobs[1:], want.prompt_logprobs[1:]) <= TOLERANCE
+
+
+def prompt(seed: int, length: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.random.default_rng(seed).integers(3, 500, length))
+
+
+# -- 1. parity with the engine's forward -----------------------------------------------------
+
+
+def test_logprobs_equal_the_engine_forward(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup()
+    sampler.load_adapter("policy@1", adapter(engine, "policy", 1, tmp_path / "policy"))
+    base = base_reference(engine)
+    specs = [
+        SampleSpec(prompt(1, 9), num_samples=2, max_tokens=6, seed=3, prompt_logprobs=True),
+        SampleSpec(
+            prompt(2, 4), max_tokens=7, seed=4, prompt_logprobs=True, topk_prompt_logprobs=3
+        ),
+    ]
+    outputs = sampler.sample([(specs[0], None), (specs[1], "policy@1")])
+
+    for spec, output, model_id in zip(specs, outputs, (base, "policy"), strict=True):
+        full = forward_logprobs(engine, model_id, list(spec.prompt))
+        expected = full[np.arange(len(spec.prompt) - 1), list(spec.prompt[1:])]
+        assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+        assert max_diff(output.prompt_logprobs[1:], expected) <= TOLERANCE
+        if spec.topk_prompt_logprobs:
+            assert output.topk_prompt_logprobs is not None
+            assert output.topk_prompt_logprobs[0] == []
+            for row, pairs in zip(full, output.topk_prompt_logprobs[1:], strict=True):
+                ids, values = [token for token, _ in pairs], [lp for _, lp in pairs]
+                assert len(pairs) == 3
+                assert max_diff(values, np.sort(row)[::-1][:3]) <= TOLERANCE
+                assert max_diff(values, row[ids]) <= TOLERANCE
+        else:
+            assert output.topk_prompt_logprobs is None
+        assert len(output.sequences) == spec.num_samples
+        for seq in output.sequences:
+            assert len(seq.tokens) == spec.max_tokens and seq.stop_reason == "length"
+            forced = forward_logprobs(engine, model_id, [*spec.prompt, *seq.tokens])
+            completion = forced[len(spec.prompt) - 1 :]
+            expected = completion[np.arange(len(seq.tokens)), seq.tokens]
+            assert max_diff(seq.logprobs, expected) <= TOLERANCE
+
+
+# -- 2. snapshot isolation --------------------------------------------------------------------
+
+
+def test_snapshot_is_unchanged_by_training_its_source(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup()
+    sampler.load_adapter("policy@1", adapter(engine, "policy", 2, tmp_path / "policy"))
+    spec = SampleSpec(prompt(3, 6), num_samples=2, max_tokens=8, seed=7, prompt_logprobs=True)
+    [before] = sampler.sample([(spec, "policy@1")])
+    live_before = forward_logprobs(engine, "policy", list(spec.prompt))
+
+    for step in range(2):
+        train_step(engine, "policy", seed=300 + step)
+    assert max_diff(forward_logprobs(engine, "policy", list(spec.prompt)), live_before) > 1e-3
+
+    [after] = sampler.sample([(spec, "policy@1")])
+    assert after == before  # bit-identical: same weights, same batch, same seeds
+
+
+# -- 3. seeds ---------------------------------------------------------------------------------
+
+
+def test_seed_fixes_tokens_whatever_the_batch(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup()
+    sampler.load_adapter("a", adapter(engine, "a", 3, tmp_path / "a"))
+    sampler.load_adapter("b", adapter(engine, "b", 4, tmp_path / "b"))
+    spec = SampleSpec(prompt(4, 5), num_samples=2, max_tokens=10, seed=11)
+    [alone] = sampler.sample([(spec, "a")])
+    [again] = sampler.sample([(spec, "a")])
+    assert again == alone
+    first, second = alone.sequences
+    assert first.tokens != second.tokens  # each sample has its own stream
+
+    others = [
+        (SampleSpec(prompt(5, 12), num_samples=3, max_tokens=4, seed=1), None),
+        (SampleSpec(prompt(6, 2), max_tokens=12, temperature=0.0), "b"),
+        (SampleSpec(prompt(7, 7), max_tokens=6), "a"),  # unseeded
+    ]
+    batched = sampler.sample([others[0], (spec, "a"), *others[1:]])
+    assert_same(batched[1], alone)
+
+    [reseeded] = sampler.sample([(SampleSpec(spec.prompt, max_tokens=10, seed=12), "a")])
+    assert reseeded.sequences[0].tokens != first.tokens
+    unseeded = SampleSpec(spec.prompt, max_tokens=10)
+    draws = [sampler.sample([(unseeded, "a")])[0].sequences[0].tokens for _ in range(2)]
+    assert draws[0] != draws[1]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(make_setup: Callable[..., Setup]) -> None:
+    _, sampler = make_setup()
+    tokens = prompt(8, 5)
+    greedy = SampleSpec(tokens, max_tokens=8, temperature=0.0, stop_at_eos=False)
+    top_k = SampleSpec(tokens, max_tokens=8, temperature=1.5, top_k=1, seed=2, stop_at_eos=False)
+    top_p = SampleSpec(tokens, max_tokens=8, top_p=1e-6, seed=3, stop_at_eos=False)
+    outputs = sampler.sample([(greedy, None), (top_k, None), (top_p, None)])
+    assert outputs[1].sequences[0].tokens == outputs[0].sequences[0].tokens
+    assert outputs[2].sequences[0].tokens == outputs[0].sequences[0].tokens
+
+
+# -- 4. stops -----------------------------------------------------------------------------------
+
+
+def test_stops_and_greedy(make_setup: Callable[..., Setup]) -> None:
+    engine, sampler = make_setup()
+    base = base_reference(engine)
+    tokens = prompt(9, 6)
+    open_ended = SampleSpec(tokens, max_tokens=16, temperature=0.0, stop_at_eos=False)
+    [output] = sampler.sample([(open_ended, None)])
+    [greedy] = output.sequences
+    assert len(greedy.tokens) == 16 and greedy.stop_reason == "length"
+    forced = forward_logprobs(engine, base, [*tokens, *greedy.tokens])[len(tokens) - 1 :]
+    chosen = forced[np.arange(16), greedy.tokens]
+    assert np.all(chosen >= forced.max(axis=-1) - 1e-5)  # each token is an argmax
+    assert max_diff(greedy.logprobs, chosen) <= TOLERANCE
+
+    stop_id = greedy.tokens[5]
+    cut = greedy.tokens.index(stop_id) + 1
+    by_id = SampleSpec(tokens, max_tokens=16, temperature=0.0, stop_token_ids=(stop_id,))
+    [[seq]] = [out.sequences for out in sampler.sample([(by_id, None)])]
+    assert seq.tokens == greedy.tokens[:cut] and seq.stop_reason == "stop"
+
+    text = sampler.tokenizer.decode(greedy.tokens)
+    stop = next(
+        text[i : i + 3] for i in range(len(text) // 2, len(text)) if "\ufffd" not in text[i : i + 3]
+    )
+    cut = next(n for n in range(1, 17) if stop in sampler.tokenizer.decode(greedy.tokens[:n]))
+    assert cut < 16
+    by_string = SampleSpec(tokens, max_tokens=16, temperature=0.0, stop_strings=("\x00", stop))
+    [[seq]] = [out.sequences for out in sampler.sample([(by_string, None)])]
+    assert seq.tokens == greedy.tokens[:cut] and seq.stop_reason == "stop"
+
+    short = SampleSpec(tokens, max_tokens=3, temperature=0.0)
+    [[seq]] = [out.sequences for out in sampler.sample([(short, None)])]
+    assert seq.tokens == greedy.tokens[:3] and seq.stop_reason == "length"
+
+
+def test_eos_stops_unless_stop_at_eos_is_off(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup()
+    engine.create("eos", LoraSpec(rank=8, seed=5))
+    perturb_b(engine, "eos", seed=5)
+    for step in range(8):
+        train_step(engine, "eos", seed=400 + step, targets=EOS_ID)
+    engine.save("eos", tmp_path / "eos", kind="sampler_weights", meta={})
+    sampler.load_adapter("eos@1", tmp_path / "eos")
+    tokens = prompt(10, 5)
+    at_eos = SampleSpec(tokens, max_tokens=5, temperature=0.0)
+    past_eos = SampleSpec(tokens, max_tokens=5, temperature=0.0, stop_at_eos=False)
+    stopped, running = sampler.sample([(at_eos, "eos@1"), (past_eos, "eos@1")])
+    assert [(s.tokens, s.stop_reason) for s in stopped.sequences] == [([EOS_ID], "stop")]
+    [seq] = running.sequences
+    assert seq.tokens[0] == EOS_ID and len(seq.tokens) == 5 and seq.stop_reason == "length"
+
+
+# -- 5. batch composition -----------------------------------------------------------------------
+
+
+def mixed_requests() -> list[tuple[SampleSpec, str | None]]:
+    return [
+        (SampleSpec(prompt(11, 3), num_samples=2, max_tokens=9, seed=1, top_k=50), "a"),
+        (SampleSpec(prompt(12, 10), max_tokens=5, temperature=0.0, prompt_logprobs=True), None),
+        (SampleSpec(prompt(13, 6), num_samples=3, max_tokens=7, seed=2, top_p=0.9), "b"),
+        (SampleSpec(prompt(14, 1), max_tokens=4, seed=3, temperature=0.7), None),
+        (SampleSpec(prompt(15, 8), max_tokens=6, seed=4, prompt_logprobs=True), "a"),
+    ]
+
+
+def test_mixed_batch_equals_each_request_alone(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup()
+    sampler.load_adapter("a", adapter(engine, "src-a", 6, tmp_path / "a"))
+    sampler.load_adapter("b", adapter(engine, "src-b", 7, tmp_path / "b"))
+    requests = mixed_requests()
+    batched = sampler.sample(requests)
+    for request, output in zip(requests, batched, strict=True):
+        assert_same(output, sampler.sample([request])[0])
+    # The adapters matter: the same request on another adapter differs.
+    assert sampler.sample([(requests[0][0], "b")])[0].sequences != batched[0].sequences
+
+
+# -- snapshot slots ---------------------------------------------------------------------------
+
+
+def test_snapshots_use_idle_slots_and_never_evict_tenants(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup(max_slots=3)
+    directories = [adapter(engine, f"src{i}", 10 + i, tmp_path / f"s{i}") for i in range(3)]
+    for model_id in ("src1", "src2"):
+        engine.release(model_id)
+    # One tenant (src0) and room for two snapshots.
+    sampler.load_adapter("s0", directories[0])
+    sampler.load_adapter("s1", directories[1])
+    spec = SampleSpec(prompt(16, 4), max_tokens=5, seed=9)
+    solo = {key: sampler.sample([(spec, key)])[0] for key in ("s0", "s1")}  # s1 used last
+    sampler.load_adapter("s2", directories[2])
+    assert not sampler.has_adapter("s0") and sampler.has_adapter("s1") and sampler.has_adapter("s2")
+    solo["s2"] = sampler.sample([(spec, "s2")])[0]
+
+    # Three snapshots in one call with two idle slots: generated in two waves, same results.
+    outputs = sampler.sample([(spec, "s0"), (spec, None), (spec, "s2"), (spec, "s1")])
+    for key, output in zip(("s0", "s2", "s1"), (outputs[0], outputs[2], outputs[3]), strict=True):
+        assert_same(output, solo[key])
+
+    engine.create("t1", LoraSpec(rank=4, seed=1))  # takes the least recently used snapshot's slot
+    engine.create("t2", LoraSpec(rank=4, seed=2))
+    assert engine.slots_used() == 3 and not any(sampler.has_adapter(f"s{i}") for i in range(3))
+    with pytest.raises(ServerError, match="no free adapter slot"):
+        sampler.load_adapter("s0", directories[0])
+    assert engine.has("src0") and engine.has("t1") and engine.has("t2")
+    with pytest.raises(NotFound):
+        sampler.sample([(spec, "never-loaded")])
+    # The base model needs no slot.
+    assert_same(sampler.sample([(spec, None)])[0], outputs[1])
+    assert sampler.sample([]) == []
+
+
+# -- Qwen3.5: hybrid linear/full attention ------------------------------------------------------
+
+
+def test_qwen3_5_batches_with_its_recurrent_cache(
+    make_setup: Callable[..., Setup], tiny_qwen3_5: Path, tmp_path: Path
+) -> None:
+    engine, sampler = make_setup(model=tiny_qwen3_5)
+    sampler.load_adapter("a", adapter(engine, "src-a", 8, tmp_path / "a"))
+    sampler.load_adapter("b", adapter(engine, "src-b", 9, tmp_path / "b"))
+    requests = mixed_requests()
+    batched = sampler.sample(requests)
+    for request, output in zip(requests, batched, strict=True):
+        assert_same(output, sampler.sample([request])[0])
+    spec, _ = requests[4]
+    output = batched[4]
+    full = forward_logprobs(engine, "src-a", [*spec.prompt, *output.sequences[0].tokens])
+    targets = [*spec.prompt[1:], *output.sequences[0].tokens]
+    expected = full[np.arange(len(targets)), targets]
+    assert output.prompt_logprobs is not None
+    assert max_diff(output.prompt_logprobs[1:], expected[: len(spec.prompt) - 1]) <= TOLERANCE
+    assert max_diff(output.sequences[0].logprobs, expected[len(spec.prompt) - 1 :]) <= TOLERANCE

@@ -1,0 +1,299 @@
+"""The vLLM sampling backend on a tiny random Qwen3 (fp32, CPU), one engine for the module:
+prompt and sampled-token logprobs against the trainer engine (base and trained adapters),
+seeded sampling alone and in concurrent mixed batches, stop reasons, and the adapters the
+backend refuses.
+
+The engine core runs as one child process with one thread (settings below, from the
+reference environment notes §5/§6); they are set before vLLM or torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _name, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # model runner inside the engine-core process
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+from collections.abc import AsyncIterator, Iterator  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import pytest_asyncio  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from protocol.errors import UserError  # noqa: E402
+from protocol.jobs import AdamSpec, LoraSpec  # noqa: E402
+from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
+from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.sampling_vllm import VllmSampler, trains_unembed  # noqa: E402
+from workers.tiny_model import build_tiny_model  # noqa: E402
+
+TOLERANCE = 1e-3
+MAX_LORA_RANK = 8
+PROMPTS = [
+    (1, 472, 198, 40, 41, 42, 43, 44, 45, 46, 47, 48, 2, 198, 1),
+    (1, 77, 78, 79, 300, 301, 302, 100, 101),
+]
+
+# The async tests share the module's event loop, which owns the module's engine.
+on_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@dataclass
+class Checkpoints:
+    """The trainer engine (kept for reference passes) and its saved sampler checkpoints."""
+
+    model: Path
+    engine: Engine
+    adapters: dict[str, Path]  # "a", "b": trained, attention + MLP; "unembed": trains lm_head
+
+
+def _datum(tokens: list[int]) -> DatumArrays:
+    """Next-token targets over `tokens`: row i scores tokens[i + 1]."""
+    return DatumArrays(
+        tokens=np.asarray(tokens[:-1], dtype=np.int32),
+        inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64)},
+    )
+
+
+def reference_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.ndarray:
+    """The trainer's logprob of each of tokens[1:] (a forward-only cross-entropy pass)."""
+    request = FwdBwdRequest(model_id, 0, "cross_entropy", True, {}, [_datum(tokens)])
+    (result,) = engine.forward_backward([(model_id, request)])
+    return result.outputs[0]["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoints]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("vllm")
+    model = build_tiny_model(root / "tiny-qwen3")
+    engine = Engine(str(model), max_slots=4, max_rank=16)
+    # "base": a fresh adapter (B = 0) is the base model exactly.
+    engine.create("base", LoraSpec(rank=MAX_LORA_RANK, seed=0, train_unembed=False))
+    engine.create("a", LoraSpec(rank=8, seed=1, train_unembed=False))
+    engine.create("b", LoraSpec(rank=4, seed=2, train_attn=False, train_unembed=False))
+    engine.create("unembed", LoraSpec(rank=8, seed=3))
+    rng = np.random.default_rng(0)
+    for model_id in ("a", "b"):
+        for _ in range(3):
+            tokens = rng.integers(3, 500, size=24).tolist()
+            request = FwdBwdRequest(model_id, 0, "cross_entropy", False, {}, [_datum(tokens)])
+            engine.forward_backward([(model_id, request)])
+            engine.optim_step([(model_id, AdamSpec(learning_rate=0.05))])
+    adapters = {}
+    for model_id in ("a", "b", "unembed"):
+        adapters[model_id] = root / "sampler_weights" / model_id
+        engine.save(model_id, adapters[model_id], kind="sampler_weights", meta={})
+    yield Checkpoints(model, engine, adapters)
+    torch.set_num_threads(previous)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sampler(checkpoints: Checkpoints) -> AsyncIterator[VllmSampler]:
+    sampler = VllmSampler(
+        str(checkpoints.model), max_lora_rank=MAX_LORA_RANK, max_loras=4, max_model_len=512
+    )
+    await sampler.start()
+    try:
+        yield sampler
+    finally:
+        await sampler.close()
+
+
+def _adapter(checkpoints: Checkpoints, name: str | None) -> tuple[Path | None, str | None]:
+    if name is None:
+        return None, None
+    return checkpoints.adapters[name], f"run-1/sampler_weights/{name}"
+
+
+@on_module_loop
+async def test_prompt_logprobs_match_the_trainer(
+    sampler: VllmSampler, checkpoints: Checkpoints
+) -> None:
+    # Base and both adapters in one concurrent batch: also the prompt_logprobs + LoRA batch
+    # that crashes vLLM without the lora_target_modules work-around.
+    cases = [(name, prompt) for name in (None, "a", "b") for prompt in PROMPTS]
+    specs = [
+        SampleSpec(prompt=prompt, max_tokens=1, prompt_logprobs=True, topk_prompt_logprobs=3)
+        for _, prompt in cases
+    ]
+    outputs = await asyncio.gather(
+        *(
+            sampler.sample(spec, *_adapter(checkpoints, name))
+            for spec, (name, _) in zip(specs, cases, strict=True)
+        )
+    )
+    references = {}
+    for (name, prompt), output in zip(cases, outputs, strict=True):
+        expected = reference_logprobs(checkpoints.engine, name or "base", list(prompt))
+        references[name, prompt] = expected
+        assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+        got = np.asarray(output.prompt_logprobs[1:], dtype=np.float64)
+        np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
+
+        topk = output.topk_prompt_logprobs
+        assert topk is not None and len(topk) == len(prompt) and topk[0] == []
+        for row, actual in zip(topk[1:], got, strict=True):
+            assert len(row) == 3
+            values = [logprob for _, logprob in row]
+            assert values == sorted(values, reverse=True) and values[0] >= actual - 1e-6
+    # The adapters are not trivially the base model.
+    for name in ("a", "b"):
+        shift = np.abs(references[name, PROMPTS[0]] - references[None, PROMPTS[0]]).max()
+        assert shift > 0.05, (name, shift)
+
+
+@on_module_loop
+async def test_sampled_logprobs_are_raw_model_logprobs(
+    sampler: VllmSampler, checkpoints: Checkpoints
+) -> None:
+    # Temperature and top-k change which tokens are drawn, not the logprobs reported for them.
+    for name in (None, "a"):
+        spec = SampleSpec(
+            prompt=PROMPTS[1], max_tokens=6, temperature=0.7, top_k=50, seed=11, stop_at_eos=False
+        )
+        output = await sampler.sample(spec, *_adapter(checkpoints, name))
+        (sequence,) = output.sequences
+        assert len(sequence.tokens) == 6 and sequence.stop_reason == "length"
+        full = [*PROMPTS[1], *sequence.tokens]
+        expected = reference_logprobs(checkpoints.engine, name or "base", full)[-6:]
+        np.testing.assert_allclose(sequence.logprobs, expected, atol=TOLERANCE, rtol=0)
+
+
+def _tokens(output: SampleOutput) -> list[list[int]]:
+    return [sequence.tokens for sequence in output.sequences]
+
+
+@on_module_loop
+async def test_seeds_reproduce_alone_and_in_concurrent_batches(
+    sampler: VllmSampler, checkpoints: Checkpoints
+) -> None:
+    seeded = SampleSpec(
+        prompt=PROMPTS[0], num_samples=3, max_tokens=12, seed=1234, stop_at_eos=False
+    )
+    greedy = SampleSpec(prompt=PROMPTS[1], max_tokens=12, temperature=0.0, stop_at_eos=False)
+    calls = [(spec, name) for name in (None, "a", "b") for spec in (seeded, greedy)]
+
+    one_by_one = [await sampler.sample(spec, *_adapter(checkpoints, n)) for spec, n in calls]
+    together = await asyncio.gather(
+        *(sampler.sample(spec, *_adapter(checkpoints, n)) for spec, n in calls)
+    )
+    assert [_tokens(o) for o in together] == [_tokens(o) for o in one_by_one]
+
+    for output, (spec, name) in zip(one_by_one, calls, strict=True):
+        samples = _tokens(output)
+        assert all(len(tokens) == 12 for tokens in samples)
+        if spec is seeded:
+            # n > 1 with one seed: distinct samples (vLLM seeds sample i with seed + i).
+            assert len({tuple(tokens) for tokens in samples}) == 3, name
+    # Adapters change what is sampled; a different seed changes it too.
+    base = _tokens(one_by_one[0]) + _tokens(one_by_one[1])
+    assert base != _tokens(one_by_one[2]) + _tokens(one_by_one[3])
+    reseeded = await sampler.sample(replace(seeded, seed=4321), None, None)
+    assert _tokens(reseeded) != _tokens(one_by_one[0])
+
+
+@on_module_loop
+async def test_stop_token_stop_string_and_length(
+    sampler: VllmSampler, checkpoints: Checkpoints
+) -> None:
+    # Seeded, not greedy: the random base model's greedy output is one special token repeated.
+    free = SampleSpec(prompt=PROMPTS[0], max_tokens=16, seed=7, stop_at_eos=False)
+    (run,) = (await sampler.sample(free, None, None)).sequences
+    assert run.stop_reason == "length" and len(run.tokens) == 16
+    tokens = run.tokens
+
+    # A stop token ends the sequence at its first occurrence, and is returned.
+    stop_id = tokens[4]
+    stop_at = tokens.index(stop_id)
+    (by_token,) = (
+        await sampler.sample(replace(free, stop_token_ids=(stop_id,)), None, None)
+    ).sequences
+    assert by_token.stop_reason == "stop"
+    assert by_token.tokens == tokens[: stop_at + 1]
+    assert by_token.logprobs == pytest.approx(run.logprobs[: stop_at + 1], abs=1e-5)
+
+    # A stop string: the returned tokens run through the token that completes it.
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints.model)
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    stop = next(
+        piece
+        for i in range(2, len(tokens))
+        if (piece := tokenizer.decode(tokens[i : i + 1], skip_special_tokens=True)).isprintable()
+        and piece.strip()
+        and piece in text
+    )
+    completes = next(
+        n
+        for n in range(1, len(tokens) + 1)
+        if stop in tokenizer.decode(tokens[:n], skip_special_tokens=True)
+    )
+    (by_string,) = (await sampler.sample(replace(free, stop_strings=(stop,)), None, None)).sequences
+    assert by_string.stop_reason == "stop", stop
+    assert by_string.tokens == tokens[:completes], stop
+
+    (capped,) = (await sampler.sample(replace(free, max_tokens=3), None, None)).sequences
+    assert capped.stop_reason == "length" and capped.tokens == tokens[:3]
+
+
+def _copy_with_config(source: Path, target: Path, **changes: object) -> Path:
+    shutil.copytree(source, target)
+    config_path = target / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(changes)
+    config_path.write_text(json.dumps(config))
+    return target
+
+
+@on_module_loop
+async def test_refuses_unembed_and_oversized_adapters(
+    sampler: VllmSampler, checkpoints: Checkpoints, tmp_path: Path
+) -> None:
+    unembed = checkpoints.adapters["unembed"]
+    assert "lm_head" in json.loads((unembed / "adapter_config.json").read_text())["target_modules"]
+    spec = SampleSpec(prompt=PROMPTS[1], max_tokens=2)
+    with pytest.raises(UserError, match="train_unembed are served by the torch sampler"):
+        await sampler.sample(spec, unembed, "run-1/sampler_weights/unembed")
+
+    # The same adapter described by a regex, PEFT's other target_modules form.
+    regex = _copy_with_config(
+        unembed, tmp_path / "regex", target_modules=r"model\.layers\.0\.mlp\.up_proj|lm_head"
+    )
+    with pytest.raises(UserError, match="train_unembed"):
+        await sampler.sample(spec, regex, None)
+
+    too_big = _copy_with_config(checkpoints.adapters["a"], tmp_path / "r16", r=16)
+    with pytest.raises(UserError, match="rank 16 exceeds .* max_lora_rank 8"):
+        await sampler.sample(spec, too_big, None)
+
+    # A refusal leaves the engine serving.
+    output = await sampler.sample(spec, *_adapter(checkpoints, "a"))
+    assert len(output.sequences[0].tokens) >= 1
+
+
+def test_trains_unembed_reads_every_target_modules_form() -> None:
+    assert trains_unembed(["q_proj", "lm_head"], None)
+    assert trains_unembed(["model.layers.0.self_attn.q_proj", "lm_head"], None)
+    assert trains_unembed(["q_proj"], ["embed_tokens"])
+    assert trains_unembed(r"(.*\.)?(q_proj|lm_head)", None)
+    assert trains_unembed("lm_head", None)
+    assert not trains_unembed(["q_proj", "k_proj", "v_proj", "o_proj"], None)
+    assert not trains_unembed(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj", None)
+    assert not trains_unembed(None, None)

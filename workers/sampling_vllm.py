@@ -1,0 +1,353 @@
+"""The vLLM sampling backend: `SampleSpec`s served by one vLLM `AsyncLLM` engine, LoRA by path.
+
+Job: turn a validated `SampleSpec` (protocol/sampling.py) plus an optional PEFT sampler
+checkpoint into a `SampleOutput`. The sampler service owns one `VllmSampler` per base model and
+calls `sample` from its event loop; concurrent calls are separate vLLM requests that the engine
+batches continuously (no lock, no per-request cache reset).
+
+Step 1 (`start`): build the engine (the engine core runs in its own process; see `__init__`).
+Step 2 (`sample`): resolve the adapter: read its `adapter_config.json` once, refuse what the
+        engine cannot serve, and give it a `LoRARequest` with a stable int id, cached by
+        `adapter_key`. vLLM loads it from the path on first use and keeps it (LRU).
+Step 3: map the spec to `SamplingParams`, run one `generate` to its final output.
+Step 4: map the `RequestOutput` to `SampleOutput`: sampled tokens, their raw logprobs, the stop
+        reason, prompt logprobs (first entry None) and top-k prompt logprobs (first row empty).
+
+Work-arounds for vLLM 0.32 (see the reference environment notes, §5):
+- `lora_target_modules` is pinned to the attention and MLP projections. Without it, vLLM wraps
+  `lm_head` for LoRA and any batch of more than one request with `prompt_logprobs` kills the
+  engine. So adapters that train `lm_head` or the embedding (`train_unembed`) are refused with
+  a `UserError`; the torch sampler serves them.
+- `max_lora_rank` is rounded up to a size vLLM accepts; adapters are still checked against the
+  rank asked for.
+- Stop strings: vLLM trims the *text* but keeps every token up to the one that completes the
+  stop string, so the returned tokens already include it (`include_stop_str_in_output` only
+  affects the text and stays off).
+
+Invariants: logprobs are raw (the model's distribution, before temperature / top-k / top-p);
+a seeded request gives the same tokens whatever else is in the batch; with `num_samples > 1`
+and a seed, sample i uses seed + i (vLLM's parallel sampling), so samples differ and repeat.
+A checkpoint directory is immutable once written: a cached adapter is never reloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from vllm import SamplingParams
+from vllm.config.lora import MaxLoRARanks
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError, VLLMServerError
+from vllm.lora.request import LoRARequest
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from protocol.errors import ServerError, UserError
+from protocol.sampling import SampledSequence, SampleOutput, SampleSpec
+from workers.checkpoints import ADAPTER_CONFIG
+
+logger = logging.getLogger(__name__)
+
+# The linear layers vLLM may adapt: attention and MLP projections, never lm_head (see above).
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Module names that mean an adapter trains the unembedding or the embedding.
+_UNEMBED_MODULES = ("lm_head", "embed_tokens")
+# Candidate full module paths for a regex `target_modules` (PEFT full-matches module paths).
+_UNEMBED_PATHS = (
+    "lm_head",
+    "model.lm_head",
+    "model.embed_tokens",
+    "model.language_model.embed_tokens",
+    "language_model.lm_head",
+)
+VLLM_LORA_RANKS: tuple[int, ...] = tuple(sorted(typing.get_args(MaxLoRARanks)))
+
+
+def engine_lora_rank(max_lora_rank: int) -> int:
+    """The smallest rank vLLM accepts that is >= `max_lora_rank`."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= max_lora_rank:
+            return rank
+    raise ValueError(f"max_lora_rank={max_lora_rank} exceeds vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+
+
+def trains_unembed(target_modules: list[str] | str | None, modules_to_save: list[str] | None) -> bool:
+    """Whether a PEFT config adapts (or fully saves) lm_head or the token embedding.
+
+    `target_modules` is either a list of leaf names / dotted paths (a module matches by suffix)
+    or a regex string that PEFT full-matches against module paths.
+    """
+    if isinstance(target_modules, str):
+        if target_modules in _UNEMBED_MODULES:
+            return True
+        return any(re.fullmatch(target_modules, path) for path in _UNEMBED_PATHS)
+    names = [*(target_modules or []), *(modules_to_save or [])]
+    return any(name.rpartition(".")[2] in _UNEMBED_MODULES for name in names)
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    directory: Path
+    request: LoRARequest
+
+
+class VllmSampler:
+    """One base model in one vLLM engine, sampling with any number of LoRA sampler checkpoints."""
+
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        max_lora_rank: int = 32,
+        max_loras: int = 4,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+        kv_cache_gib: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Configure; nothing is built until `start`.
+
+        `max_loras` is how many adapters one batch may mix; vLLM keeps as many loaded and evicts
+        the least recently used. `dtype` "auto" is float32 on the CPU (exact parity with the
+        trainer) and bfloat16 on a GPU. `kv_cache_gib` sizes the KV cache (None: vLLM decides).
+
+        vLLM reads its own environment; this class reads none. What production wants:
+        - `VLLM_NO_USAGE_STATS=1` (no usage reports), `HF_HUB_OFFLINE=1` when models are local;
+        - on a CPU: `VLLM_CPU_KVCACHE_SPACE` (GiB, overrides `kv_cache_gib`) or `kv_cache_gib`,
+          else vLLM sizes the cache from free RAM; `OMP_WAIT_POLICY=PASSIVE` whenever training
+          shares the cores (spinning OpenMP barriers slow both sides 20-100x);
+        - the default engine-core and worker processes (`VLLM_ENABLE_V1_MULTIPROCESSING` unset),
+          which pin the worker's threads. Tests instead set `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+          `VLLM_CPU_OMP_THREADS_BIND=nobind` and `OMP_NUM_THREADS=1` (one engine-core process,
+          no core pinning, one thread).
+        """
+        if max_lora_rank < 1 or max_loras < 1:
+            raise ValueError(f"max_lora_rank={max_lora_rank} and max_loras={max_loras} must be >= 1")
+        self.base_model = base_model
+        self.max_lora_rank = max_lora_rank
+        self.engine_lora_rank = engine_lora_rank(max_lora_rank)
+        self.max_loras = max_loras
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.kv_cache_gib = kv_cache_gib
+        self.seed = seed
+        self._engine: AsyncLLM | None = None
+        self._adapters: dict[str, _Adapter] = {}
+        self._adapters_lock = asyncio.Lock()
+        self._lora_ids = itertools.count(1)
+        self._request_ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine (spawns the engine-core process; seconds to minutes)."""
+        if self._engine is not None:
+            return
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if current_platform.is_cpu() else "bfloat16"
+        args = AsyncEngineArgs(
+            model=self.base_model,
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            enforce_eager=True,
+            enable_lora=True,
+            max_lora_rank=self.engine_lora_rank,
+            max_loras=self.max_loras,
+            lora_target_modules=list(LORA_TARGET_MODULES),
+            logprobs_mode="raw_logprobs",
+            kv_cache_memory_bytes=(
+                None if self.kv_cache_gib is None else int(self.kv_cache_gib * 2**30)
+            ),
+            disable_log_stats=True,
+        )
+        # Construction blocks while the engine process loads the model; keep the loop free.
+        # AsyncLLM starts its output handler lazily on the first request in that case.
+        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        logger.info(
+            "vLLM engine up: base_model=%s dtype=%s max_lora_rank=%d max_loras=%d max_model_len=%d",
+            self.base_model,
+            dtype,
+            self.engine_lora_rank,
+            self.max_loras,
+            self.max_context,
+        )
+
+    async def close(self) -> None:
+        """Stop the engine and its process; a closed sampler can be started again."""
+        engine, self._engine = self._engine, None
+        self._adapters.clear()
+        if engine is not None:
+            # On the loop thread, as vLLM's own server does: its output handler is cancelled in
+            # the same call, before it can see the closed engine and log a false engine death.
+            # This blocks for the engine process's exit (a few seconds), once, at the end.
+            engine.shutdown()
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + completion tokens the engine allows (for `protocol.sampling.sample_spec`)."""
+        return int(self._started().model_config.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._started().model_config.get_vocab_size())
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    async def sample(
+        self, spec: SampleSpec, adapter_dir: Path | None, adapter_key: str | None
+    ) -> SampleOutput:
+        """Sample `spec` from the base model, or with the adapter in `adapter_dir`.
+
+        `adapter_key` names the checkpoint for caching (the directory path when None).
+        """
+        engine = self._started()
+        lora = None
+        if adapter_dir is not None:
+            lora = await self._lora_request(Path(adapter_dir), adapter_key or str(adapter_dir))
+        params = sampling_params(spec)
+        request_id = f"sample-{next(self._request_ids)}"
+        final: RequestOutput | None = None
+        try:
+            async for output in engine.generate(
+                {"prompt_token_ids": list(spec.prompt)}, params, request_id, lora_request=lora
+            ):
+                final = output
+        except (VLLMClientError, ValueError) as error:  # vLLM's request validation
+            raise UserError(f"sample: {error}") from None
+        except VLLMServerError as error:  # a failed step or a dead engine core
+            raise ServerError(f"{request_id}: vLLM failed: {error}") from error
+        if final is None or not final.finished:
+            raise ServerError(f"{request_id}: vLLM returned no final output")
+        return sample_output(spec, final)
+
+    async def _lora_request(self, directory: Path, key: str) -> LoRARequest:
+        cached = self._adapters.get(key)
+        if cached is not None and cached.directory == directory:
+            return cached.request
+        # One id per checkpoint even when concurrent first requests race here: vLLM dedups
+        # active adapters by name, and two ids for one name crash the engine step.
+        async with self._adapters_lock:
+            cached = self._adapters.get(key)
+            if cached is not None and cached.directory == directory:
+                return cached.request
+            config = await asyncio.to_thread(_read_adapter_config, directory)
+            self._check_adapter(key, config)
+            lora_id = next(self._lora_ids)
+            request = LoRARequest(
+                lora_name=f"{key}#{lora_id}", lora_int_id=lora_id, lora_path=str(directory)
+            )
+            # A key moved to a new directory gets a new id; vLLM evicts the old one as it ages.
+            self._adapters[key] = _Adapter(directory, request)
+            return request
+
+    def _check_adapter(self, key: str, config: dict[str, Any]) -> None:
+        if trains_unembed(config.get("target_modules"), config.get("modules_to_save")):
+            raise UserError(
+                f"adapter {key}: trains lm_head or the embedding; adapters trained with "
+                "train_unembed are served by the torch sampler, not by vLLM"
+            )
+        ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
+        try:
+            rank = max(int(r) for r in ranks if r is not None)
+        except (TypeError, ValueError):
+            raise UserError(f"adapter {key}: {ADAPTER_CONFIG} has no valid rank r") from None
+        if rank > self.max_lora_rank:
+            raise UserError(
+                f"adapter {key}: LoRA rank {rank} exceeds this sampler's max_lora_rank "
+                f"{self.max_lora_rank}"
+            )
+
+    def _started(self) -> AsyncLLM:
+        if self._engine is None:
+            raise ServerError("the vLLM sampler is not started")
+        return self._engine
+
+
+def sampling_params(spec: SampleSpec) -> SamplingParams:
+    """vLLM's parameters for one spec: n samples, final output only, sampled-token logprobs."""
+    return SamplingParams(
+        n=spec.num_samples,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
+        seed=spec.seed,
+        stop=list(spec.stop_strings) or None,
+        stop_token_ids=list(spec.stop_token_ids) or None,
+        ignore_eos=not spec.stop_at_eos,
+        logprobs=0,  # the sampled token's own logprob, nothing more
+        prompt_logprobs=spec.topk_prompt_logprobs if spec.prompt_logprobs else None,
+        # Text is only needed to find stop strings.
+        detokenize=bool(spec.stop_strings),
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def sample_output(spec: SampleSpec, output: RequestOutput) -> SampleOutput:
+    """The protocol's view of a finished `RequestOutput`."""
+    sequences = [_sequence(output.request_id, completion) for completion in output.outputs]
+    if len(sequences) != spec.num_samples:
+        raise ServerError(
+            f"{output.request_id}: {len(sequences)} sequences for num_samples={spec.num_samples}"
+        )
+    result = SampleOutput(sequences=sequences)
+    if spec.prompt_logprobs:
+        rows = output.prompt_logprobs
+        if rows is None or len(rows) != len(spec.prompt):
+            raise ServerError(f"{output.request_id}: vLLM returned no prompt logprobs")
+        values: list[float | None] = [None]
+        topk: list[list[tuple[int, float]]] = [[]]
+        for token, row in zip(spec.prompt[1:], rows[1:], strict=True):
+            if row is None or token not in row:
+                raise ServerError(f"{output.request_id}: prompt logprob of token {token} missing")
+            values.append(float(row[token].logprob))
+            ranked = sorted(
+                (lp.rank, token_id, float(lp.logprob))
+                for token_id, lp in row.items()
+                if lp.rank is not None and lp.rank <= spec.topk_prompt_logprobs
+            )
+            topk.append([(token_id, logprob) for _, token_id, logprob in ranked])
+        result.prompt_logprobs = values
+        if spec.topk_prompt_logprobs > 0:
+            result.topk_prompt_logprobs = topk
+    return result
+
+
+def _sequence(request_id: str, completion: CompletionOutput) -> SampledSequence:
+    stop_reason: Literal["stop", "length"]
+    if completion.finish_reason == "stop":
+        stop_reason = "stop"
+    elif completion.finish_reason == "length":
+        stop_reason = "length"
+    else:
+        raise ServerError(f"{request_id}: sequence ended with {completion.finish_reason!r}")
+    tokens = list(completion.token_ids)
+    steps = completion.logprobs or []
+    if len(steps) != len(tokens):
+        raise ServerError(f"{request_id}: {len(steps)} logprobs for {len(tokens)} tokens")
+    logprobs = [float(step[token].logprob) for token, step in zip(tokens, steps, strict=True)]
+    return SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=stop_reason)
+
+
+def _read_adapter_config(directory: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{ADAPTER_CONFIG}: not found in {directory}") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"{ADAPTER_CONFIG}: unreadable ({error})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{ADAPTER_CONFIG}: expected a JSON object")
+    return config

@@ -23,6 +23,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# vLLM on the CPU: a 1 GiB KV cache (not sized from free RAM), no usage reports
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 from twinkle_async.nats_server import NatsServer  # noqa: E402
 
@@ -153,6 +156,18 @@ def chunked_cluster(
     """A second cluster whose client/config splits forward_backward calls into 3-datum chunks."""
     running = start_cluster(
         tmp_path_factory.mktemp("chunked") / "data", [tiny_model], "--fwdbwd-max-chunk-len", "3"
+    )
+    try:
+        yield running
+    finally:
+        stop_cluster(running)
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Cluster]:
+    """A cluster whose samples are served by a vLLM sampler process instead of the trainer."""
+    running = start_cluster(
+        tmp_path_factory.mktemp("vllm") / "data", [tiny_model], "--sampler", "vllm"
     )
     try:
         yield running

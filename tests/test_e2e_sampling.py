@@ -92,7 +92,26 @@ def test_named_sampler_checkpoint_and_base_model_sessions(
     assert len(out.sequences) == 2 and out.sequences[0].tokens == out.sequences[1].tokens
 
 
-def test_rl_loop_raises_the_reward(cluster: Cluster, tiny_model: Path) -> None:
+def test_vllm_sampler_logprobs_match_the_trainer(vllm_cluster: Cluster, tiny_model: Path) -> None:
+    service = tinker.ServiceClient(base_url=vllm_cluster.base_url, api_key=vllm_cluster.api_key)
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=3, train_unembed=False
+    ).result()
+    train_steps(client, toy_batch(seed=8), 3)
+    sampler = client.save_weights_and_get_sampling_client().result()
+    sampled = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
+    assert sampled[0] is None
+    np.testing.assert_allclose(
+        np.asarray(sampled[1:], dtype=np.float64), trainer_logprobs(client, PROMPT), atol=1e-3
+    )
+    service.close("success").result()
+
+
+@pytest.mark.parametrize("backend", ["torch", "vllm"])
+def test_rl_loop_raises_the_reward(
+    backend: str, request: pytest.FixtureRequest, tiny_model: Path
+) -> None:
+    cluster: Cluster = request.getfixturevalue("cluster" if backend == "torch" else "vllm_cluster")
     history = rl.run(cluster.base_url, cluster.api_key, str(tiny_model), iterations=20)
     first, last = float(np.mean(history[:5])), float(np.mean(history[-5:]))
     assert last > first + 0.12, history

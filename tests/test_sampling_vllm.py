@@ -4,7 +4,8 @@ seeded sampling alone and in concurrent mixed batches, stop reasons, and the ada
 backend refuses.
 
 The engine core runs as one child process with one thread (settings below, from the
-reference environment notes §5/§6); they are set before vLLM or torch is imported.
+reference environment notes §5/§6). They are set before this module imports vLLM; they are
+defaults only, so a CI environment can override them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ from protocol.jobs import AdamSpec, LoraSpec  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
 from workers.engine import Engine  # noqa: E402
-from workers.sampling_vllm import VllmSampler, trains_unembed  # noqa: E402
+from workers.sampling_vllm import (  # noqa: E402
+    SEED_RANGE,
+    VllmSampler,
+    sampling_params,
+    trains_unembed,
+)
 from workers.tiny_model import build_tiny_model  # noqa: E402
 
 TOLERANCE = 1e-3
@@ -60,7 +66,8 @@ class Checkpoints:
 
     model: Path
     engine: Engine
-    adapters: dict[str, Path]  # "a", "b": trained, attention + MLP; "unembed": trains lm_head
+    # "a": rank 8, attention + MLP; "b": rank 4, MLP only (both trained); "unembed": + lm_head
+    adapters: dict[str, Path]
 
 
 def _datum(tokens: list[int]) -> DatumArrays:
@@ -188,7 +195,10 @@ async def test_seeds_reproduce_alone_and_in_concurrent_batches(
     seeded = SampleSpec(
         prompt=PROMPTS[0], num_samples=3, max_tokens=12, seed=1234, stop_at_eos=False
     )
-    greedy = SampleSpec(prompt=PROMPTS[1], max_tokens=12, temperature=0.0, stop_at_eos=False)
+    # Greedy with num_samples > 1 (vLLM refuses n > 1 when greedy; the backend repeats one).
+    greedy = SampleSpec(
+        prompt=PROMPTS[1], num_samples=2, max_tokens=12, temperature=0.0, stop_at_eos=False
+    )
     calls = [(spec, name) for name in (None, "a", "b") for spec in (seeded, greedy)]
 
     one_by_one = [await sampler.sample(spec, *_adapter(checkpoints, n)) for spec, n in calls]
@@ -203,6 +213,8 @@ async def test_seeds_reproduce_alone_and_in_concurrent_batches(
         if spec is seeded:
             # n > 1 with one seed: distinct samples (vLLM seeds sample i with seed + i).
             assert len({tuple(tokens) for tokens in samples}) == 3, name
+        else:
+            assert samples[0] == samples[1], name
     # Adapters change what is sampled; a different seed changes it too.
     base = _tokens(one_by_one[0]) + _tokens(one_by_one[1])
     assert base != _tokens(one_by_one[2]) + _tokens(one_by_one[3])
@@ -230,27 +242,37 @@ async def test_stop_token_stop_string_and_length(
     assert by_token.tokens == tokens[: stop_at + 1]
     assert by_token.logprobs == pytest.approx(run.logprobs[: stop_at + 1], abs=1e-5)
 
-    # A stop string: the returned tokens run through the token that completes it.
+    # A stop string spanning two sampled tokens: vLLM trims the text, but the returned tokens
+    # run through the token that completes the string.
     tokenizer = AutoTokenizer.from_pretrained(checkpoints.model)
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def text_of(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+
     stop = next(
-        piece
-        for i in range(2, len(tokens))
-        if (piece := tokenizer.decode(tokens[i : i + 1], skip_special_tokens=True)).isprintable()
-        and piece.strip()
-        and piece in text
+        text_of(tokens[i : i + 1])[-2:] + text_of(tokens[i + 1 : i + 2])[:1]
+        for i in range(2, len(tokens) - 1)
+        if all(text_of([t]).isascii() and text_of([t]).strip() for t in tokens[i : i + 2])
     )
-    completes = next(
-        n
-        for n in range(1, len(tokens) + 1)
-        if stop in tokenizer.decode(tokens[:n], skip_special_tokens=True)
-    )
+    completes = next(n for n in range(1, len(tokens) + 1) if stop in text_of(tokens[:n]))
     (by_string,) = (await sampler.sample(replace(free, stop_strings=(stop,)), None, None)).sequences
     assert by_string.stop_reason == "stop", stop
     assert by_string.tokens == tokens[:completes], stop
 
     (capped,) = (await sampler.sample(replace(free, max_tokens=3), None, None)).sequences
     assert capped.stop_reason == "length" and capped.tokens == tokens[:3]
+
+    # EOS (stop_at_eos, the default when the client sends no `stop`) ends a sequence as "stop",
+    # and the EOS token is returned; with EOS ignored it may appear mid-sequence.
+    eos = tokenizer.eos_token_id
+    many = SampleSpec(prompt=PROMPTS[1], num_samples=16, max_tokens=64, seed=3)
+    by_eos = (await sampler.sample(many, None, None)).sequences
+    ended = [sequence for sequence in by_eos if sequence.stop_reason == "stop"]
+    assert ended, "no sample reached EOS; pick another seed"
+    for sequence in by_eos:
+        assert eos not in sequence.tokens[:-1]
+        assert (sequence.tokens[-1] == eos) == (sequence.stop_reason == "stop")
+        assert sequence.stop_reason == "stop" or len(sequence.tokens) == 64
 
 
 def _copy_with_config(source: Path, target: Path, **changes: object) -> Path:
@@ -297,3 +319,17 @@ def test_trains_unembed_reads_every_target_modules_form() -> None:
     assert not trains_unembed(["q_proj", "k_proj", "v_proj", "o_proj"], None)
     assert not trains_unembed(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj", None)
     assert not trains_unembed(None, None)
+
+
+def test_sampling_params_mapping() -> None:
+    spec = SampleSpec(prompt=(1, 2), num_samples=4, seed=2**64 + 5, stop_token_ids=(7,))
+    params = sampling_params(spec)
+    assert params.n == 4 and params.logprobs == 0 and params.prompt_logprobs is None
+    assert params.stop_token_ids == [7] and not params.ignore_eos and not params.detokenize
+    assert params.seed is not None and 0 <= params.seed < SEED_RANGE
+    greedy = sampling_params(replace(spec, temperature=0.0, stop_at_eos=False, stop_strings=("x",)))
+    assert greedy.n == 1 and greedy.ignore_eos and greedy.detokenize and greedy.stop == ["x"]
+    scored = sampling_params(replace(spec, prompt_logprobs=True, topk_prompt_logprobs=5))
+    assert scored.prompt_logprobs == 5
+    with pytest.raises(UserError, match="not a valid regex"):
+        trains_unembed("(unclosed", None)

@@ -3,7 +3,7 @@
 Job: turn a validated `SampleSpec` (protocol/sampling.py) plus an optional PEFT sampler
 checkpoint into a `SampleOutput`. The sampler service owns one `VllmSampler` per base model and
 calls `sample` from its event loop; concurrent calls are separate vLLM requests that the engine
-batches continuously (no lock, no per-request cache reset).
+batches continuously (nothing serialises them; the prefix cache is never reset).
 
 Step 1 (`start`): build the engine (the engine core runs in its own process; see `__init__`).
 Step 2 (`sample`): resolve the adapter: read its `adapter_config.json` once, refuse what the
@@ -38,7 +38,7 @@ import json
 import logging
 import re
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +70,9 @@ _UNEMBED_PATHS = (
     "model.language_model.embed_tokens",
     "language_model.lm_head",
 )
+# vLLM samples greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`).
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = 2**63
 VLLM_LORA_RANKS: tuple[int, ...] = tuple(sorted(typing.get_args(MaxLoRARanks)))
 
 
@@ -78,10 +81,14 @@ def engine_lora_rank(max_lora_rank: int) -> int:
     for rank in VLLM_LORA_RANKS:
         if rank >= max_lora_rank:
             return rank
-    raise ValueError(f"max_lora_rank={max_lora_rank} exceeds vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+    raise ValueError(
+        f"max_lora_rank={max_lora_rank} exceeds vLLM's largest ({VLLM_LORA_RANKS[-1]})"
+    )
 
 
-def trains_unembed(target_modules: list[str] | str | None, modules_to_save: list[str] | None) -> bool:
+def trains_unembed(
+    target_modules: list[str] | str | None, modules_to_save: list[str] | None
+) -> bool:
     """Whether a PEFT config adapts (or fully saves) lm_head or the token embedding.
 
     `target_modules` is either a list of leaf names / dotted paths (a module matches by suffix)
@@ -90,7 +97,12 @@ def trains_unembed(target_modules: list[str] | str | None, modules_to_save: list
     if isinstance(target_modules, str):
         if target_modules in _UNEMBED_MODULES:
             return True
-        return any(re.fullmatch(target_modules, path) for path in _UNEMBED_PATHS)
+        try:
+            return any(re.fullmatch(target_modules, path) for path in _UNEMBED_PATHS)
+        except re.error as error:
+            raise UserError(
+                f"{ADAPTER_CONFIG}: target_modules is not a valid regex ({error})"
+            ) from None
     names = [*(target_modules or []), *(modules_to_save or [])]
     return any(name.rpartition(".")[2] in _UNEMBED_MODULES for name in names)
 
@@ -132,7 +144,9 @@ class VllmSampler:
           no core pinning, one thread).
         """
         if max_lora_rank < 1 or max_loras < 1:
-            raise ValueError(f"max_lora_rank={max_lora_rank} and max_loras={max_loras} must be >= 1")
+            raise ValueError(
+                f"max_lora_rank={max_lora_rank} and max_loras={max_loras} must be >= 1"
+            )
         self.base_model = base_model
         self.max_lora_rank = max_lora_rank
         self.engine_lora_rank = engine_lora_rank(max_lora_rank)
@@ -220,9 +234,10 @@ class VllmSampler:
         request_id = f"sample-{next(self._request_ids)}"
         final: RequestOutput | None = None
         try:
-            async for output in engine.generate(
-                {"prompt_token_ids": list(spec.prompt)}, params, request_id, lora_request=lora
-            ):
+            (prompt,) = await engine.renderer.render_cmpl_async(
+                [{"prompt_token_ids": list(spec.prompt)}]
+            )
+            async for output in engine.generate(prompt, params, request_id, lora_request=lora):
                 final = output
         except (VLLMClientError, ValueError) as error:  # vLLM's request validation
             raise UserError(f"sample: {error}") from None
@@ -275,15 +290,26 @@ class VllmSampler:
         return self._engine
 
 
+def is_greedy(spec: SampleSpec) -> bool:
+    """Whether vLLM samples `spec` greedily (it treats temperatures below 1e-5 as 0)."""
+    return spec.temperature < GREEDY_TEMPERATURE
+
+
 def sampling_params(spec: SampleSpec) -> SamplingParams:
-    """vLLM's parameters for one spec: n samples, final output only, sampled-token logprobs."""
+    """vLLM's parameters for one spec: n samples, final output only, sampled-token logprobs.
+
+    vLLM refuses n > 1 when greedy; every greedy sample is the same, so one is drawn and
+    `sample_output` repeats it.
+    """
     return SamplingParams(
-        n=spec.num_samples,
+        n=1 if is_greedy(spec) else spec.num_samples,
         max_tokens=spec.max_tokens,
         temperature=spec.temperature,
         top_k=spec.top_k,
         top_p=spec.top_p,
-        seed=spec.seed,
+        # torch generators take 64-bit seeds and vLLM seeds sample i with seed + i; an
+        # out-of-range seed would fail inside the engine step and take the engine down.
+        seed=None if spec.seed is None else spec.seed % SEED_RANGE,
         stop=list(spec.stop_strings) or None,
         stop_token_ids=list(spec.stop_token_ids) or None,
         ignore_eos=not spec.stop_at_eos,
@@ -298,6 +324,12 @@ def sampling_params(spec: SampleSpec) -> SamplingParams:
 def sample_output(spec: SampleSpec, output: RequestOutput) -> SampleOutput:
     """The protocol's view of a finished `RequestOutput`."""
     sequences = [_sequence(output.request_id, completion) for completion in output.outputs]
+    if is_greedy(spec) and len(sequences) == 1:
+        (only,) = sequences
+        sequences = [
+            replace(only, tokens=list(only.tokens), logprobs=list(only.logprobs))
+            for _ in range(spec.num_samples)
+        ]
     if len(sequences) != spec.num_samples:
         raise ServerError(
             f"{output.request_id}: {len(sequences)} sequences for num_samples={spec.num_samples}"

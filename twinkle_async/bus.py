@@ -118,25 +118,6 @@ class Bus:
     async def delete(self, bucket: str, key: str) -> None:
         await self.kv[bucket].delete(key)
 
-    async def keys(self, bucket: str, prefix: str = "") -> list[str]:
-        """Keys of a bucket (optionally under a `prefix.`), read through a short-lived watch."""
-        kv = self.kv[bucket]
-        watcher = await kv.watch(
-            f"{prefix}.>" if prefix else ">", ignore_deletes=True, meta_only=True
-        )
-        keys: list[str] = []
-        try:
-            while True:
-                entry = await watcher.updates(timeout=self.settings.request_timeout_s)
-                if entry is None:
-                    break
-                keys.append(entry.key)
-                if entry.delta == 0:
-                    break
-        finally:
-            await watcher.stop()
-        return keys
-
     async def values(self, bucket: str, prefix: str = "") -> list[bytes]:
         """Values of the keys under `prefix.` (current revision only)."""
         kv = self.kv[bucket]

@@ -15,8 +15,9 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
@@ -47,8 +48,8 @@ from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Item = Pending[Msg]
+Result = tuple[Outcome, CheckpointRecord | None]
 
 
 def _done(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
@@ -203,14 +204,12 @@ class TrainerService:
             (time.perf_counter() - started) * 1e3,
         )
 
-    async def _run(self, items: list[Item], fn: Any) -> None:
+    async def _run(self, items: list[Item], fn: Callable[[list[Item]], list[Result]]) -> None:
         """Run `fn(items)` on the engine thread, then store each outcome and ack its op."""
         self._in_flight = [item.handle for item in items]
         loop = asyncio.get_running_loop()
         try:
-            results: list[tuple[Outcome, CheckpointRecord | None]] = await loop.run_in_executor(
-                self.executor, fn, items
-            )
+            results: list[Result] = await loop.run_in_executor(self.executor, fn, items)
         except Exception:
             log.exception("engine batch of %d ops crashed", len(items))
             err = ServerError("the worker failed while running this request; see the worker log")
@@ -264,7 +263,7 @@ class TrainerService:
                 f"model_id {job.model_id!r} is not loaded (its create_model or load failed)"
             )
 
-    def _shared_pass(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
+    def _shared_pass(self, items: list[Item]) -> list[Result]:
         outcomes: dict[int, Outcome] = {}
         batch: list[tuple[str, FwdBwdRequest]] = []
         batch_index: list[int] = []
@@ -289,7 +288,7 @@ class TrainerService:
                 outcomes[i] = _done(items[i].job, payload, "proto")
         return [(outcomes[i], None) for i in range(len(items))]
 
-    def _optim_steps(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
+    def _optim_steps(self, items: list[Item]) -> list[Result]:
         outcomes: dict[int, Outcome] = {}
         steps = []
         index = []
@@ -311,7 +310,7 @@ class TrainerService:
                 )
         return [(outcomes[i], None) for i in range(len(items))]
 
-    def _other(self, items: list[Item]) -> list[tuple[Outcome, CheckpointRecord | None]]:
+    def _other(self, items: list[Item]) -> list[Result]:
         (item,) = items
         job = item.job
         try:
@@ -335,7 +334,7 @@ class TrainerService:
         except TwinkleError as err:
             return [(_failed(job, err), None)]
 
-    def _checkpoint_dir(self, path: TinkerPath) -> Any:
+    def _checkpoint_dir(self, path: TinkerPath) -> Path:
         return self.settings.checkpoint_root / path.run_id / path.kind / path.name
 
     def _save(self, job: SaveWeightsJob) -> tuple[Outcome, CheckpointRecord | None]:

@@ -22,7 +22,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="twinkle-async worker", description="Run a trainer worker."
     )
     parser.add_argument(
-        "--base-model", required=True, help="model id (hub) or a local model directory"
+        "--base-model",
+        default=env("BASE_MODEL", "") or None,
+        required=not env("BASE_MODEL", ""),
+        help="model id (hub) or a local model directory",
     )
     parser.add_argument("--nats-url", default=env("NATS_URL", "nats://127.0.0.1:4222"))
     parser.add_argument("--data-dir", type=Path, default=Path(env("DATA_DIR", "data")))

@@ -25,7 +25,9 @@ from workers.settings import env
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="twinkle-async sampler", description="Run a sampler.")
-    parser.add_argument("--base-model", required=True)
+    parser.add_argument(
+        "--base-model", default=env("BASE_MODEL", "") or None, required=not env("BASE_MODEL", "")
+    )
     parser.add_argument(
         "--backend", choices=["vllm", "torch"], default=env("SAMPLER_BACKEND", "vllm")
     )

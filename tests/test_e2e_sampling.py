@@ -50,9 +50,15 @@ def test_prompt_logprobs_match_the_trainer(service: tinker.ServiceClient, tiny_m
     )
 
 
-def test_a_snapshot_never_changes(service: tinker.ServiceClient, tiny_model: Path) -> None:
+@pytest.mark.parametrize("backend", ["torch", "vllm"])
+def test_a_snapshot_never_changes(
+    backend: str, request: pytest.FixtureRequest, tiny_model: Path
+) -> None:
+    cluster: Cluster = request.getfixturevalue("cluster" if backend == "torch" else "vllm_cluster")
+    service = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
+    request.addfinalizer(lambda: service.close("success").result())
     client = service.create_lora_training_client(
-        base_model=str(tiny_model), rank=8, seed=4
+        base_model=str(tiny_model), rank=8, seed=4, train_unembed=False
     ).result()
     train_steps(client, toy_batch(seed=9), 2)
     snapshot = client.save_weights_and_get_sampling_client().result()

@@ -59,7 +59,7 @@ from workers.checkpoints import (
     target_modules_for,
     write_checkpoint,
 )
-from workers.lora import LAYER_GROUPS, LayerGroup, LoraBank, Segment, SlotRouting
+from workers.lora import LayerGroup, LoraBank, Segment, SlotRouting
 from workers.losses import (
     TARGET_TOKENS,
     LossFn,
@@ -69,19 +69,9 @@ from workers.losses import (
     resolve_config,
 )
 from workers.optimizer import SlotAdamW, check_adam
+from workers.parking import GROUP_FLAGS, ParkedAdapters, Tenant, trained_groups
 
 log = logging.getLogger(__name__)
-
-_GROUP_FLAGS: dict[LayerGroup, str] = {
-    "attn": "train_attn",
-    "mlp": "train_mlp",
-    "unembed": "train_unembed",
-}
-
-
-def trained_groups(spec: LoraSpec) -> frozenset[LayerGroup]:
-    """The layer groups an adapter trains, from its `train_*` flags."""
-    return frozenset(group for group, flag in _GROUP_FLAGS.items() if getattr(spec, flag))
 
 
 @dataclass
@@ -91,149 +81,6 @@ class FwdBwdResult:
     outputs: list[dict[str, np.ndarray]]
     metrics: dict[str, float]
     loss_fn_output_type: str
-
-
-@dataclass
-class _Tenant:
-    slot: int
-    spec: LoraSpec
-    lora_alpha: float
-
-
-# -- parking -----------------------------------------------------------------------------------
-# Host copies of slots, so that more tenants than slots can train on one worker. The engine
-# decides who is parked and when; this class only moves one slot's state out and back.
-
-
-@dataclass
-class _HostRow:
-    """One `[S, P]` buffer's part of a parked slot, on the CPU."""
-
-    values: torch.Tensor
-    whole_row: bool  # False: only the adapter's own rank and layer groups, in `slot_views` order
-
-
-@dataclass
-class _ParkedAdapter:
-    """Everything a slot held for one tenant."""
-
-    spec: LoraSpec
-    lora_alpha: float
-    step: int
-    scales: dict[LayerGroup, float]
-    rows: dict[str, _HostRow]  # by buffer name; a buffer whose row was all zero is left out
-
-
-class ParkedAdapters:
-    """Tenants' slot states in host memory, oldest parked first, at most `max_parked` of them.
-
-    Only an adapter's own values travel (its rank, its trained layer groups): the bank keeps the
-    rest of a slot at exactly 0, so writing them back into a cleared slot restores it
-    bit-exactly, in a fraction of the row's size. A row with anything else non-zero (a NaN that
-    reached the padding) is kept whole. All-zero rows (no pending gradient, no step yet) are
-    not kept at all.
-    """
-
-    def __init__(self, bank: LoraBank, optimizer: SlotAdamW, *, max_parked: int | None) -> None:
-        self.bank = bank
-        self.optimizer = optimizer
-        self.max_parked = max_parked
-        self._adapters: OrderedDict[str, _ParkedAdapter] = OrderedDict()
-
-    def __contains__(self, model_id: object) -> bool:
-        return model_id in self._adapters
-
-    def __len__(self) -> int:
-        return len(self._adapters)
-
-    def get(self, model_id: str) -> _ParkedAdapter | None:
-        return self._adapters.get(model_id)
-
-    def pop(self, model_id: str) -> _ParkedAdapter | None:
-        """Take an adapter out of parking (to restore it, or to forget it)."""
-        return self._adapters.pop(model_id, None)
-
-    def park(self, model_id: str, tenant: _Tenant) -> None:
-        """Copy the tenant's slot to host memory, then clear the slot and its optimizer state."""
-        slot, rank, groups = tenant.slot, tenant.spec.rank, trained_groups(tenant.spec)
-        rows: dict[str, _HostRow] = {}
-        for name, buffer in self._buffers():
-            row = self._copy_out(buffer, slot, rank, groups)
-            if row is not None:
-                rows[name] = row
-        self._adapters[model_id] = _ParkedAdapter(
-            spec=tenant.spec,
-            lora_alpha=tenant.lora_alpha,
-            step=self.optimizer.steps[slot],
-            scales={group: self.bank.scales[group][slot] for group in LAYER_GROUPS},
-            rows=rows,
-        )
-        self.bank.clear_slot(slot)
-        self.optimizer.reset_slot(slot)
-        while self.max_parked is not None and len(self._adapters) > self.max_parked:
-            dropped, _ = self._adapters.popitem(last=False)
-            log.warning(
-                "dropped the parked adapter of model_id %s: more than max_parked=%d parked",
-                dropped,
-                self.max_parked,
-            )
-
-    def restore(self, parked: _ParkedAdapter, slot: int) -> _Tenant:
-        """Write a popped adapter into `slot` exactly as it was parked; the slot's old content goes."""
-        self.bank.clear_slot(slot)
-        self.optimizer.reset_slot(slot)
-        groups = trained_groups(parked.spec)
-        for name, buffer in self._buffers():
-            row = parked.rows.get(name)
-            if row is not None:
-                self._copy_in(row, buffer, slot, parked.spec.rank, groups)
-        for group, scale in parked.scales.items():
-            self.bank.scales[group][slot] = scale  # in place: the layers share these lists
-        self.optimizer.steps[slot] = parked.step
-        return _Tenant(slot, parked.spec, parked.lora_alpha)
-
-    def _buffers(self) -> list[tuple[str, torch.Tensor]]:
-        moments = [(moment, getattr(self.optimizer, moment)) for moment in MOMENTS]
-        return [("weights", self.bank.weights), ("grads", self.bank.grads), *moments]
-
-    def _views(
-        self, buffer: torch.Tensor, slot: int, rank: int, groups: frozenset[LayerGroup]
-    ) -> list[torch.Tensor]:
-        return [
-            view
-            for layout, a, b in self.bank.slot_views(buffer, slot, rank)
-            if layout.group in groups
-            for view in (a, b)
-        ]
-
-    def _copy_out(
-        self, buffer: torch.Tensor, slot: int, rank: int, groups: frozenset[LayerGroup]
-    ) -> _HostRow | None:
-        row = buffer[slot]
-        packed = torch.cat([view.reshape(-1) for view in self._views(buffer, slot, rank, groups)])
-        # One device sync: non-zeros (NaN included) in the adapter's part and in the whole row.
-        in_packed, in_row = torch.stack([packed.count_nonzero(), row.count_nonzero()]).tolist()
-        if in_row == 0:
-            return None
-        if in_packed == in_row:
-            return _HostRow(packed.to("cpu"), whole_row=False)  # `cat` made a copy already
-        return _HostRow(row.to("cpu", copy=True), whole_row=True)
-
-    def _copy_in(
-        self,
-        host: _HostRow,
-        buffer: torch.Tensor,
-        slot: int,
-        rank: int,
-        groups: frozenset[LayerGroup],
-    ) -> None:
-        values = host.values.to(buffer.device)
-        if host.whole_row:
-            buffer[slot].copy_(values)
-            return
-        views = self._views(buffer, slot, rank, groups)
-        chunks = values.split([view.numel() for view in views])
-        torch._foreach_copy_(views, [c.view(v.shape) for c, v in zip(chunks, views, strict=True)])
 
 
 class Engine:
@@ -248,9 +95,12 @@ class Engine:
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         lora_alpha: float = 32.0,
+        max_parked: int | None = None,
     ) -> None:
         if max_slots < 1 or max_rank < 1:
             raise ValueError(f"max_slots={max_slots} and max_rank={max_rank} must be >= 1")
+        if max_parked is not None and max_parked < 0:
+            raise ValueError(f"max_parked={max_parked} must be >= 0 (or None: unbounded)")
         self.device = torch.device(device)
         # bf16 where it is fast; fp32 on the CPU, where results must match references exactly.
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -272,18 +122,20 @@ class Engine:
             model, max_slots=max_slots, max_rank=max_rank, routing=self.routing, device=self.device
         )
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
+        self.parked = ParkedAdapters(self.bank, self.optimizer, max_parked=max_parked)
         self.model = model
-        self._tenants: dict[str, _Tenant] = {}
+        # Resident tenants, least recently used first; the parked ones are in `self.parked`.
+        self._tenants: OrderedDict[str, Tenant] = OrderedDict()
         self._snapshots: OrderedDict[str, int] = OrderedDict()  # key → slot, least recent first
 
     # -- slots -------------------------------------------------------------------------------
 
     def create(self, model_id: str, spec: LoraSpec) -> None:
         """Give `model_id` a fresh adapter: A kaiming-uniform (seeded if `spec.seed`), B = 0."""
-        if model_id in self._tenants:
+        if self.has(model_id):
             raise UserError(f"model_id {model_id!r} already has an adapter")
         self._check_spec(spec)
-        slot = self._free_slot()
+        slot = self._slot_for_tenant(keep=())
         generator = torch.Generator()
         if spec.seed is None:
             generator.seed()
@@ -297,33 +149,42 @@ class Engine:
             generator=generator,
         )
         self.optimizer.reset_slot(slot)
-        self._tenants[model_id] = _Tenant(slot, spec, self.lora_alpha)
+        self._tenants[model_id] = Tenant(slot, spec, self.lora_alpha)
 
     def has(self, model_id: str) -> bool:
-        return model_id in self._tenants
+        """Whether `model_id` has an adapter here, resident or parked."""
+        return model_id in self._tenants or model_id in self.parked
 
     def spec(self, model_id: str) -> LoraSpec:
-        return self._tenant(model_id).spec
+        return self._spec(model_id)
 
     def slot(self, model_id: str) -> int:
-        """The bank row holding this model's adapter (for metrics and inspection)."""
-        return self._tenant(model_id).slot
+        """The bank row holding this model's adapter, restored first if it was parked."""
+        [tenant] = self._make_resident([model_id])
+        return tenant.slot
 
     def slots_used(self) -> int:
+        """Slots holding training adapters (resident tenants; snapshots not counted)."""
         return len(self._tenants)
 
+    def adapters_total(self) -> int:
+        """Training adapters on this worker: resident plus parked."""
+        return len(self._tenants) + len(self.parked)
+
     def release(self, model_id: str) -> None:
-        """Free the slot and zero everything in it; releasing an unknown model is a no-op."""
+        """Forget the adapter: zero its slot, or drop its parked copy; unknown is a no-op."""
         tenant = self._tenants.pop(model_id, None)
         if tenant is not None:
             self.bank.clear_slot(tenant.slot)
             self.optimizer.reset_slot(tenant.slot)
+        else:
+            self.parked.pop(model_id)
 
     # -- requests ----------------------------------------------------------------------------
 
     def validate(self, model_id: str, req: FwdBwdRequest) -> None:
         """Raise a `UserError` naming the field if `req` cannot run; changes nothing."""
-        self._tenant(model_id)
+        self._spec(model_id)
         loss = get_loss(req.loss_fn)
         settings = resolve_config(loss, req.loss_fn_config)
         if not req.datums:
@@ -354,12 +215,24 @@ class Engine:
             )
 
     def forward_backward(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdResult]:
-        """One shared pass over every item; gradients of training items accumulate per slot."""
+        """One shared pass over every item; gradients of training items accumulate per slot.
+
+        Items of more tenants than there are slots run as several passes (see `_sub_calls`).
+        """
         if not batch:
             return []
         for model_id, req in batch:
             self.validate(model_id, req)
-        slots = [self._tenants[model_id].slot for model_id, _ in batch]
+        results: dict[int, FwdBwdResult] = {}
+        for indices in self._sub_calls([model_id for model_id, _ in batch]):
+            sub_batch = [batch[index] for index in indices]
+            results.update(zip(indices, self._shared_pass(sub_batch), strict=True))
+        return [results[index] for index in range(len(batch))]
+
+    def _shared_pass(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdResult]:
+        """One pass over validated items of at most `max_slots` tenants."""
+        tenants = self._make_resident([model_id for model_id, _ in batch])
+        slots = [tenant.slot for tenant in tenants]
         segments, item_rows, rows = _pack_rows([req for _, req in batch], slots)
         input_ids, attention_mask = self._padded(rows)
         training = any(not req.forward_only for _, req in batch)
@@ -442,19 +315,25 @@ class Engine:
         `optim_step` checks the same and fails as a whole, so callers fusing several tenants'
         steps check each one first.
         """
-        self._tenant(model_id)
+        self._spec(model_id)
         check_adam(adam)
 
     def optim_step(self, steps: list[tuple[str, AdamSpec]]) -> list[dict[str, float]]:
-        """Apply and clear the accumulated gradients of each listed model, fused across them."""
-        slots: list[int] = []
+        """Apply and clear the accumulated gradients of each listed model, fused across them
+        (in groups of at most `max_slots` tenants when more are listed)."""
+        listed: set[str] = set()
         for model_id, adam in steps:
             self.validate_optim_step(model_id, adam)
-            slot = self._tenant(model_id).slot
-            if slot in slots:
+            if model_id in listed:
                 raise ServerError(f"optim_step lists model_id {model_id!r} twice in one step")
-            slots.append(slot)
-        return self.optimizer.step(slots, [adam for _, adam in steps])
+            listed.add(model_id)
+        metrics: dict[int, dict[str, float]] = {}
+        for indices in self._sub_calls([model_id for model_id, _ in steps]):
+            tenants = self._make_resident([steps[index][0] for index in indices])
+            slots = [tenant.slot for tenant in tenants]
+            adams = [steps[index][1] for index in indices]
+            metrics.update(zip(indices, self.optimizer.step(slots, adams), strict=True))
+        return [metrics[index] for index in range(len(steps))]
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -467,7 +346,7 @@ class Engine:
         meta: dict[str, Any],
     ) -> int:
         """Write the slot as a PEFT checkpoint (plus optimizer state for `weights`); bytes written."""
-        tenant = self._tenant(model_id)
+        [tenant] = self._make_resident([model_id])
         tensors = self._export_slot(tenant, self.bank.weights)
         moments: dict[str, torch.Tensor] | None = None
         if kind == "weights":
@@ -491,7 +370,7 @@ class Engine:
         return write_checkpoint(directory, checkpoint, kind=kind)
 
     def _export_slot(
-        self, tenant: _Tenant, buffer: torch.Tensor, *, suffix: str = ""
+        self, tenant: Tenant, buffer: torch.Tensor, *, suffix: str = ""
     ) -> dict[str, torch.Tensor]:
         """The trained layers' matrices of a slot in `buffer`, by PEFT key (+ suffix), on the CPU."""
         groups = trained_groups(tenant.spec)
@@ -506,7 +385,11 @@ class Engine:
         """Load a checkpoint into `model_id` (creating it if new); pending gradients are dropped."""
         checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=with_optimizer)
         tenant = self._tenants.get(model_id)
-        slot = tenant.slot if tenant is not None else self._free_slot()
+        if tenant is not None:
+            slot = tenant.slot
+        else:
+            self.parked.pop(model_id)  # a parked state is replaced, never restored
+            slot = self._slot_for_tenant(keep=())
 
         # Everything is checked; from here on the slot is overwritten.
         self.optimizer.reset_slot(slot)
@@ -515,7 +398,8 @@ class Engine:
             buffers += [(f".{moment}", getattr(self.optimizer, moment)) for moment in MOMENTS]
             self.optimizer.steps[slot] = checkpoint.step
         self._write_slot(slot, checkpoint, spec, adapters, buffers)
-        self._tenants[model_id] = _Tenant(slot, spec, checkpoint.lora_alpha)
+        self._tenants[model_id] = Tenant(slot, spec, checkpoint.lora_alpha)
+        self._tenants.move_to_end(model_id)
         return spec
 
     def _read_adapter(
@@ -526,7 +410,7 @@ class Engine:
         adapters = match_layers(checkpoint, self.bank.layouts, max_rank=self.max_rank)
         spec = checkpoint.spec or LoraSpec(
             rank=checkpoint.rank,
-            **{flag: group in adapters for group, flag in _GROUP_FLAGS.items()},
+            **{flag: group in adapters for group, flag in GROUP_FLAGS.items()},
         )
         self._check_spec(spec)
         if spec.rank != checkpoint.rank or set(adapters) != trained_groups(spec):
@@ -562,13 +446,17 @@ class Engine:
         """Load a sampler checkpoint as snapshot `key`; a key already loaded is only marked used.
 
         Evicts the least recently used snapshot when no slot is free; a `ServerError` when
-        tenants hold every slot.
+        tenants hold every slot (a snapshot never parks a tenant).
         """
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return
         checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=False)
         slot = self._free_slot()
+        if slot is None:
+            raise ServerError(
+                f"no free adapter slot: training adapters hold all {self.max_slots} slots"
+            )
         self._write_slot(slot, checkpoint, spec, adapters, [("", self.bank.weights)])
         self._snapshots[key] = slot
 
@@ -584,7 +472,7 @@ class Engine:
         return slot
 
     def snapshot_capacity(self) -> int:
-        """How many snapshots fit at once: the slots no tenant holds."""
+        """How many snapshots fit at once: the slots no resident tenant holds."""
         return self.max_slots - len(self._tenants)
 
     def drop_snapshot(self, key: str) -> None:
@@ -593,13 +481,75 @@ class Engine:
         if slot is not None:
             self.bank.clear_slot(slot)
 
-    # -- helpers -----------------------------------------------------------------------------
+    # -- residency ---------------------------------------------------------------------------
 
-    def _tenant(self, model_id: str) -> _Tenant:
+    def _spec(self, model_id: str) -> LoraSpec:
         tenant = self._tenants.get(model_id)
-        if tenant is None:
+        if tenant is not None:
+            return tenant.spec
+        parked = self.parked.get(model_id)
+        if parked is None:
             raise NotFound(f"model_id {model_id!r} has no adapter on this worker")
-        return tenant
+        return parked.spec
+
+    def _sub_calls(self, model_ids: list[str]) -> list[list[int]]:
+        """A call's item indices split into runs of at most `max_slots` distinct tenants.
+
+        Resident tenants go first, so a call that fits is one run and one that does not parks
+        as few tenants as it can. Each run keeps its items in request order.
+        """
+        distinct = list(dict.fromkeys(model_ids))
+        distinct.sort(key=lambda model_id: model_id not in self._tenants)  # stable
+        run_of = {model_id: n // self.max_slots for n, model_id in enumerate(distinct)}
+        runs: list[list[int]] = [[] for _ in range(-(-len(distinct) // self.max_slots))]
+        for index, model_id in enumerate(model_ids):
+            runs[run_of[model_id]].append(index)
+        return runs
+
+    def _make_resident(self, model_ids: list[str]) -> list[Tenant]:
+        """Each listed model's tenant (per item), restoring parked ones; all marked just used.
+
+        A restored tenant takes a free slot, else a snapshot's, else the slot of the least
+        recently used resident tenant that is not listed (parked).
+        """
+        wanted = list(dict.fromkeys(model_ids))
+        if len(wanted) > self.max_slots:
+            raise ServerError(
+                f"one pass needs {len(wanted)} adapters; this worker has {self.max_slots} slots"
+            )
+        for model_id in wanted:
+            self._spec(model_id)  # NotFound before anything moves
+        # Out of parking before any slot is freed, so parking others cannot drop these.
+        returning = [
+            (model_id, parked)
+            for model_id in wanted
+            if model_id not in self._tenants and (parked := self.parked.pop(model_id)) is not None
+        ]
+        for model_id in wanted:
+            if model_id in self._tenants:
+                self._tenants.move_to_end(model_id)
+        for model_id, parked in returning:
+            slot = self._slot_for_tenant(keep=wanted)
+            self._tenants[model_id] = self.parked.restore(parked, slot)
+            log.debug("restored model_id %s into slot %d", model_id, slot)
+        return [self._tenants[model_id] for model_id in model_ids]
+
+    def _slot_for_tenant(self, keep: Collection[str]) -> int:
+        """A slot for a tenant: free, else a snapshot's, else a parked tenant's (not in `keep`)."""
+        slot = self._free_slot()
+        if slot is not None:
+            return slot
+        victim = next((model_id for model_id in self._tenants if model_id not in keep), None)
+        if victim is None:
+            raise ServerError(
+                f"no free adapter slot: all {self.max_slots} slots are needed by this call"
+            )
+        tenant = self._tenants.pop(victim)
+        self.parked.park(victim, tenant)
+        log.debug("parked model_id %s from slot %d", victim, tenant.slot)
+        return tenant.slot
+
+    # -- helpers -----------------------------------------------------------------------------
 
     def _check_spec(self, spec: LoraSpec) -> None:
         if not 1 <= spec.rank <= self.max_rank:
@@ -609,8 +559,9 @@ class Engine:
         if spec.seed is not None and not -(2**63) <= spec.seed < 2**64:
             raise UserError(f"lora_config.seed: {spec.seed} outside the 64-bit range")
 
-    def _free_slot(self) -> int:
-        """A slot nobody holds, else the least recently used snapshot's (evicted)."""
+    def _free_slot(self) -> int | None:
+        """A slot nobody holds, else the least recently used snapshot's (evicted); None when
+        resident tenants hold every slot."""
         used = {tenant.slot for tenant in self._tenants.values()}
         used.update(self._snapshots.values())
         for slot in range(self.max_slots):
@@ -620,9 +571,7 @@ class Engine:
             key, slot = next(iter(self._snapshots.items()))
             self.drop_snapshot(key)
             return slot
-        raise ServerError(
-            f"no free adapter slot: all {self.max_slots} slots of this worker are in use"
-        )
+        return None
 
 
 def _pack_rows(

@@ -1,0 +1,320 @@
+"""Slot parking in the trainer engine (fp32, CPU): with more tenants than slots, the least recently
+used tenant's slot goes to host memory and comes back bit-exactly when a call needs it.
+
+Each test runs the same requests on an engine with 2 slots (parking all the time) and on one with
+8 slots (never parking) and compares losses and whole slot rows: weights, pending gradients, both
+Adam moments, step counts and scales.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from protocol.errors import NotFound, ServerError, UserError
+from protocol.jobs import AdamSpec, LoraSpec
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.checkpoints import read_checkpoint
+from workers.engine import Engine, FwdBwdResult
+from workers.lora import LAYER_GROUPS
+
+VOCAB = 256
+TOLERANCE = 1e-6
+ADAM = AdamSpec(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+# Ranks and layer groups differ, so parking copies differently shaped parts of the slot row.
+SPECS = {
+    "t0": LoraSpec(rank=2, seed=1),
+    "t1": LoraSpec(rank=8, seed=2, train_unembed=False),
+    "t2": LoraSpec(rank=4, seed=3, train_attn=False),
+    "t3": LoraSpec(rank=1, seed=4, train_mlp=False, train_unembed=False),
+    "t4": LoraSpec(rank=3, seed=5),
+}
+TENANTS = list(SPECS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def make_engine(tiny_qwen3: Path) -> Callable[..., Engine]:
+    def make(max_slots: int, max_parked: int | None = None, create: bool = True) -> Engine:
+        engine = Engine(str(tiny_qwen3), max_slots=max_slots, max_rank=8, max_parked=max_parked)
+        if create:
+            for model_id, spec in SPECS.items():
+                engine.create(model_id, spec)
+        return engine
+
+    return make
+
+
+def make_request(model_id: str, seed: int, *, forward_only: bool = False) -> FwdBwdRequest:
+    rng = np.random.default_rng(seed)
+    datums = []
+    for length in rng.integers(3, 9, size=2):
+        inputs = {
+            "target_tokens": rng.integers(0, VOCAB, length).astype(np.int64),
+            "weights": (rng.normal(size=length) / length).astype(np.float32),
+        }
+        datums.append(DatumArrays(rng.integers(0, VOCAB, length).astype(np.int32), inputs))
+    return FwdBwdRequest(model_id, 1, "cross_entropy", forward_only, {}, datums)
+
+
+def slot_state(engine: Engine, model_id: str) -> dict[str, Any]:
+    """Everything the slot holds for `model_id`, whole rows (padding included), as copies."""
+    slot = engine.slot(model_id)
+    return {
+        "weights": engine.bank.weights[slot].clone(),
+        "grads": engine.bank.grads[slot].clone(),
+        "exp_avg": engine.optimizer.exp_avg[slot].clone(),
+        "exp_avg_sq": engine.optimizer.exp_avg_sq[slot].clone(),
+        "step": engine.optimizer.steps[slot],
+        "scales": {group: engine.bank.scales[group][slot] for group in LAYER_GROUPS},
+        "spec": engine.spec(model_id),
+    }
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any], tolerance: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor)
+            if tolerance == 0.0:  # bit for bit: NaN and the sign of zero included
+                assert torch.equal(value.view(torch.int32), other.view(torch.int32)), key
+            else:
+                assert float((value - other).abs().max()) <= tolerance, key
+        else:
+            assert value == other, key
+
+
+def assert_same_results(
+    a: list[FwdBwdResult], b: list[FwdBwdResult], tolerance: float = 0.0
+) -> None:
+    assert len(a) == len(b)
+    for left, right in zip(a, b, strict=True):
+        assert left.loss_fn_output_type == right.loss_fn_output_type
+        assert left.metrics.keys() == right.metrics.keys()
+        for name, value in left.metrics.items():
+            assert abs(value - right.metrics[name]) <= tolerance, name
+        for out_left, out_right in zip(left.outputs, right.outputs, strict=True):
+            for name, array in out_left.items():
+                assert np.abs(array - out_right[name]).max(initial=0.0) <= tolerance, name
+
+
+# -- training under slot pressure ------------------------------------------------------------------
+
+
+def test_interleaved_training_matches_an_engine_that_never_parks(
+    make_engine: Callable[..., Engine],
+) -> None:
+    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+    for round_ in range(3):
+        for index, model_id in enumerate(TENANTS):
+            request = make_request(model_id, seed=100 * round_ + index)
+            assert_same_results(
+                tight.forward_backward([(model_id, request)]),
+                roomy.forward_backward([(model_id, request)]),
+            )
+            assert tight.optim_step([(model_id, ADAM)]) == roomy.optim_step([(model_id, ADAM)])
+            assert tight.slots_used() == 2 and tight.adapters_total() == len(TENANTS)
+            assert all(tight.has(other) for other in TENANTS)
+    assert len(tight.parked) == 3 and len(roomy.parked) == 0
+    for model_id in TENANTS:
+        assert_same_state(slot_state(tight, model_id), slot_state(roomy, model_id))
+        assert tight.optimizer.steps[tight.slot(model_id)] == 3
+
+
+def test_pending_gradients_survive_a_park(make_engine: Callable[..., Engine]) -> None:
+    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+    for engine in (tight, roomy):  # one step first, so moments and B are non-zero too
+        for index, model_id in enumerate(TENANTS):
+            engine.forward_backward([(model_id, make_request(model_id, seed=index))])
+        engine.optim_step([(model_id, ADAM) for model_id in TENANTS])
+
+    # Gradients accumulate over two calls per tenant, with every tenant parked in between.
+    for round_ in range(2):
+        for index, model_id in enumerate(TENANTS):
+            request = make_request(model_id, seed=10 + 10 * round_ + index)
+            assert_same_results(
+                tight.forward_backward([(model_id, request)]),
+                roomy.forward_backward([(model_id, request)]),
+            )
+    assert "t0" in tight.parked
+    before = slot_state(roomy, "t0")
+    assert torch.count_nonzero(before["grads"]) > 0
+    assert_same_state(slot_state(tight, "t0"), before)  # restored with its pending gradient
+
+    for model_id in reversed(TENANTS):
+        assert tight.optim_step([(model_id, ADAM)]) == roomy.optim_step([(model_id, ADAM)])
+    for model_id in TENANTS:
+        state = slot_state(tight, model_id)
+        assert torch.count_nonzero(state["grads"]) == 0
+        assert_same_state(state, slot_state(roomy, model_id))
+
+
+def test_a_call_over_more_tenants_than_slots_runs_in_groups(
+    make_engine: Callable[..., Engine],
+) -> None:
+    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+    # Every tenant, one twice and one forward-only item, in an order that mixes the groups.
+    batch = [
+        (model_id, make_request(model_id, seed=index)) for index, model_id in enumerate(TENANTS)
+    ]
+    batch.insert(1, ("t3", make_request("t3", seed=7, forward_only=True)))
+    batch.append(("t0", make_request("t0", seed=8)))
+    for _ in range(2):
+        assert_same_results(tight.forward_backward(batch), roomy.forward_backward(batch), TOLERANCE)
+        steps = [(model_id, ADAM) for model_id in reversed(TENANTS)]
+        for tight_metrics, roomy_metrics in zip(
+            tight.optim_step(steps), roomy.optim_step(steps), strict=True
+        ):
+            assert tight_metrics.keys() == roomy_metrics.keys()
+            for name, value in tight_metrics.items():
+                assert abs(value - roomy_metrics[name]) <= TOLERANCE
+    assert tight.slots_used() == 2 and tight.adapters_total() == len(TENANTS)
+    for model_id in TENANTS:
+        assert_same_state(slot_state(tight, model_id), slot_state(roomy, model_id), TOLERANCE)
+
+    with pytest.raises(ServerError, match="twice"):
+        tight.optim_step([("t0", ADAM), ("t4", ADAM), ("t0", ADAM)])
+    with pytest.raises(NotFound):
+        tight.forward_backward([("t1", batch[2][1]), ("nobody", batch[2][1])])
+
+
+def test_save_and_load_of_parked_tenants(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+    for engine in (tight, roomy):
+        for index, model_id in enumerate(TENANTS):
+            engine.forward_backward([(model_id, make_request(model_id, seed=index))])
+            engine.optim_step([(model_id, ADAM)])
+    assert "t0" in tight.parked
+    for engine, name in ((tight, "tight"), (roomy, "roomy")):
+        engine.save("t0", tmp_path / name, kind="weights", meta={})
+    saved = read_checkpoint(tmp_path / "tight", with_optimizer=True)
+    reference = read_checkpoint(tmp_path / "roomy", with_optimizer=True)
+    assert saved.step == reference.step == 1 and saved.spec == reference.spec
+    for tensors, expected in (
+        (saved.tensors, reference.tensors),
+        (saved.moments, reference.moments),
+    ):
+        assert tensors is not None and expected is not None and tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[key], expected[key]) for key in tensors)
+
+    # Loading over a parked tenant replaces its state (pending gradients dropped).
+    tight.forward_backward([("t1", make_request("t1", seed=50))])
+    for model_id in ("t2", "t3"):
+        tight.slot(model_id)
+    assert "t1" in tight.parked
+    assert tight.load("t1", tmp_path / "tight", with_optimizer=True) == SPECS["t0"]
+    # And a new tenant with every slot held parks the least recently used one.
+    tight.load("copy", tmp_path / "tight", with_optimizer=True)
+    assert tight.adapters_total() == len(TENANTS) + 1 and list(tight.parked)[-1] == "t3"
+    for model_id in ("t1", "copy"):
+        assert_same_state(slot_state(tight, model_id), slot_state(roomy, "t0"))
+    # Training on from the loaded copy matches training on from the original.
+    request = make_request("t0", seed=60)
+    assert_same_results(
+        tight.forward_backward([("copy", request)]), roomy.forward_backward([("t0", request)])
+    )
+    assert tight.optim_step([("copy", ADAM)]) == roomy.optim_step([("t0", ADAM)])
+    assert_same_state(slot_state(tight, "copy"), slot_state(roomy, "t0"))
+
+
+def test_max_parked_drops_the_oldest_parked_tenant(
+    make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = make_engine(max_slots=2, max_parked=2, create=False)
+    with caplog.at_level(logging.WARNING, logger="workers.engine"):
+        for model_id in TENANTS:  # t0, t1 parked as t2, t3 arrive; t4 parks t2 and drops t0
+            engine.create(model_id, SPECS[model_id])
+    assert not engine.has("t0") and all(engine.has(model_id) for model_id in TENANTS[1:])
+    assert engine.adapters_total() == 4 and len(engine.parked) == 2
+    assert any("t0" in record.getMessage() for record in caplog.records)
+    with pytest.raises(NotFound):
+        engine.forward_backward([("t0", make_request("t0", seed=0))])
+    with pytest.raises(NotFound):
+        engine.optim_step([("t0", ADAM)])
+    # Restoring t1 parks t3 (least recently used resident); nothing is dropped.
+    engine.forward_backward([("t1", make_request("t1", seed=1))])
+    assert list(engine.parked) == ["t2", "t3"]
+    assert engine.has("t1") and engine.adapters_total() == 4
+
+    with pytest.raises(ValueError, match="max_parked"):
+        make_engine(max_slots=2, max_parked=-1, create=False)
+
+
+def test_parked_tenants_answer_every_entry_point(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    engine = make_engine(max_slots=2)
+    assert "t0" in engine.parked
+    # spec, validate and has do not restore.
+    assert engine.spec("t0") == SPECS["t0"]
+    engine.validate("t0", make_request("t0", seed=0))
+    engine.validate_optim_step("t0", ADAM)
+    assert "t0" in engine.parked and engine.has("t0")
+    with pytest.raises(UserError, match="already has an adapter"):
+        engine.create("t0", SPECS["t0"])
+    engine.release("t0")
+    assert not engine.has("t0") and engine.adapters_total() == len(TENANTS) - 1
+    with pytest.raises(NotFound):
+        engine.spec("t0")
+
+    # A snapshot's slot goes before any tenant is parked; a snapshot never parks a tenant.
+    engine.release("t4")
+    engine.save("t1", tmp_path / "sampler", kind="sampler_weights", meta={})  # restores t1
+    engine.release("t3")
+    assert engine.slots_used() == 1 and list(engine.parked) == ["t2"]
+    engine.load_snapshot("s", tmp_path / "sampler")
+    engine.slot("t2")
+    assert not engine.has_snapshot("s") and len(engine.parked) == 0 and engine.slots_used() == 2
+    with pytest.raises(ServerError, match="no free adapter slot"):
+        engine.load_snapshot("s", tmp_path / "sampler")
+    assert engine.has("t1") and engine.has("t2")
+
+
+def test_a_row_with_values_outside_the_adapter_is_parked_whole(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine(max_slots=2, create=False)
+    engine.create("a", LoraSpec(rank=2, seed=1, train_mlp=False))
+    slot = engine.slot("a")
+    engine.bank.grads[slot, -1] = float("nan")  # lm_head B padding: never written normally
+    engine.optimizer.exp_avg[slot, 0] = 3.0
+    before = slot_state(engine, "a")
+    engine.create("b", LoraSpec(rank=2, seed=2))
+    engine.create("c", LoraSpec(rank=2, seed=3))
+    assert "a" in engine.parked
+    assert_same_state(slot_state(engine, "a"), before)

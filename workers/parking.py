@@ -1,0 +1,177 @@
+"""Parking: tenants' slot states in host memory, so more tenants than slots fit on a worker.
+
+Host copies of slots, so that more tenants than slots can train on one worker. The engine
+decides who is parked and when; this class moves one slot's state out and back, and forgets
+the oldest parked adapters beyond `max_parked`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from protocol.jobs import LoraSpec
+from workers.checkpoints import MOMENTS
+from workers.lora import LAYER_GROUPS, LayerGroup, LoraBank
+from workers.optimizer import SlotAdamW
+
+log = logging.getLogger(__name__)
+
+GROUP_FLAGS: dict[LayerGroup, str] = {
+    "attn": "train_attn",
+    "mlp": "train_mlp",
+    "unembed": "train_unembed",
+}
+
+
+def trained_groups(spec: LoraSpec) -> frozenset[LayerGroup]:
+    """The layer groups an adapter trains, from its `train_*` flags."""
+    return frozenset(group for group, flag in GROUP_FLAGS.items() if getattr(spec, flag))
+
+
+@dataclass
+class Tenant:
+    """A resident training adapter: its slot, shape and LoRA alpha."""
+
+    slot: int
+    spec: LoraSpec
+    lora_alpha: float
+
+
+@dataclass
+class _HostRow:
+    """One `[S, P]` buffer's part of a parked slot, on the CPU."""
+
+    values: torch.Tensor
+    whole_row: bool  # False: only the adapter's own rank and layer groups, in `slot_views` order
+
+
+@dataclass
+class _ParkedAdapter:
+    """Everything a slot held for one tenant."""
+
+    spec: LoraSpec
+    lora_alpha: float
+    step: int
+    scales: dict[LayerGroup, float]
+    rows: dict[str, _HostRow]  # by buffer name; a buffer whose row was all zero is left out
+
+
+class ParkedAdapters:
+    """Tenants' slot states in host memory, oldest parked first, at most `max_parked` of them.
+
+    Only an adapter's own values travel (its rank, its trained layer groups): the bank keeps the
+    rest of a slot at exactly 0, so writing them back into a cleared slot restores it
+    bit-exactly, in a fraction of the row's size. A row with anything else non-zero (a NaN that
+    reached the padding) is kept whole. All-zero rows (no pending gradient, no step yet) are
+    not kept at all.
+    """
+
+    def __init__(self, bank: LoraBank, optimizer: SlotAdamW, *, max_parked: int | None) -> None:
+        self.bank = bank
+        self.optimizer = optimizer
+        self.max_parked = max_parked
+        self._adapters: OrderedDict[str, _ParkedAdapter] = OrderedDict()
+
+    def __contains__(self, model_id: object) -> bool:
+        return model_id in self._adapters
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+    def __iter__(self) -> Iterator[str]:
+        """Parked model_ids, oldest parked first."""
+        return iter(self._adapters)
+
+    def get(self, model_id: str) -> _ParkedAdapter | None:
+        return self._adapters.get(model_id)
+
+    def pop(self, model_id: str) -> _ParkedAdapter | None:
+        """Take an adapter out of parking (to restore it, or to forget it)."""
+        return self._adapters.pop(model_id, None)
+
+    def park(self, model_id: str, tenant: Tenant) -> None:
+        """Copy the tenant's slot to host memory, then clear the slot and its optimizer state."""
+        slot, rank, groups = tenant.slot, tenant.spec.rank, trained_groups(tenant.spec)
+        rows: dict[str, _HostRow] = {}
+        for name, buffer in self._buffers():
+            row = self._copy_out(buffer, slot, rank, groups)
+            if row is not None:
+                rows[name] = row
+        self._adapters[model_id] = _ParkedAdapter(
+            spec=tenant.spec,
+            lora_alpha=tenant.lora_alpha,
+            step=self.optimizer.steps[slot],
+            scales={group: self.bank.scales[group][slot] for group in LAYER_GROUPS},
+            rows=rows,
+        )
+        self.bank.clear_slot(slot)
+        self.optimizer.reset_slot(slot)
+        while self.max_parked is not None and len(self._adapters) > self.max_parked:
+            dropped, _ = self._adapters.popitem(last=False)
+            log.warning(
+                "dropped the parked adapter of model_id %s: more than max_parked=%d parked",
+                dropped,
+                self.max_parked,
+            )
+
+    def restore(self, parked: _ParkedAdapter, slot: int) -> Tenant:
+        """Write a popped adapter into `slot` exactly as it was parked; the slot's old content goes."""
+        self.bank.clear_slot(slot)
+        self.optimizer.reset_slot(slot)
+        groups = trained_groups(parked.spec)
+        for name, buffer in self._buffers():
+            row = parked.rows.get(name)
+            if row is not None:
+                self._copy_in(row, buffer, slot, parked.spec.rank, groups)
+        for group, scale in parked.scales.items():
+            self.bank.scales[group][slot] = scale  # in place: the layers share these lists
+        self.optimizer.steps[slot] = parked.step
+        return Tenant(slot, parked.spec, parked.lora_alpha)
+
+    def _buffers(self) -> list[tuple[str, torch.Tensor]]:
+        moments = [(moment, getattr(self.optimizer, moment)) for moment in MOMENTS]
+        return [("weights", self.bank.weights), ("grads", self.bank.grads), *moments]
+
+    def _views(
+        self, buffer: torch.Tensor, slot: int, rank: int, groups: frozenset[LayerGroup]
+    ) -> list[torch.Tensor]:
+        return [
+            view
+            for layout, a, b in self.bank.slot_views(buffer, slot, rank)
+            if layout.group in groups
+            for view in (a, b)
+        ]
+
+    def _copy_out(
+        self, buffer: torch.Tensor, slot: int, rank: int, groups: frozenset[LayerGroup]
+    ) -> _HostRow | None:
+        row = buffer[slot]
+        packed = torch.cat([view.reshape(-1) for view in self._views(buffer, slot, rank, groups)])
+        # One device sync: non-zeros (NaN included) in the adapter's part and in the whole row.
+        in_packed, in_row = torch.stack([packed.count_nonzero(), row.count_nonzero()]).tolist()
+        if in_row == 0:
+            return None
+        if in_packed == in_row:
+            return _HostRow(packed.to("cpu"), whole_row=False)  # `cat` made a copy already
+        return _HostRow(row.to("cpu", copy=True), whole_row=True)
+
+    def _copy_in(
+        self,
+        host: _HostRow,
+        buffer: torch.Tensor,
+        slot: int,
+        rank: int,
+        groups: frozenset[LayerGroup],
+    ) -> None:
+        values = host.values.to(buffer.device)
+        if host.whole_row:
+            buffer[slot].copy_(values)
+            return
+        views = self._views(buffer, slot, rank, groups)
+        chunks = torch.split(values, [view.numel() for view in views])
+        torch._foreach_copy_(views, [c.view(v.shape) for c, v in zip(chunks, views, strict=True)])

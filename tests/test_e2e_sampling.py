@@ -150,3 +150,32 @@ def test_bad_sampling_input_is_a_clear_error(
     other.close("success").result()
     # still serving
     assert len(sampler.sample(prompt, 2, ok).result().sequences) == 2
+
+
+def test_more_clients_than_slots(tmp_path: Path, tiny_model: Path) -> None:
+    """A worker with 2 adapter slots serves 3 training clients and their samplers: idle
+    adapters are parked in host memory and come back on their next request."""
+    from tests.conftest import start_cluster, stop_cluster
+
+    small = start_cluster(tmp_path / "two-slots", [tiny_model], "--max-slots", "2")
+    try:
+        service = tinker.ServiceClient(base_url=small.base_url, api_key=small.api_key)
+        clients = [
+            service.create_lora_training_client(base_model=str(tiny_model), rank=4, seed=i).result()
+            for i in range(3)
+        ]
+        batch = toy_batch(n=2, seed=20)
+        losses = [[] for _ in clients]
+        for _ in range(3):
+            for i, client in enumerate(clients):
+                losses[i] += train_steps(client, batch, 1)
+        for i, client in enumerate(clients):
+            sampler = client.save_weights_and_get_sampling_client().result()
+            out = sampler.sample(
+                types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=4)
+            ).result()
+            assert len(out.sequences) == 2
+            assert losses[i][-1] < losses[i][0], losses[i]
+        service.close("success").result()
+    finally:
+        stop_cluster(small)

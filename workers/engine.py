@@ -17,15 +17,15 @@ Step 6 (`load_snapshot`): a sampler checkpoint into an inference-only slot that 
         (`workers.sampling_torch`) route rows to; idle slots keep snapshots until a tenant asks.
 
 Slot pressure: a tenant that needs a slot takes a free one, else the least recently used
-snapshot's, else the least recently used resident tenant's, which is *parked*: its whole slot
-state (weights, both Adam moments, pending gradients, step count, scales, spec) is copied to host
-memory (`ParkedAdapters`) and the slot is freed. Every call that names a tenant accepts a parked
-one; those that need its slot (a pass, a step, a save, `slot`) restore it first, bit-exactly, so
-training never notices a park. A call naming more tenants than there are slots runs as several
-sub-passes (or sub-steps) of at most `max_slots` tenants, resident tenants first, with results
-in request order. Without this a server would refuse new tenants once `max_slots` had arrived,
-however idle the old ones. `max_parked` bounds host memory: beyond it the oldest parked tenant is
-dropped (with a warning) and its later requests fail as not loaded. Snapshots never park a tenant.
+snapshot's, else the least recently used resident tenant's, which is *parked*: its whole slot state
+(weights, both Adam moments, pending gradients, step count, scales, spec) is copied to host memory
+(`ParkedAdapters`) and the slot is freed; a snapshot with no slot to take parks one too. Every call
+that names a tenant accepts a parked one; those that need its slot (a pass, a step, a save, `slot`)
+restore it first, bit-exactly, so training never notices a park. A call naming more tenants than
+there are slots runs as several sub-passes (or sub-steps) of at most `max_slots` tenants, resident
+tenants first, with results in request order. Without this a server would refuse new tenants once
+`max_slots` had arrived, however idle the old ones. `max_parked` bounds host memory: beyond it the
+oldest parked tenant is dropped (with a warning) and its later requests fail as not loaded.
 
 Invariants: the base model is frozen and in eval mode (no dropout); adapters, gradients and
 moments are fp32; a forward_only item contributes no gradient; a request that fails validation
@@ -445,18 +445,14 @@ class Engine:
     def load_snapshot(self, key: str, directory: Path) -> None:
         """Load a sampler checkpoint as snapshot `key`; a key already loaded is only marked used.
 
-        Evicts the least recently used snapshot when no slot is free; a `ServerError` when
-        tenants hold every slot (a snapshot never parks a tenant).
+        Takes a free slot, else the least recently used snapshot's, else parks the least recently
+        used tenant (restored on its next request): sampling keeps working on a full worker.
         """
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return
         checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=False)
-        slot = self._free_slot()
-        if slot is None:
-            raise ServerError(
-                f"no free adapter slot: training adapters hold all {self.max_slots} slots"
-            )
+        slot = self._slot_for_tenant(keep=())
         self._write_slot(slot, checkpoint, spec, adapters, [("", self.bank.weights)])
         self._snapshots[key] = slot
 

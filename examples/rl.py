@@ -2,8 +2,9 @@
 
 Each iteration snapshots the adapter (`save_weights_and_get_sampling_client`), samples a group
 of completions per prompt, scores them (the reward is the share of completion tokens drawn from
-a target set of token ids), centres the advantages within each group, and trains on the samples
-with the `importance_sampling` loss using the sampler's own logprobs. The mean reward rises.
+a target set of token ids), centres the advantages on each group's mean reward (per token: each
+token is credited with its own part of the reward), and trains on the samples with the
+`importance_sampling` loss using the sampler's own logprobs. The mean reward rises.
 
     python examples/rl.py --base-url http://127.0.0.1:8000 --api-key tml-... --base-model MODEL
 """
@@ -32,7 +33,7 @@ def run(
     iterations: int = 20,
     group_size: int = 8,
     max_tokens: int = 8,
-    lr: float = 5e-2,
+    lr: float = 2e-2,
     target_below: int = 64,
     seed: int = 0,
 ) -> list[float]:
@@ -60,9 +61,12 @@ def run(
             scores = [reward(seq.tokens, target_below) for seq in sequences]
             rewards += scores
             baseline = float(np.mean(scores))
-            for seq, score in zip(sequences, scores, strict=True):
-                if not seq.tokens or score == baseline:
-                    continue  # no signal from this sample
+            for seq in sequences:
+                if not seq.tokens:
+                    continue
+                # credit each sampled token with its own contribution to the reward, centred on
+                # the group's mean: target tokens are pushed up, the others down
+                advantages = [float(t < target_below) - baseline for t in seq.tokens]
                 full = prompt + seq.tokens
                 n_prompt = len(prompt) - 1
                 data.append(
@@ -71,7 +75,7 @@ def run(
                         loss_fn_inputs={
                             "target_tokens": full[1:],
                             "logprobs": [0.0] * n_prompt + list(seq.logprobs or []),
-                            "advantages": [0.0] * n_prompt + [score - baseline] * len(seq.tokens),
+                            "advantages": [0.0] * n_prompt + advantages,
                         },
                     )
                 )

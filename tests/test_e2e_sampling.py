@@ -120,7 +120,7 @@ def test_rl_loop_raises_the_reward(
     cluster: Cluster = request.getfixturevalue("cluster" if backend == "torch" else "vllm_cluster")
     history = rl.run(cluster.base_url, cluster.api_key, str(tiny_model), iterations=20)
     first, last = float(np.mean(history[:5])), float(np.mean(history[-5:]))
-    assert last > first + 0.12, history
+    assert last > first + 0.2, history
 
 
 def test_bad_sampling_input_is_a_clear_error(

@@ -69,7 +69,9 @@ def test_a_snapshot_never_changes(
     train_steps(client, toy_batch(seed=9), 3)
     after = snapshot.sample(prompt, num_samples=3, sampling_params=params).result()
     assert [s.tokens for s in before.sequences] == [s.tokens for s in after.sequences]
-    assert [s.logprobs for s in before.sequences] == [s.logprobs for s in after.sequences]
+    # vLLM may serve the second call from its prefix cache: equal up to float rounding
+    for x, y in zip(before.sequences, after.sequences, strict=True):
+        np.testing.assert_allclose(np.asarray(x.logprobs), np.asarray(y.logprobs), atol=1e-4)
     assert all(len(s.tokens) == 8 and s.stop_reason == "length" for s in after.sequences)
     newer = client.save_weights_and_get_sampling_client().result()
     newer_lps = newer.compute_logprobs(prompt).result()

@@ -323,7 +323,9 @@ def sampling_params(spec: SampleSpec) -> SamplingParams:
 
 def sample_output(spec: SampleSpec, output: RequestOutput) -> SampleOutput:
     """The protocol's view of a finished `RequestOutput`."""
-    sequences = [_sequence(output.request_id, completion) for completion in output.outputs]
+    # parallel samples can finish in any order; `index` is sample i (seeded with seed + i)
+    completions = sorted(output.outputs, key=lambda completion: completion.index)
+    sequences = [_sequence(output.request_id, completion) for completion in completions]
     if is_greedy(spec) and len(sequences) == 1:
         (only,) = sequences
         sequences = [

@@ -33,6 +33,39 @@ API_KEY = "tml-test-key-0123456789"
 OTHER_TENANT_KEY = "tml-other-tenant-key-9876543210"
 
 
+@pytest.fixture(scope="module")
+def torch_one_thread() -> Iterator[None]:
+    """Two cores shared with other work: one intra-op thread avoids OpenMP oversubscription."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def random_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Engine-level tests' model: a tiny random Qwen3 (vocab 256, tied embeddings), no tokenizer."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    directory = tmp_path_factory.mktemp("random-qwen3")
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path / "nats")

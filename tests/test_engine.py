@@ -5,18 +5,20 @@ checkpoints (bit-exact round trip, PEFT loading), and request validation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from protocol.errors import NotFound, UserError
 from protocol.jobs import AdamSpec, LoraSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine import Engine, FwdBwdResult
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 VOCAB = 256
 TOLERANCE = 1e-5
@@ -24,37 +26,10 @@ TOLERANCE = 1e-5
 PEFT_TIED_WARNING = "ignore:Model has `tie_word_embeddings=True`:UserWarning"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    # Two cores shared with other work: one intra-op thread avoids OpenMP oversubscription stalls.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture
-def make_engine(tiny_qwen3: Path) -> Callable[..., Engine]:
+def make_engine(random_qwen3: Path) -> Callable[..., Engine]:
     def make(**kwargs: int) -> Engine:
-        return Engine(str(tiny_qwen3), **kwargs)  # type: ignore[arg-type]
+        return Engine(str(random_qwen3), **kwargs)  # type: ignore[arg-type]
 
     return make
 
@@ -289,7 +264,7 @@ def test_two_calls_accumulate_like_one_concatenated_call(
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING)
 @pytest.mark.parametrize("k", [None, 3], ids=["per-token", "k-targets"])
 def test_cross_entropy_matches_peft_reference(
-    make_engine: Callable[..., Engine], tiny_qwen3: Path, k: int | None
+    make_engine: Callable[..., Engine], random_qwen3: Path, k: int | None
 ) -> None:
     from peft import LoraConfig, get_peft_model
 
@@ -300,7 +275,7 @@ def test_cross_entropy_matches_peft_reference(
     [result] = engine.forward_backward([("m", request)])
 
     reference = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32),
+        AutoModelForCausalLM.from_pretrained(random_qwen3, dtype=torch.float32),
         LoraConfig(
             r=8,
             lora_alpha=32,
@@ -408,7 +383,7 @@ def test_weights_checkpoint_round_trip_is_exact(
 
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING)
 def test_sampler_checkpoint_loads_in_peft_with_same_logits(
-    make_engine: Callable[..., Engine], tiny_qwen3: Path, tmp_path: Path
+    make_engine: Callable[..., Engine], random_qwen3: Path, tmp_path: Path
 ) -> None:
     from peft import PeftModel
 
@@ -429,7 +404,7 @@ def test_sampler_checkpoint_loads_in_peft_with_same_logits(
     )
     [result] = engine.forward_backward([("m", request)])
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(random_qwen3, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, directory)
     peft_model.eval()
     with torch.no_grad():

@@ -13,12 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from protocol.errors import UserError
 from protocol.jobs import LoraSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine import Engine, FwdBwdResult
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 VOCAB = 256
 RANK = 8
@@ -30,36 +32,10 @@ LENGTHS = [7, 11, 5]
 # -- fixtures ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-qwen3-losses")
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3: Path) -> Engine:
+def engine(random_qwen3: Path) -> Engine:
     """One engine for the module; each test creates its own model_ids and releases them."""
-    return Engine(str(tiny_qwen3), max_slots=4, max_rank=RANK, lora_alpha=LORA_ALPHA)
+    return Engine(str(random_qwen3), max_slots=4, max_rank=RANK, lora_alpha=LORA_ALPHA)
 
 
 @pytest.fixture
@@ -79,12 +55,12 @@ def tenants(engine: Engine) -> Iterator[Callable[..., None]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_qwen3: Path) -> Any:
+def reference(random_qwen3: Path) -> Any:
     """A PEFT LoRA model on the same base, every linear adapted; weights copied in per test."""
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32),
+        AutoModelForCausalLM.from_pretrained(random_qwen3, dtype=torch.float32),
         LoraConfig(
             r=RANK,
             lora_alpha=LORA_ALPHA,

@@ -5,7 +5,7 @@ batch composition, and snapshot slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +20,10 @@ from workers.engine import Engine
 from workers.sampling_torch import TorchSampler
 from workers.tiny_model import EOS_ID, build_tiny_model
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 TOLERANCE = 1e-4
 ADAM = AdamSpec(learning_rate=1e-2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

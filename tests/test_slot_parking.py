@@ -9,14 +9,13 @@ Adam moments, step counts and scales.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from protocol.errors import NotFound, ServerError, UserError
 from protocol.jobs import AdamSpec, LoraSpec
@@ -24,6 +23,8 @@ from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.checkpoints import read_checkpoint
 from workers.engine import Engine, FwdBwdResult
 from workers.lora import LAYER_GROUPS
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 VOCAB = 256
 TOLERANCE = 1e-6
@@ -39,36 +40,10 @@ SPECS = {
 TENANTS = list(SPECS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(directory)
-    return directory
-
-
 @pytest.fixture
-def make_engine(tiny_qwen3: Path) -> Callable[..., Engine]:
+def make_engine(random_qwen3: Path) -> Callable[..., Engine]:
     def make(max_slots: int, max_parked: int | None = None, create: bool = True) -> Engine:
-        engine = Engine(str(tiny_qwen3), max_slots=max_slots, max_rank=8, max_parked=max_parked)
+        engine = Engine(str(random_qwen3), max_slots=max_slots, max_rank=8, max_parked=max_parked)
         if create:
             for model_id, spec in SPECS.items():
                 engine.create(model_id, spec)

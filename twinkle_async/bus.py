@@ -57,35 +57,24 @@ class Bus:
 
     async def publish_job(self, pool: str, job: Job) -> None:
         """Publish a training op to its model's shard; a repeat of `(model_id, seq_id)` is dropped."""
-        assert self.js is not None
         subject = subjects.ops_subject(pool, job.model_id, self.settings.n_shards)
-        try:
-            await self.js.publish(
-                subject,
-                encode_job(job),
-                headers={
-                    "Nats-Msg-Id": subjects.msg_id(job.model_id, job.seq_id),
-                    "Tw-Request-Id": job.request_id,
-                },
-                timeout=self.settings.request_timeout_s,
-            )
-        except (
-            nats.errors.TimeoutError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoRespondersError,
-        ) as exc:
-            raise Unavailable(
-                f"the job bus did not accept {job.request_id}: {type(exc).__name__}"
-            ) from exc
+        dedupe_id = subjects.msg_id(job.model_id, job.seq_id)
+        await self._publish(subject, encode_job(job), dedupe_id, job.request_id)
 
     async def publish_sample(self, pool: str, job: SampleJob, dedupe_id: str) -> None:
         """Publish a sample job for any sampler of the pool; a repeat of `dedupe_id` is dropped."""
+        await self._publish(
+            subjects.sample_subject(pool), encode_sample_job(job), dedupe_id, job.request_id
+        )
+
+    async def _publish(self, subject: str, data: bytes, dedupe_id: str, request_id: str) -> None:
+        """A JetStream publish with `Nats-Msg-Id`; a bus that does not answer is `Unavailable`."""
         assert self.js is not None
         try:
             await self.js.publish(
-                subjects.sample_subject(pool),
-                encode_sample_job(job),
-                headers={"Nats-Msg-Id": dedupe_id, "Tw-Request-Id": job.request_id},
+                subject,
+                data,
+                headers={"Nats-Msg-Id": dedupe_id, "Tw-Request-Id": request_id},
                 timeout=self.settings.request_timeout_s,
             )
         except (
@@ -94,7 +83,7 @@ class Bus:
             nats.errors.NoRespondersError,
         ) as exc:
             raise Unavailable(
-                f"the job bus did not accept {job.request_id}: {type(exc).__name__}"
+                f"the job bus did not accept {request_id}: {type(exc).__name__}"
             ) from exc
 
     async def get(self, bucket: str, key: str) -> bytes | None:

@@ -17,26 +17,7 @@ from typing import Literal
 
 import msgspec
 
-
-class LoraSpec(msgspec.Struct, frozen=True):
-    """An adapter's shape, from the client's `lora_config`."""
-
-    rank: int = 32
-    seed: int | None = None
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-
-
-class AdamSpec(msgspec.Struct, frozen=True):
-    """One `optim_step`'s AdamW hyper-parameters (torch AdamW semantics, decoupled decay)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+from protocol.api import AdamParams, LoraConfig
 
 
 class JobBase(msgspec.Struct, frozen=True, tag_field="op"):
@@ -53,7 +34,7 @@ class CreateModelJob(JobBase, frozen=True, tag="create_model"):
     """Allocate an adapter slot with fresh LoRA weights."""
 
     base_model: str = ""
-    lora: LoraSpec = LoraSpec()
+    lora: LoraConfig = LoraConfig()
 
 
 class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
@@ -67,7 +48,7 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):
     """Apply the accumulated gradients of this model with its own AdamW settings."""
 
-    adam: AdamSpec = AdamSpec()
+    adam: AdamParams = AdamParams()
 
 
 class SaveWeightsJob(JobBase, frozen=True, tag="save_weights"):

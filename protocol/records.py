@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-from protocol.jobs import LoraSpec
+from protocol.api import LoraConfig
 
 
 class SessionRecord(msgspec.Struct):
@@ -33,7 +33,7 @@ class RunRecord(msgspec.Struct):
     tenant_id: str
     session_id: str
     base_model: str
-    lora: LoraSpec
+    lora: LoraConfig
     created_at: float
     last_request_time: float
     user_metadata: dict[str, str] = {}
@@ -52,7 +52,7 @@ class CheckpointRecord(msgspec.Struct):
     created_at: float
     size_bytes: int
     base_model: str
-    lora: LoraSpec
+    lora: LoraConfig
     with_optimizer: bool = False
     public: bool = False
     expires_at: float | None = None

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, UserError
-from protocol.jobs import AdamSpec, LoraSpec
-from protocol.tensors import DatumArrays, FwdBwdRequest
-from workers.engine import Engine, FwdBwdResult
+from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from workers.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -81,12 +81,12 @@ def max_diff(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> floa
     return float(torch.as_tensor(a).sub(torch.as_tensor(b)).abs().max())
 
 
-def assert_same_outputs(shared: FwdBwdResult, solo: FwdBwdResult) -> None:
+def assert_same_outputs(shared: FwdBwdOutput, solo: FwdBwdOutput) -> None:
     assert shared.loss_fn_output_type == solo.loss_fn_output_type
     assert abs(shared.metrics["loss:sum"] - solo.metrics["loss:sum"]) <= TOLERANCE * max(
         1.0, abs(solo.metrics["loss:sum"])
     )
-    for got, want in zip(shared.outputs, solo.outputs, strict=True):
+    for got, want in zip(shared.loss_fn_outputs, solo.loss_fn_outputs, strict=True):
         for key in ("logprobs", "elementwise_loss"):
             assert got[key].shape == want[key].shape and got[key].dtype == np.float32
             assert max_diff(got[key], want[key]) <= TOLERANCE
@@ -99,7 +99,7 @@ def test_shared_pass_gives_each_slot_its_solo_gradient(make_engine: Callable[...
     engine = make_engine(max_slots=4, max_rank=16)
     rng = np.random.default_rng(1)
     for index, (model_id, rank) in enumerate((("t0", 4), ("t1", 8), ("t2", 8), ("t3", 16))):
-        engine.create(model_id, LoraSpec(rank=rank, seed=index))
+        engine.create(model_id, LoraConfig(rank=rank, seed=index))
         perturb_b(engine, model_id, seed=100 + index)
     # Interleaved, with t0 twice: the engine packs rows tenant by tenant itself.
     batch = [
@@ -135,8 +135,8 @@ def test_shared_pass_gives_each_slot_its_solo_gradient(make_engine: Callable[...
 
 def test_forward_only_items_add_no_gradient(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(max_slots=2, max_rank=8)
-    engine.create("reader", LoraSpec(rank=8, seed=1))
-    engine.create("trainer", LoraSpec(rank=8, seed=2))
+    engine.create("reader", LoraConfig(rank=8, seed=1))
+    engine.create("trainer", LoraConfig(rank=8, seed=2))
     rng = np.random.default_rng(2)
     read = make_request("reader", [6, 4], rng, forward_only=True)
     train = make_request("trainer", [5], rng)
@@ -153,14 +153,14 @@ def test_forward_only_items_add_no_gradient(make_engine: Callable[..., Engine]) 
 
 def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(max_slots=3, max_rank=8)
-    engine.create("x", LoraSpec(rank=4, seed=1))
-    engine.create("y", LoraSpec(rank=8, seed=2, train_mlp=False))
-    engine.create("bystander", LoraSpec(rank=8, seed=3))
+    engine.create("x", LoraConfig(rank=4, seed=1))
+    engine.create("y", LoraConfig(rank=8, seed=2, train_mlp=False))
+    engine.create("bystander", LoraConfig(rank=8, seed=3))
     adams = {
-        "x": AdamSpec(
+        "x": AdamParams(
             learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5
         ),
-        "y": AdamSpec(learning_rate=3e-3, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0),
+        "y": AdamParams(learning_rate=3e-3, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0),
     }
     references: dict[str, tuple[list[torch.Tensor], torch.optim.AdamW]] = {}
     for model_id, adam in adams.items():
@@ -237,9 +237,9 @@ def test_two_calls_accumulate_like_one_concatenated_call(
 ) -> None:
     engine = make_engine(max_slots=3, max_rank=8)
     for model_id in ("split", "whole"):
-        engine.create(model_id, LoraSpec(rank=8, seed=5))  # same seed: identical adapters
+        engine.create(model_id, LoraConfig(rank=8, seed=5))  # same seed: identical adapters
         perturb_b(engine, model_id, seed=50)
-    engine.create("other", LoraSpec(rank=4, seed=6))
+    engine.create("other", LoraConfig(rank=4, seed=6))
     rng = np.random.default_rng(3)
     first = make_request("split", [4, 7, 3], rng)
     second = make_request("split", [6, 2], rng)
@@ -252,7 +252,7 @@ def test_two_calls_accumulate_like_one_concatenated_call(
     assert whole_row.abs().max() > 0
     assert max_diff(split_row, whole_row) <= TOLERANCE
     # eps well above rounding noise, so Adam's near-sign update cannot amplify it.
-    adam = AdamSpec(learning_rate=1e-2, eps=1e-3, weight_decay=0.01)
+    adam = AdamParams(learning_rate=1e-2, eps=1e-3, weight_decay=0.01)
     engine.optim_step([("split", adam), ("whole", adam)])
     weights = engine.bank.weights
     assert max_diff(weights[engine.slot("split")], weights[engine.slot("whole")]) <= 1e-6
@@ -266,17 +266,18 @@ def test_two_calls_accumulate_like_one_concatenated_call(
 def test_cross_entropy_matches_peft_reference(
     make_engine: Callable[..., Engine], random_qwen3: Path, k: int | None
 ) -> None:
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
     engine = make_engine(max_slots=2, max_rank=8)
-    engine.create("m", LoraSpec(rank=8, seed=3))
+    engine.create("m", LoraConfig(rank=8, seed=3))
     perturb_b(engine, "m", seed=30)
     request = make_request("m", [5, 8, 3], np.random.default_rng(4), k=k)
     [result] = engine.forward_backward([("m", request)])
 
     reference = get_peft_model(
         AutoModelForCausalLM.from_pretrained(random_qwen3, dtype=torch.float32),
-        LoraConfig(
+        PeftLoraConfig(
             r=8,
             lora_alpha=32,
             lora_dropout=0.0,
@@ -301,7 +302,7 @@ def test_cross_entropy_matches_peft_reference(
         peft_layers[path] = layer
 
     total = torch.zeros(())
-    for datum, output in zip(request.datums, result.outputs, strict=True):
+    for datum, output in zip(request.datums, result.loss_fn_outputs, strict=True):
         logits = reference(input_ids=torch.as_tensor(datum.tokens, dtype=torch.long)[None]).logits[
             0
         ]
@@ -327,10 +328,10 @@ def test_cross_entropy_matches_peft_reference(
 
 def test_weights_default_to_one(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(max_slots=1, max_rank=4)
-    engine.create("m", LoraSpec(rank=4, seed=1))
+    engine.create("m", LoraConfig(rank=4, seed=1))
     request = make_request("m", [6], np.random.default_rng(5), weights=False)
     [result] = engine.forward_backward([("m", request)])
-    output = result.outputs[0]
+    output = result.loss_fn_outputs[0]
     assert max_diff(output["elementwise_loss"], -output["logprobs"]) == 0.0
     assert result.metrics["loss:sum"] == pytest.approx(-float(output["logprobs"].sum()), rel=1e-6)
 
@@ -342,9 +343,9 @@ def test_weights_checkpoint_round_trip_is_exact(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
     engine = make_engine(max_slots=3, max_rank=8)
-    engine.create("a", LoraSpec(rank=4, seed=11, train_unembed=False))
+    engine.create("a", LoraConfig(rank=4, seed=11, train_unembed=False))
     rng = np.random.default_rng(6)
-    adam = AdamSpec(learning_rate=1e-2, weight_decay=0.05, grad_clip_norm=10.0)
+    adam = AdamParams(learning_rate=1e-2, weight_decay=0.05, grad_clip_norm=10.0)
     for _ in range(2):
         engine.forward_backward([("a", make_request("a", [5, 3], rng))])
         engine.optim_step([("a", adam)])
@@ -388,7 +389,7 @@ def test_sampler_checkpoint_loads_in_peft_with_same_logits(
     from peft import PeftModel
 
     engine = make_engine(max_slots=2, max_rank=8)
-    engine.create("m", LoraSpec(rank=6, seed=21))
+    engine.create("m", LoraConfig(rank=6, seed=21))
     perturb_b(engine, "m", seed=210)
     directory = tmp_path / "sampler"
     engine.save("m", directory, kind="sampler_weights", meta={})
@@ -409,7 +410,10 @@ def test_sampler_checkpoint_loads_in_peft_with_same_logits(
     peft_model.eval()
     with torch.no_grad():
         logits = peft_model(input_ids=torch.as_tensor(tokens, dtype=torch.long)[None]).logits[0]
-    assert max_diff(result.outputs[0]["logprobs"], torch.log_softmax(logits, dim=-1)) <= TOLERANCE
+    assert (
+        max_diff(result.loss_fn_outputs[0]["logprobs"], torch.log_softmax(logits, dim=-1))
+        <= TOLERANCE
+    )
     assert torch.count_nonzero(engine.bank.grads) == 0  # a forward-only pass
 
 
@@ -418,10 +422,10 @@ def test_layer_flags_leave_untrained_layers_at_zero_gradient(
 ) -> None:
     engine = make_engine(max_slots=4, max_rank=8)
     flags = {
-        "no_attn": LoraSpec(rank=4, seed=1, train_attn=False),
-        "no_mlp": LoraSpec(rank=4, seed=2, train_mlp=False),
-        "no_unembed": LoraSpec(rank=8, seed=3, train_unembed=False),
-        "unembed_only": LoraSpec(rank=8, seed=4, train_attn=False, train_mlp=False),
+        "no_attn": LoraConfig(rank=4, seed=1, train_attn=False),
+        "no_mlp": LoraConfig(rank=4, seed=2, train_mlp=False),
+        "no_unembed": LoraConfig(rank=8, seed=3, train_unembed=False),
+        "unembed_only": LoraConfig(rank=8, seed=4, train_attn=False, train_mlp=False),
     }
     rng = np.random.default_rng(8)
     for index, (model_id, spec) in enumerate(flags.items()):
@@ -450,7 +454,7 @@ def test_layer_flags_leave_untrained_layers_at_zero_gradient(
 
 def test_validate_rejects_bad_requests(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(max_slots=1, max_rank=4)
-    engine.create("m", LoraSpec(rank=4, seed=1))
+    engine.create("m", LoraConfig(rank=4, seed=1))
     rng = np.random.default_rng(9)
 
     def rejected(request: FwdBwdRequest, *fragments: str) -> None:
@@ -499,11 +503,11 @@ def test_validate_rejects_bad_requests(make_engine: Callable[..., Engine]) -> No
     with pytest.raises(NotFound):
         engine.validate("ghost", make_request("ghost", [3], rng))
     with pytest.raises(UserError, match="adam_params.eps"):
-        engine.validate_optim_step("m", AdamSpec(eps=0.0))
+        engine.validate_optim_step("m", AdamParams(eps=0.0))
     engine.forward_backward([("m", make_request("m", [3], rng))])
     before = [buffer.clone() for buffer in _bank_buffers(engine)]
     with pytest.raises(UserError, match="adam_params.beta1"):
-        engine.optim_step([("m", AdamSpec(beta1=1.0))])
+        engine.optim_step([("m", AdamParams(beta1=1.0))])
     for old, buffer in zip(before, _bank_buffers(engine), strict=True):
         assert torch.equal(old, buffer)  # a rejected step changes nothing
     engine.validate("m", make_request("m", [3, 2], rng, k=2))  # a good request passes
@@ -512,14 +516,16 @@ def test_validate_rejects_bad_requests(make_engine: Callable[..., Engine]) -> No
 def test_slot_lifecycle_errors(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(max_slots=2, max_rank=8)
     with pytest.raises(UserError, match="rank"):
-        engine.create("m", LoraSpec(rank=0))
+        engine.create("m", LoraConfig(rank=0))
     with pytest.raises(UserError, match="rank"):
-        engine.create("m", LoraSpec(rank=9))
+        engine.create("m", LoraConfig(rank=9))
     with pytest.raises(UserError, match="train_attn"):
-        engine.create("m", LoraSpec(train_attn=False, train_mlp=False, train_unembed=False, rank=4))
-    engine.create("a", LoraSpec(rank=4, seed=1))
-    engine.create("b", LoraSpec(rank=4, seed=2))
-    engine.create("c", LoraSpec(rank=4))  # every slot held: parks the least recently used ("a")
+        engine.create(
+            "m", LoraConfig(train_attn=False, train_mlp=False, train_unembed=False, rank=4)
+        )
+    engine.create("a", LoraConfig(rank=4, seed=1))
+    engine.create("b", LoraConfig(rank=4, seed=2))
+    engine.create("c", LoraConfig(rank=4))  # every slot held: parks the least recently used ("a")
     assert engine.slots_used() == 2 and engine.adapters_total() == 3 and "a" in engine.parked
     slot_a = engine.slot("a")  # restored on demand, parking "b"
     engine.forward_backward([("a", make_request("a", [3], np.random.default_rng(10)))])
@@ -527,7 +533,7 @@ def test_slot_lifecycle_errors(make_engine: Callable[..., Engine]) -> None:
     assert not engine.has("a")
     for buffer in _bank_buffers(engine):
         assert torch.count_nonzero(buffer[slot_a]) == 0
-    engine.create("d", LoraSpec(rank=4, seed=3))
+    engine.create("d", LoraConfig(rank=4, seed=3))
     assert engine.slot("d") == slot_a
 
 
@@ -572,8 +578,8 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
     assert groups["model.layers.1.self_attn.q_proj"] == "attn"
     assert groups["model.layers.0.mlp.down_proj"] == "mlp"
 
-    engine.create("full", LoraSpec(rank=8, seed=1))
-    engine.create("mlp_only", LoraSpec(rank=4, seed=2, train_attn=False, train_unembed=False))
+    engine.create("full", LoraConfig(rank=8, seed=1))
+    engine.create("mlp_only", LoraConfig(rank=4, seed=2, train_attn=False, train_unembed=False))
     for index, model_id in enumerate(("full", "mlp_only")):
         perturb_b(engine, model_id, seed=90 + index)
     rng = np.random.default_rng(11)
@@ -605,14 +611,17 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
     )
     with torch.no_grad():
         logits = peft_model(input_ids=torch.as_tensor(tokens, dtype=torch.long)[None]).logits[0]
-    assert max_diff(result.outputs[0]["logprobs"], torch.log_softmax(logits, dim=-1)) <= TOLERANCE
+    assert (
+        max_diff(result.loss_fn_outputs[0]["logprobs"], torch.log_softmax(logits, dim=-1))
+        <= TOLERANCE
+    )
 
 
 def test_load_rejects_incompatible_checkpoints(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
     wide = make_engine(max_slots=1, max_rank=8)
-    wide.create("m", LoraSpec(rank=8, seed=1))
+    wide.create("m", LoraConfig(rank=8, seed=1))
     wide.save("m", tmp_path / "rank8", kind="weights", meta={})
     wide.save("m", tmp_path / "sampler", kind="sampler_weights", meta={})
 

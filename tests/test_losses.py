@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from protocol.api import LoraConfig
 from protocol.errors import UserError
-from protocol.jobs import LoraSpec
-from protocol.tensors import DatumArrays, FwdBwdRequest
-from workers.engine import Engine, FwdBwdResult
+from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from workers.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -44,7 +44,7 @@ def tenants(engine: Engine) -> Iterator[Callable[..., None]]:
 
     def create(*model_ids: str, seed: int = 1) -> None:
         for index, model_id in enumerate(model_ids):
-            engine.create(model_id, LoraSpec(rank=RANK, seed=seed + index))
+            engine.create(model_id, LoraConfig(rank=RANK, seed=seed + index))
             randomize_b(engine, model_id, seed=100 * seed + index)
             created.append(model_id)
 
@@ -57,11 +57,12 @@ def tenants(engine: Engine) -> Iterator[Callable[..., None]]:
 @pytest.fixture(scope="module")
 def reference(random_qwen3: Path) -> Any:
     """A PEFT LoRA model on the same base, every linear adapted; weights copied in per test."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(random_qwen3, dtype=torch.float32),
-        LoraConfig(
+        PeftLoraConfig(
             r=RANK,
             lora_alpha=LORA_ALPHA,
             lora_dropout=0.0,
@@ -222,7 +223,7 @@ def current_logprobs(engine: Engine, model_id: str, datums: list[DatumArrays]) -
     probe = [DatumArrays(d.tokens, {"target_tokens": d.inputs["target_tokens"]}) for d in datums]
     request = FwdBwdRequest(model_id, 0, "cross_entropy", True, {}, probe)
     [result] = engine.forward_backward([(model_id, request)])
-    return [output["logprobs"] for output in result.outputs]
+    return [output["logprobs"] for output in result.loss_fn_outputs]
 
 
 def rl_request(
@@ -280,7 +281,7 @@ def test_loss_matches_reference(
 
     total = torch.zeros(())
     clipped = 0
-    for datum, output in zip(request.datums, result.outputs, strict=True):
+    for datum, output in zip(request.datums, result.loss_fn_outputs, strict=True):
         lp = reference_logprobs(reference, datum)
         inputs = as_tensors(datum)
         elementwise = reference_elementwise(loss_fn, lp, inputs, config)
@@ -330,7 +331,7 @@ def test_masked_far_off_policy_tokens_stay_finite(
         request.datums[0].inputs["logprobs"][:2] = -500.0  # advantages are 0 there
         [result] = engine.forward_backward([("m", request)])
         assert np.isfinite(result.metrics["loss:sum"])
-        assert np.all(result.outputs[0]["elementwise_loss"][:2] == 0.0)
+        assert np.all(result.loss_fn_outputs[0]["elementwise_loss"][:2] == 0.0)
         assert torch.isfinite(engine.bank.grads).all()
 
 
@@ -352,7 +353,7 @@ def test_forward_only_matches_forward_backward_without_gradient(
     assert torch.count_nonzero(engine.bank.grads[engine.slot("m")]) > 0
     assert forward.loss_fn_output_type == trained.loss_fn_output_type
     assert forward.metrics == pytest.approx(trained.metrics, abs=TOLERANCE)
-    for got, want in zip(forward.outputs, trained.outputs, strict=True):
+    for got, want in zip(forward.loss_fn_outputs, trained.loss_fn_outputs, strict=True):
         assert max_diff(got["logprobs"], want["logprobs"]) <= TOLERANCE
         assert max_diff(got["elementwise_loss"], want["elementwise_loss"]) <= TOLERANCE
 
@@ -360,10 +361,10 @@ def test_forward_only_matches_forward_backward_without_gradient(
 # -- 3. one shared pass over different loss functions --------------------------------------------
 
 
-def assert_same_result(shared: FwdBwdResult, solo: FwdBwdResult) -> None:
+def assert_same_result(shared: FwdBwdOutput, solo: FwdBwdOutput) -> None:
     assert shared.loss_fn_output_type == solo.loss_fn_output_type
     assert_close_loss(shared.metrics["loss:sum"], solo.metrics["loss:sum"])
-    for got, want in zip(shared.outputs, solo.outputs, strict=True):
+    for got, want in zip(shared.loss_fn_outputs, solo.loss_fn_outputs, strict=True):
         for key in ("logprobs", "elementwise_loss"):
             assert got[key].shape == want[key].shape
             assert max_diff(got[key], want[key]) <= TOLERANCE
@@ -502,14 +503,14 @@ def test_unsupported_and_unknown_losses_are_refused(
 # -- 5. chunk invariance under the SDK's combiner -----------------------------------------------
 
 
-def to_sdk(result: FwdBwdResult) -> Any:
+def to_sdk(result: FwdBwdOutput) -> Any:
     from tinker.types import ForwardBackwardOutput, TensorData
 
     return ForwardBackwardOutput(
         loss_fn_output_type=result.loss_fn_output_type,
         loss_fn_outputs=[
             {key: TensorData.from_numpy(value) for key, value in output.items()}
-            for output in result.outputs
+            for output in result.loss_fn_outputs
         ],
         metrics=dict(result.metrics),
     )

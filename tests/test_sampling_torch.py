@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound
-from protocol.jobs import AdamSpec, LoraSpec
 from protocol.sampling import SampleOutput, SampleSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine import Engine
@@ -23,7 +23,7 @@ from workers.tiny_model import EOS_ID, build_tiny_model
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 TOLERANCE = 1e-4
-ADAM = AdamSpec(learning_rate=1e-2)
+ADAM = AdamParams(learning_rate=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def train_step(engine: Engine, model_id: str, seed: int, targets: int | None = N
 
 def adapter(engine: Engine, model_id: str, seed: int, directory: Path) -> Path:
     """A trained adapter `model_id`, saved as a sampler checkpoint in `directory`."""
-    engine.create(model_id, LoraSpec(rank=8, seed=seed))
+    engine.create(model_id, LoraConfig(rank=8, seed=seed))
     perturb_b(engine, model_id, seed=100 + seed)
     train_step(engine, model_id, seed=200 + seed)
     engine.save(model_id, directory, kind="sampler_weights", meta={})
@@ -78,7 +78,7 @@ def adapter(engine: Engine, model_id: str, seed: int, directory: Path) -> Path:
 
 def base_reference(engine: Engine) -> str:
     """A tenant whose adapter is exactly zero (B = 0): its forward is the base model's."""
-    engine.create("base-reference", LoraSpec(rank=1, seed=0))
+    engine.create("base-reference", LoraConfig(rank=1, seed=0))
     return "base-reference"
 
 
@@ -90,7 +90,7 @@ def forward_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.nda
     datum = DatumArrays(np.asarray(tokens[:-1], np.int32), {"target_tokens": every.copy()})
     request = FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, [datum])
     [result] = engine.forward_backward([(model_id, request)])
-    return result.outputs[0]["logprobs"]
+    return result.loss_fn_outputs[0]["logprobs"]
 
 
 def max_diff(a: object, b: object) -> float:
@@ -256,7 +256,7 @@ def test_eos_stops_unless_stop_at_eos_is_off(
     make_setup: Callable[..., Setup], tmp_path: Path
 ) -> None:
     engine, sampler = make_setup()
-    engine.create("eos", LoraSpec(rank=8, seed=5))
+    engine.create("eos", LoraConfig(rank=8, seed=5))
     perturb_b(engine, "eos", seed=5)
     for step in range(8):
         train_step(engine, "eos", seed=400 + step, targets=EOS_ID)
@@ -322,8 +322,8 @@ def test_snapshots_use_idle_slots_and_never_evict_tenants(
     for key, output in zip(("s0", "s2", "s1"), (outputs[0], outputs[2], outputs[3]), strict=True):
         assert_same(output, solo[key])
 
-    engine.create("t1", LoraSpec(rank=4, seed=1))  # takes the least recently used snapshot's slot
-    engine.create("t2", LoraSpec(rank=4, seed=2))
+    engine.create("t1", LoraConfig(rank=4, seed=1))  # takes the least recently used snapshot's slot
+    engine.create("t2", LoraConfig(rank=4, seed=2))
     assert engine.slots_used() == 3 and not any(sampler.has_adapter(f"s{i}") for i in range(3))
     sampler.load_adapter("s0", directories[0])  # every slot is a tenant's: parks the oldest
     assert sampler.has_adapter("s0") and engine.slots_used() == 2 and engine.adapters_total() == 3

@@ -36,8 +36,8 @@ import pytest_asyncio  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from protocol.api import AdamParams, LoraConfig  # noqa: E402
 from protocol.errors import UserError  # noqa: E402
-from protocol.jobs import AdamSpec, LoraSpec  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
 from workers.engine import Engine  # noqa: E402
@@ -82,7 +82,7 @@ def reference_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.n
     """The trainer's logprob of each of tokens[1:] (a forward-only cross-entropy pass)."""
     request = FwdBwdRequest(model_id, 0, "cross_entropy", True, {}, [_datum(tokens)])
     (result,) = engine.forward_backward([(model_id, request)])
-    return result.outputs[0]["logprobs"]
+    return result.loss_fn_outputs[0]["logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +93,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoint
     model = build_tiny_model(root / "tiny-qwen3")
     engine = Engine(str(model), max_slots=4, max_rank=16)
     # "base": a fresh adapter (B = 0) is the base model exactly.
-    engine.create("base", LoraSpec(rank=MAX_LORA_RANK, seed=0, train_unembed=False))
-    engine.create("a", LoraSpec(rank=8, seed=1, train_unembed=False))
-    engine.create("b", LoraSpec(rank=4, seed=2, train_attn=False, train_unembed=False))
-    engine.create("unembed", LoraSpec(rank=8, seed=3))
+    engine.create("base", LoraConfig(rank=MAX_LORA_RANK, seed=0, train_unembed=False))
+    engine.create("a", LoraConfig(rank=8, seed=1, train_unembed=False))
+    engine.create("b", LoraConfig(rank=4, seed=2, train_attn=False, train_unembed=False))
+    engine.create("unembed", LoraConfig(rank=8, seed=3))
     rng = np.random.default_rng(0)
     for model_id in ("a", "b"):
         for _ in range(3):
             tokens = rng.integers(3, 500, size=24).tolist()
             request = FwdBwdRequest(model_id, 0, "cross_entropy", False, {}, [_datum(tokens)])
             engine.forward_backward([(model_id, request)])
-            engine.optim_step([(model_id, AdamSpec(learning_rate=0.05))])
+            engine.optim_step([(model_id, AdamParams(learning_rate=0.05))])
     adapters = {}
     for model_id in ("a", "b", "unembed"):
         adapters[model_id] = root / "sampler_weights" / model_id

@@ -17,25 +17,25 @@ import numpy as np
 import pytest
 import torch
 
+from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
-from protocol.jobs import AdamSpec, LoraSpec
-from protocol.tensors import DatumArrays, FwdBwdRequest
+from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.checkpoints import read_checkpoint
-from workers.engine import Engine, FwdBwdResult
+from workers.engine import Engine
 from workers.lora import LAYER_GROUPS
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 VOCAB = 256
 TOLERANCE = 1e-6
-ADAM = AdamSpec(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 # Ranks and layer groups differ, so parking copies differently shaped parts of the slot row.
 SPECS = {
-    "t0": LoraSpec(rank=2, seed=1),
-    "t1": LoraSpec(rank=8, seed=2, train_unembed=False),
-    "t2": LoraSpec(rank=4, seed=3, train_attn=False),
-    "t3": LoraSpec(rank=1, seed=4, train_mlp=False, train_unembed=False),
-    "t4": LoraSpec(rank=3, seed=5),
+    "t0": LoraConfig(rank=2, seed=1),
+    "t1": LoraConfig(rank=8, seed=2, train_unembed=False),
+    "t2": LoraConfig(rank=4, seed=3, train_attn=False),
+    "t3": LoraConfig(rank=1, seed=4, train_mlp=False, train_unembed=False),
+    "t4": LoraConfig(rank=3, seed=5),
 }
 TENANTS = list(SPECS)
 
@@ -93,7 +93,7 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any], tolerance: float = 0
 
 
 def assert_same_results(
-    a: list[FwdBwdResult], b: list[FwdBwdResult], tolerance: float = 0.0
+    a: list[FwdBwdOutput], b: list[FwdBwdOutput], tolerance: float = 0.0
 ) -> None:
     assert len(a) == len(b)
     for left, right in zip(a, b, strict=True):
@@ -101,7 +101,7 @@ def assert_same_results(
         assert left.metrics.keys() == right.metrics.keys()
         for name, value in left.metrics.items():
             assert abs(value - right.metrics[name]) <= tolerance, name
-        for out_left, out_right in zip(left.outputs, right.outputs, strict=True):
+        for out_left, out_right in zip(left.loss_fn_outputs, right.loss_fn_outputs, strict=True):
             for name, array in out_left.items():
                 assert np.abs(array - out_right[name]).max(initial=0.0) <= tolerance, name
 
@@ -284,12 +284,12 @@ def test_a_row_with_values_outside_the_adapter_is_parked_whole(
     make_engine: Callable[..., Engine],
 ) -> None:
     engine = make_engine(max_slots=2, create=False)
-    engine.create("a", LoraSpec(rank=2, seed=1, train_mlp=False))
+    engine.create("a", LoraConfig(rank=2, seed=1, train_mlp=False))
     slot = engine.slot("a")
     engine.bank.grads[slot, -1] = float("nan")  # lm_head B padding: never written normally
     engine.optimizer.exp_avg[slot, 0] = 3.0
     before = slot_state(engine, "a")
-    engine.create("b", LoraSpec(rank=2, seed=2))
-    engine.create("c", LoraSpec(rank=2, seed=3))
+    engine.create("b", LoraConfig(rank=2, seed=2))
+    engine.create("c", LoraConfig(rank=2, seed=3))
     assert "a" in engine.parked
     assert_same_state(slot_state(engine, "a"), before)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from protocol import subjects
+from protocol.api import LoraConfig
 from protocol.jobs import (
     CreateModelJob,
     ForwardBackwardJob,
     Job,
-    LoraSpec,
     OptimStepJob,
     Outcome,
     decode_outcome,
@@ -93,7 +93,7 @@ async def test_service_merges_models_and_fails_gaps(
                 tenant_id="t",
                 seq_id=0,
                 base_model=str(model_dir),
-                lora=LoraSpec(rank=4 + 2 * i, seed=i),
+                lora=LoraConfig(rank=4 + 2 * i, seed=i),
             )
         )
         jobs.append(fwd_job(model_id, 1, length=5 + i))
@@ -108,7 +108,7 @@ async def test_service_merges_models_and_fails_gaps(
             tenant_id="t",
             seq_id=0,
             base_model=str(model_dir),
-            lora=LoraSpec(rank=4),
+            lora=LoraConfig(rank=4),
         )
     )
     jobs.append(fwd_job("m-gap", 2, length=4))

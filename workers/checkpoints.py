@@ -32,8 +32,8 @@ import safetensors
 import safetensors.torch
 import torch
 
+from protocol.api import LoraConfig
 from protocol.errors import UserError
-from protocol.jobs import LoraSpec
 from workers.lora import LayerGroup, LayerLayout
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -83,7 +83,7 @@ class AdapterCheckpoint:
     lora_alpha: float
     target_modules: list[str] | str
     tensors: dict[str, torch.Tensor]  # adapter_key → fp32 CPU tensor
-    spec: LoraSpec | None = None  # None for an adapter-only checkpoint
+    spec: LoraConfig | None = None  # None for an adapter-only checkpoint
     moments: dict[str, torch.Tensor] | None = None  # adapter_key + ".exp_avg" / ".exp_avg_sq"
     step: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
@@ -157,7 +157,7 @@ def read_checkpoint(directory: Path, *, with_optimizer: bool) -> AdapterCheckpoi
     if meta_path.exists():
         meta = _read_json(meta_path)
         try:
-            checkpoint.spec = msgspec.convert(meta["lora"], LoraSpec)
+            checkpoint.spec = msgspec.convert(meta["lora"], LoraConfig)
             checkpoint.step = int(meta["step"])
         except (KeyError, TypeError, ValueError, msgspec.ValidationError) as error:
             raise UserError(f"{META}: missing or invalid lora / step ({error})") from None

@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,9 +46,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
-from protocol.jobs import AdamSpec, LoraSpec
-from protocol.tensors import DatumArrays, FwdBwdRequest
+from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.checkpoints import (
     MOMENTS,
     AdapterCheckpoint,
@@ -72,15 +71,6 @@ from workers.optimizer import SlotAdamW, check_adam
 from workers.parking import GROUP_FLAGS, ParkedAdapters, Tenant, trained_groups
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FwdBwdResult:
-    """One request's share of a pass: per-datum outputs in request order, and its metrics."""
-
-    outputs: list[dict[str, np.ndarray]]
-    metrics: dict[str, float]
-    loss_fn_output_type: str
 
 
 class Engine:
@@ -130,7 +120,7 @@ class Engine:
 
     # -- slots -------------------------------------------------------------------------------
 
-    def create(self, model_id: str, spec: LoraSpec) -> None:
+    def create(self, model_id: str, spec: LoraConfig) -> None:
         """Give `model_id` a fresh adapter: A kaiming-uniform (seeded if `spec.seed`), B = 0."""
         if self.has(model_id):
             raise UserError(f"model_id {model_id!r} already has an adapter")
@@ -155,7 +145,7 @@ class Engine:
         """Whether `model_id` has an adapter here, resident or parked."""
         return model_id in self._tenants or model_id in self.parked
 
-    def spec(self, model_id: str) -> LoraSpec:
+    def spec(self, model_id: str) -> LoraConfig:
         return self._spec(model_id)
 
     def slot(self, model_id: str) -> int:
@@ -214,7 +204,7 @@ class Engine:
                 f"{field}: token id {bad} outside the vocabulary [0, {self.vocab_size})"
             )
 
-    def forward_backward(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdResult]:
+    def forward_backward(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdOutput]:
         """One shared pass over every item; gradients of training items accumulate per slot.
 
         Items of more tenants than there are slots run as several passes (see `_sub_calls`).
@@ -223,13 +213,13 @@ class Engine:
             return []
         for model_id, req in batch:
             self.validate(model_id, req)
-        results: dict[int, FwdBwdResult] = {}
+        results: dict[int, FwdBwdOutput] = {}
         for indices in self._sub_calls([model_id for model_id, _ in batch]):
             sub_batch = [batch[index] for index in indices]
             results.update(zip(indices, self._shared_pass(sub_batch), strict=True))
         return [results[index] for index in range(len(batch))]
 
-    def _shared_pass(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdResult]:
+    def _shared_pass(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdOutput]:
         """One pass over validated items of at most `max_slots` tenants."""
         tenants = self._make_resident([model_id for model_id, _ in batch])
         slots = [tenant.slot for tenant in tenants]
@@ -241,7 +231,7 @@ class Engine:
             logits = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).logits
-            results: list[FwdBwdResult] = []
+            results: list[FwdBwdOutput] = []
             training_losses: list[torch.Tensor] = []
             for (_, req), rows_of_item in zip(batch, item_rows, strict=True):
                 loss, result = self._item_loss(req, logits, rows_of_item)
@@ -272,7 +262,7 @@ class Engine:
 
     def _item_loss(
         self, req: FwdBwdRequest, logits: torch.Tensor, rows: range
-    ) -> tuple[torch.Tensor, FwdBwdResult]:
+    ) -> tuple[torch.Tensor, FwdBwdOutput]:
         """A request's summed loss (a graph node) and its detached per-datum outputs."""
         loss_fn = get_loss(req.loss_fn)
         settings = resolve_config(loss_fn, req.loss_fn_config)
@@ -289,7 +279,7 @@ class Engine:
             )
         loss = torch.stack(datum_losses).sum()
         metrics = {"loss:sum": float(loss.detach())}
-        return loss, FwdBwdResult(outputs, metrics, loss_fn.output_type)
+        return loss, FwdBwdOutput(outputs, metrics, loss_fn.output_type)
 
     def _datum_loss(
         self, loss_fn: LossFn, settings: Settings, datum: DatumArrays, logits: torch.Tensor
@@ -309,7 +299,7 @@ class Engine:
         dtype = torch.int64 if array.dtype.kind in "iu" else torch.float32
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
 
-    def validate_optim_step(self, model_id: str, adam: AdamSpec) -> None:
+    def validate_optim_step(self, model_id: str, adam: AdamParams) -> None:
         """Raise a `UserError` (or `NotFound`) if this step cannot run; changes nothing.
 
         `optim_step` checks the same and fails as a whole, so callers fusing several tenants'
@@ -318,7 +308,7 @@ class Engine:
         self._spec(model_id)
         check_adam(adam)
 
-    def optim_step(self, steps: list[tuple[str, AdamSpec]]) -> list[dict[str, float]]:
+    def optim_step(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
         """Apply and clear the accumulated gradients of each listed model, fused across them
         (in groups of at most `max_slots` tenants when more are listed)."""
         listed: set[str] = set()
@@ -381,7 +371,7 @@ class Engine:
                 exported[adapter_key(layout.path, "B") + suffix] = _exported(b)
         return exported
 
-    def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraSpec:
+    def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraConfig:
         """Load a checkpoint into `model_id` (creating it if new); pending gradients are dropped."""
         checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=with_optimizer)
         tenant = self._tenants.get(model_id)
@@ -404,11 +394,11 @@ class Engine:
 
     def _read_adapter(
         self, directory: Path, *, with_optimizer: bool
-    ) -> tuple[AdapterCheckpoint, LoraSpec, set[LayerGroup]]:
+    ) -> tuple[AdapterCheckpoint, LoraConfig, set[LayerGroup]]:
         """A checkpoint checked against this model: (checkpoint, LoRA spec, covered groups)."""
         checkpoint = read_checkpoint(directory, with_optimizer=with_optimizer)
         adapters = match_layers(checkpoint, self.bank.layouts, max_rank=self.max_rank)
-        spec = checkpoint.spec or LoraSpec(
+        spec = checkpoint.spec or LoraConfig(
             rank=checkpoint.rank,
             **{flag: group in adapters for group, flag in GROUP_FLAGS.items()},
         )
@@ -421,7 +411,7 @@ class Engine:
         self,
         slot: int,
         checkpoint: AdapterCheckpoint,
-        spec: LoraSpec,
+        spec: LoraConfig,
         adapters: set[LayerGroup],
         buffers: list[tuple[str, torch.Tensor]],
     ) -> None:
@@ -479,7 +469,7 @@ class Engine:
 
     # -- residency ---------------------------------------------------------------------------
 
-    def _spec(self, model_id: str) -> LoraSpec:
+    def _spec(self, model_id: str) -> LoraConfig:
         tenant = self._tenants.get(model_id)
         if tenant is not None:
             return tenant.spec
@@ -547,7 +537,7 @@ class Engine:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _check_spec(self, spec: LoraSpec) -> None:
+    def _check_spec(self, spec: LoraConfig) -> None:
         if not 1 <= spec.rank <= self.max_rank:
             raise UserError(f"lora_config.rank: {spec.rank} outside [1, {self.max_rank}]")
         if not trained_groups(spec):

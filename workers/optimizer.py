@@ -24,14 +24,14 @@ import math
 
 import torch
 
+from protocol.api import AdamParams
 from protocol.errors import UserError
-from protocol.jobs import AdamSpec
 
 GRAD_NORM_METRIC = "unclipped_grad_l2:mean"
 _CLIP_EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm
 
 
-def check_adam(spec: AdamSpec) -> None:
+def check_adam(spec: AdamParams) -> None:
     """Reject hyper-parameters AdamW cannot use; the message names the field."""
     for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
         value = getattr(spec, name)
@@ -67,7 +67,7 @@ class SlotAdamW:
         self.exp_avg_sq[slot].zero_()
         self.steps[slot] = 0
 
-    def step(self, slots: list[int], specs: list[AdamSpec]) -> list[dict[str, float]]:
+    def step(self, slots: list[int], specs: list[AdamParams]) -> list[dict[str, float]]:
         """One AdamW step for each slot with its spec; returns each slot's metrics."""
         if len(set(slots)) != len(slots) or len(slots) != len(specs):
             raise ValueError(f"each slot steps once, with one spec: slots={slots}")
@@ -103,7 +103,7 @@ class SlotAdamW:
         torch._foreach_zero_(grads)
         return metrics
 
-    def _clip(self, grads: list[torch.Tensor], specs: list[AdamSpec]) -> list[dict[str, float]]:
+    def _clip(self, grads: list[torch.Tensor], specs: list[AdamParams]) -> list[dict[str, float]]:
         """Clip each clipping slot's gradient row in place; report its pre-clip L2 norm."""
         metrics: list[dict[str, float]] = [{} for _ in specs]
         clipping = [i for i, spec in enumerate(specs) if spec.grad_clip_norm > 0]

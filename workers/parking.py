@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.jobs import LoraSpec
+from protocol.api import LoraConfig
 from workers.checkpoints import MOMENTS
 from workers.lora import LAYER_GROUPS, LayerGroup, LoraBank
 from workers.optimizer import SlotAdamW
@@ -28,7 +28,7 @@ GROUP_FLAGS: dict[LayerGroup, str] = {
 }
 
 
-def trained_groups(spec: LoraSpec) -> frozenset[LayerGroup]:
+def trained_groups(spec: LoraConfig) -> frozenset[LayerGroup]:
     """The layer groups an adapter trains, from its `train_*` flags."""
     return frozenset(group for group, flag in GROUP_FLAGS.items() if getattr(spec, flag))
 
@@ -38,7 +38,7 @@ class Tenant:
     """A resident training adapter: its slot, shape and LoRA alpha."""
 
     slot: int
-    spec: LoraSpec
+    spec: LoraConfig
     lora_alpha: float
 
 
@@ -54,7 +54,7 @@ class _HostRow:
 class _ParkedAdapter:
     """Everything a slot held for one tenant."""
 
-    spec: LoraSpec
+    spec: LoraConfig
     lora_alpha: float
     step: int
     scales: dict[LayerGroup, float]

@@ -283,7 +283,7 @@ class TrainerService:
             results = self.engine.forward_backward(batch)
             for i, result in zip(batch_index, results, strict=True):
                 payload = encode_forward_backward_output(
-                    result.outputs, result.metrics, result.loss_fn_output_type
+                    result.loss_fn_outputs, result.metrics, result.loss_fn_output_type
                 )
                 outcomes[i] = _done(items[i].job, payload, "proto")
         return [(outcomes[i], None) for i in range(len(items))]

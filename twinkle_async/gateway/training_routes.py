@@ -16,12 +16,10 @@ from aiohttp import web
 from protocol import api, paths, subjects
 from protocol.errors import UserError
 from protocol.jobs import (
-    AdamSpec,
     CreateModelJob,
     ForwardBackwardJob,
     Job,
     LoadWeightsJob,
-    LoraSpec,
     OptimStepJob,
     SaveWeightsJob,
     request_type_of,
@@ -52,20 +50,14 @@ def _seq(seq_id: int | None, what: str) -> int:
     return seq_id
 
 
-def _lora_spec(config: api.LoraConfig | None) -> LoraSpec:
+def _lora_spec(config: api.LoraConfig | None) -> api.LoraConfig:
     if config is None:
-        return LoraSpec()
+        return api.LoraConfig()
     if not (config.train_attn or config.train_mlp or config.train_unembed):
         raise UserError(
             "lora_config: at least one of train_attn, train_mlp, train_unembed must be true"
         )
-    return LoraSpec(
-        rank=config.rank,
-        seed=config.seed,
-        train_attn=config.train_attn,
-        train_mlp=config.train_mlp,
-        train_unembed=config.train_unembed,
-    )
+    return config
 
 
 def _check_optimizer(config: api.OptimizerConfig | None) -> None:
@@ -177,14 +169,7 @@ async def optim_step(request: web.Request) -> web.Response:
         tenant_id=request[TENANT],
         seq_id=_seq(body.seq_id, "optim_step"),
         published_at=time.time(),
-        adam=AdamSpec(
-            learning_rate=p.learning_rate,
-            beta1=p.beta1,
-            beta2=p.beta2,
-            eps=p.eps,
-            weight_decay=p.weight_decay,
-            grad_clip_norm=p.grad_clip_norm,
-        ),
+        adam=p,
     )
     return await submit(request, job, run.base_model)
 

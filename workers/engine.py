@@ -48,6 +48,7 @@ from transformers import AutoModelForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
+from protocol.rules import check_adam, check_lora_config
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.checkpoints import (
     MOMENTS,
@@ -67,7 +68,7 @@ from workers.losses import (
     get_loss,
     resolve_config,
 )
-from workers.optimizer import SlotAdamW, check_adam
+from workers.optimizer import SlotAdamW
 from workers.parking import GROUP_FLAGS, ParkedAdapters, Tenant, trained_groups
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Engine:
         """Give `model_id` a fresh adapter: A kaiming-uniform (seeded if `spec.seed`), B = 0."""
         if self.has(model_id):
             raise UserError(f"model_id {model_id!r} already has an adapter")
-        self._check_spec(spec)
+        check_lora_config(spec, self.max_rank)
         slot = self._slot_for_tenant(keep=())
         generator = torch.Generator()
         if spec.seed is None:
@@ -402,7 +403,7 @@ class Engine:
             rank=checkpoint.rank,
             **{flag: group in adapters for group, flag in GROUP_FLAGS.items()},
         )
-        self._check_spec(spec)
+        check_lora_config(spec, self.max_rank)
         if spec.rank != checkpoint.rank or set(adapters) != trained_groups(spec):
             raise UserError(f"{directory.name}: the adapter's layers do not match its LoRA spec")
         return checkpoint, spec, adapters
@@ -536,14 +537,6 @@ class Engine:
         return tenant.slot
 
     # -- helpers -----------------------------------------------------------------------------
-
-    def _check_spec(self, spec: LoraConfig) -> None:
-        if not 1 <= spec.rank <= self.max_rank:
-            raise UserError(f"lora_config.rank: {spec.rank} outside [1, {self.max_rank}]")
-        if not trained_groups(spec):
-            raise UserError("lora_config: train_attn, train_mlp and train_unembed are all off")
-        if spec.seed is not None and not -(2**63) <= spec.seed < 2**64:
-            raise UserError(f"lora_config.seed: {spec.seed} outside the 64-bit range")
 
     def _free_slot(self) -> int | None:
         """A slot nobody holds, else the least recently used snapshot's (evicted); None when

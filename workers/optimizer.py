@@ -25,29 +25,9 @@ import math
 import torch
 
 from protocol.api import AdamParams
-from protocol.errors import UserError
 
 GRAD_NORM_METRIC = "unclipped_grad_l2:mean"
 _CLIP_EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm
-
-
-def check_adam(spec: AdamParams) -> None:
-    """Reject hyper-parameters AdamW cannot use; the message names the field."""
-    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-        value = getattr(spec, name)
-        if not math.isfinite(value):
-            raise UserError(f"adam_params.{name}: {value} is not a finite number")
-    if spec.learning_rate < 0:
-        raise UserError(f"adam_params.learning_rate: {spec.learning_rate} < 0")
-    for name in ("beta1", "beta2"):
-        value = getattr(spec, name)
-        if not 0.0 <= value < 1.0:
-            raise UserError(f"adam_params.{name}: {value} outside [0, 1)")
-    if spec.eps <= 0:
-        # eps = 0 would turn the 0/0 of zero padding into NaN.
-        raise UserError(f"adam_params.eps: {spec.eps} must be > 0")
-    if spec.weight_decay < 0:
-        raise UserError(f"adam_params.weight_decay: {spec.weight_decay} < 0")
 
 
 class SlotAdamW:

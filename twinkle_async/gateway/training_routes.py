@@ -25,6 +25,7 @@ from protocol.jobs import (
     request_type_of,
 )
 from protocol.records import RunRecord, SamplerRecord
+from protocol.rules import check_adam, check_lora_config
 from protocol.tensors import decode_forward_backward
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
@@ -50,16 +51,6 @@ def _seq(seq_id: int | None, what: str) -> int:
     return seq_id
 
 
-def _lora_spec(config: api.LoraConfig | None) -> api.LoraConfig:
-    if config is None:
-        return api.LoraConfig()
-    if not (config.train_attn or config.train_mlp or config.train_unembed):
-        raise UserError(
-            "lora_config: at least one of train_attn, train_mlp, train_unembed must be true"
-        )
-    return config
-
-
 def _check_optimizer(config: api.OptimizerConfig | None) -> None:
     if isinstance(config, api.DimuonOptimizerConfig):
         raise UserError("optimizer_config type 'dimuon' is not supported yet; use adamw")
@@ -72,11 +63,10 @@ async def create_model(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     session = await registry.session(body.session_id, tenant)
     worker = registry.check_base_model(body.base_model)
-    lora = _lora_spec(body.lora_config)
+    lora = check_lora_config(
+        body.lora_config or api.LoraConfig(), worker.max_rank if worker else None
+    )
     _check_optimizer(body.optimizer_config)
-    if lora.rank < 1 or (worker is not None and lora.rank > worker.max_rank):
-        limit = worker.max_rank if worker else "the worker's max rank"
-        raise UserError(f"lora_config.rank {lora.rank} is out of range: 1..{limit}")
     model_id = f"{session.session_id}:train:{body.model_seq_id}"
     now = time.time()
     if await registry.find_run(model_id) is None:
@@ -152,17 +142,7 @@ async def optim_step(request: web.Request) -> web.Response:
     run = await request.app[REGISTRY].run(body.model_id, request[TENANT])
     if body.adam_params is None:
         raise UserError("optim_step: only adam_params is supported (the dimuon optimizer is not)")
-    p = body.adam_params
-    if (
-        p.learning_rate < 0
-        or not (0 <= p.beta1 < 1)
-        or not (0 <= p.beta2 < 1)
-        or p.eps < 0
-        or p.grad_clip_norm < 0
-    ):
-        raise UserError(
-            "optim_step: adam_params out of range (learning_rate >= 0, 0 <= beta < 1, eps >= 0, grad_clip_norm >= 0)"
-        )
+    p = check_adam(body.adam_params)
     job = OptimStepJob(
         request_id=new_request_id("optim_step"),
         model_id=body.model_id,

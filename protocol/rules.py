@@ -1,0 +1,125 @@
+"""Validation rules for fields a client controls, each written once and used by every process.
+
+The gateway applies them at the edge (a 400 naming the field) and a worker applies the same
+function again where it must not trust its input; nobody re-states a rule. Every function is
+pure: it returns the value (possibly normalised) or raises a `UserError` whose one-line message
+names the field and the accepted form.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from protocol.api import AdamParams, LoraConfig
+from protocol.errors import UserError
+
+# -- ids ----------------------------------------------------------------------------------------
+
+MAX_ID_CHARS = 128
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+
+
+def check_id(field: str, value: str) -> str:
+    """An id the client sends back to us (session, model, sampler, request, run).
+
+    Every id we hand out is built from `[A-Za-z0-9._:-]`; anything else can only be a typo or an
+    attack, and must not reach a KV key, a subject or a path.
+    """
+    if not value:
+        raise UserError(f"{field}: empty; expected an id this server returned")
+    if len(value) > MAX_ID_CHARS or not _ID_RE.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise UserError(
+            f"{field}: {shown!r} is not a valid id (at most {MAX_ID_CHARS} characters of"
+            " A-Z a-z 0-9 . _ : -)"
+        )
+    return value
+
+
+# -- checkpoint names ---------------------------------------------------------------------------
+
+MAX_NAME_BYTES = 128
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+@-]*")
+NAME_RULE = (
+    f"1 to {MAX_NAME_BYTES} characters of A-Z a-z 0-9 _ . = + @ -, not starting with '.' or '-'"
+)
+
+
+def check_checkpoint_name(field: str, name: str) -> str:
+    """A checkpoint name becomes one directory name: a fixed safe alphabet, a byte cap."""
+    if not name:
+        raise UserError(f"{field}: empty; a checkpoint needs a name ({NAME_RULE})")
+    if len(name.encode()) > MAX_NAME_BYTES or not _NAME_RE.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise UserError(f"{field}: {shown!r} is not a valid checkpoint name ({NAME_RULE})")
+    return name
+
+
+# -- sequence numbers ---------------------------------------------------------------------------
+
+# The SDK numbers a model's calls 1, 2, 3, ... (creation is 0). A seq far ahead of the highest
+# one seen could only wedge the model, so the gateway refuses it.
+MAX_SEQ_ID = 2**31 - 2
+MAX_SEQ_AHEAD = 65536
+
+
+def check_seq_id(field: str, seq_id: int | None) -> int:
+    """A call's `seq_id`: a positive integer of the SDK's range."""
+    if seq_id is None:
+        raise UserError(f"{field}: missing; every call on a training model carries a seq_id")
+    if not 1 <= seq_id <= MAX_SEQ_ID:
+        raise UserError(f"{field}: {seq_id} is out of range 1..{MAX_SEQ_ID}")
+    return seq_id
+
+
+def check_seq_ahead(field: str, seq_id: int, highest_seen: int) -> None:
+    """Refuse a seq so far past the model's highest one that nothing could ever precede it."""
+    if seq_id > highest_seen + MAX_SEQ_AHEAD:
+        raise UserError(
+            f"{field}: {seq_id} is more than {MAX_SEQ_AHEAD} ahead of this model's latest call"
+            f" ({highest_seen}); seq_ids count the model's calls from 1"
+        )
+
+
+# -- hyper-parameters ---------------------------------------------------------------------------
+
+
+def check_adam(params: AdamParams) -> AdamParams:
+    """AdamW hyper-parameters AdamW can use; the message names the field.
+
+    Only values no AdamW step can use are refused here. A learning rate large enough to overflow
+    is a finite number the step itself detects; it fails that tenant's step alone.
+    """
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        value = getattr(params, name)
+        if not math.isfinite(value):
+            raise UserError(f"adam_params.{name}: {value} is not a finite number")
+    if params.learning_rate < 0:
+        raise UserError(f"adam_params.learning_rate: {params.learning_rate} < 0")
+    for name in ("beta1", "beta2"):
+        value = getattr(params, name)
+        if not 0.0 <= value < 1.0:
+            raise UserError(f"adam_params.{name}: {value} outside [0, 1)")
+    if params.eps <= 0:
+        # eps = 0 would turn the 0/0 of zero padding into NaN.
+        raise UserError(f"adam_params.eps: {params.eps} must be > 0")
+    if params.weight_decay < 0:
+        raise UserError(f"adam_params.weight_decay: {params.weight_decay} < 0")
+    if params.grad_clip_norm < 0:
+        raise UserError(f"adam_params.grad_clip_norm: {params.grad_clip_norm} < 0 (0 = off)")
+    return params
+
+
+def check_lora_config(config: LoraConfig, max_rank: int | None) -> LoraConfig:
+    """An adapter shape a worker with adapters up to `max_rank` can hold (None: rank >= 1)."""
+    if config.rank < 1 or (max_rank is not None and config.rank > max_rank):
+        limit = max_rank if max_rank is not None else "the worker's max rank"
+        raise UserError(f"lora_config.rank: {config.rank} is out of range 1..{limit}")
+    if not (config.train_attn or config.train_mlp or config.train_unembed):
+        raise UserError(
+            "lora_config: at least one of train_attn, train_mlp, train_unembed must be true"
+        )
+    if config.seed is not None and not -(2**63) <= config.seed < 2**64:
+        raise UserError(f"lora_config.seed: {config.seed} outside the 64-bit range")
+    return config

@@ -274,6 +274,7 @@ class SaveWeightsForSamplerRequest(
     seq_id: int | None = None
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
+    overwrite: bool = False  # not sent by the SDK: a named sampler checkpoint is never replaced
 
 
 class LoadWeightsRequest(_Request, frozen=True, tag_field="type", tag="load_weights"):

@@ -60,6 +60,7 @@ class SaveWeightsJob(JobBase, frozen=True, tag="save_weights"):
     user_metadata: dict[str, str] = {}
     # set for save_weights_and_get_sampling_client: the result names this session, not a path
     sampling_session_id: str = ""
+    overwrite: bool = False  # replace an existing checkpoint of this name (else a user error)
 
 
 class LoadWeightsJob(JobBase, frozen=True, tag="load_weights"):
@@ -75,6 +76,19 @@ class UnloadModelJob(JobBase, frozen=True, tag="unload_model"):
     """Release the model's slot (session finished or expired)."""
 
 
+class TombstoneJob(JobBase, frozen=True, tag="tombstone"):
+    """Settles a `seq_id` the gateway refused: the worker treats it as applied, runs nothing.
+
+    The SDK numbers a call before sending it, so without this a refused call would leave a hole
+    that stalls the model's next call. `error` and `category` are the refusal, which the
+    refused call's future also holds; `request_type` is the call that was refused.
+    """
+
+    request_type: str = ""
+    error: str = ""
+    category: str = "user"
+
+
 Job = (
     CreateModelJob
     | ForwardBackwardJob
@@ -82,6 +96,7 @@ Job = (
     | SaveWeightsJob
     | LoadWeightsJob
     | UnloadModelJob
+    | TombstoneJob
 )
 
 
@@ -129,11 +144,25 @@ class Outcome(msgspec.Struct, frozen=True):
     category: str = ""
     created_at: float = 0.0
     finished_at: float = 0.0
+    tenant_id: str = ""  # the owner: another tenant's request_id reads as unknown
+
+
+class SeqClaim(msgspec.Struct, frozen=True):
+    """Who spent `(model_id, seq_id)`: the first request's id, its type and its body's digest.
+
+    A retry (same type, same digest) gets the same request id; anything else reusing the seq
+    is refused.
+    """
+
+    request_id: str
+    request_type: str
+    digest: str
 
 
 _JOB_ENCODER = msgspec.msgpack.Encoder()
 _JOB_DECODER: msgspec.msgpack.Decoder[Job] = msgspec.msgpack.Decoder(Job)
 _OUTCOME_DECODER = msgspec.msgpack.Decoder(Outcome)
+_CLAIM_DECODER = msgspec.msgpack.Decoder(SeqClaim)
 _SAMPLE_DECODER = msgspec.msgpack.Decoder(SampleJob)
 
 
@@ -161,12 +190,22 @@ def decode_outcome(data: bytes) -> Outcome:
     return _OUTCOME_DECODER.decode(data)
 
 
+def encode_claim(claim: SeqClaim) -> bytes:
+    return _JOB_ENCODER.encode(claim)
+
+
+def decode_claim(data: bytes) -> SeqClaim:
+    return _CLAIM_DECODER.decode(data)
+
+
 def request_type_of(job: Job) -> str:
     """The name of the request a job answers (the `forward` variant of fwd/bwd included)."""
     if isinstance(job, ForwardBackwardJob):
         return "forward" if job.forward_only else "forward_backward"
     if isinstance(job, SaveWeightsJob):
         return "save_weights" if job.kind == "weights" else "save_weights_for_sampler"
+    if isinstance(job, TombstoneJob):
+        return job.request_type or "tombstone"
     return type(job).__struct_config__.tag  # type: ignore[return-value]
 
 

@@ -6,6 +6,7 @@ from typing import Literal
 
 import msgspec
 
+from protocol import rules
 from protocol.errors import UserError
 
 CheckpointKind = Literal["weights", "sampler_weights"]
@@ -28,23 +29,25 @@ class TinkerPath(msgspec.Struct, frozen=True):
         return f"{SCHEME}{self.run_id}/{self.kind}/{self.name}"
 
 
-def parse_path(path: str) -> TinkerPath:
-    """Parse a `tinker://` path; anything else is a user error naming the expected form."""
+def parse_path(path: str, field: str = "path") -> TinkerPath:
+    """Parse a `tinker://` path; anything else is a user error naming the expected form.
+
+    The run id and the name are checked with the same rules as when they were made, so a parsed
+    path is always safe to turn into a KV key or a directory.
+    """
     if not path.startswith(SCHEME):
-        raise UserError(f"path {path!r} is not a tinker:// path (tinker://<run_id>/weights/<name>)")
+        shown = path if len(path) <= 60 else path[:60] + "..."
+        raise UserError(
+            f"{field}: {shown!r} is not a tinker:// path (tinker://<run_id>/weights/<name>)"
+        )
     parts = path[len(SCHEME) :].split("/")
-    if len(parts) != 3 or not all(parts) or parts[1] not in _KINDS:
+    if len(parts) != 3 or parts[1] not in _KINDS:
+        shown = path if len(path) <= 60 else path[:60] + "..."
         raise UserError(
-            f"path {path!r} is malformed: expected tinker://<run_id>/<weights|sampler_weights>/<name>"
+            f"{field}: {shown!r} is malformed: expected"
+            " tinker://<run_id>/<weights|sampler_weights>/<name>"
         )
+    run_id = rules.check_id(f"{field} run id", parts[0])
+    name = rules.check_checkpoint_name(f"{field} name", parts[2])
     kind: CheckpointKind = "weights" if parts[1] == "weights" else "sampler_weights"
-    return TinkerPath(run_id=parts[0], kind=kind, name=parts[2])
-
-
-def check_name(name: str) -> str:
-    """A checkpoint name must be one path segment of safe characters."""
-    if not name or "/" in name or name in (".", "..") or len(name) > 200:
-        raise UserError(
-            f"checkpoint name {name!r} is invalid: one path segment, at most 200 characters"
-        )
-    return name
+    return TinkerPath(run_id=run_id, kind=kind, name=name)

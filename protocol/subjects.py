@@ -97,6 +97,11 @@ def seq_key(model_id: str, seq_id: int) -> str:
     return f"seq.{token(model_id)}.{seq_id}"
 
 
+def highest_seq_key(model_id: str) -> str:
+    """KV key holding the highest `seq_id` the gateway has seen for a model."""
+    return f"hiseq.{token(model_id)}"
+
+
 def checkpoint_key(run_id: str, checkpoint_id: str) -> str:
     """KV key of a checkpoint record in `tw_checkpoints`: `<run_token>.<checkpoint_token>`."""
     return f"{token(run_id)}.{token(checkpoint_id)}"

@@ -20,7 +20,7 @@ import numpy as np
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # no stubs here
 
 from protocol import tinker_wire_pb2 as pb
-from protocol.errors import UserError
+from protocol.errors import PayloadTooLarge, UserError
 
 # Wire dtype -> how its bytes read; the widened result is float32 or int64.
 _WIRE_DTYPES: dict[pb.DType, np.dtype[Any]] = {
@@ -36,10 +36,12 @@ _DTYPE_NAMES = {
     pb.DTYPE_BFLOAT16: "bfloat16",
 }
 _TOKEN_DTYPE = np.dtype("<i4")
-# A CSR tensor's dense size is not bounded by the body's size (a few bytes can declare a huge
-# shape), so densifying is capped: 2**26 cells is 256 MiB of float32, far above any real
-# [N, K] input.
-MAX_DENSE_CELLS = 1 << 26
+# What one request may declare, in tensor elements (every `loss_fn_inputs` cell, dense or sparse,
+# plus the token ids). A dense tensor costs its bytes on the wire, but a sparse CSR tensor's dense
+# size is not bounded by the body's (a few bytes can declare [1, 2**26]), so the whole request is
+# held to a budget before anything is allocated. The default is one element per byte of the
+# chunk size the gateway announces (4 MiB): four times what any dense request of that size holds.
+DEFAULT_MAX_REQUEST_ELEMENTS = 4 * 1024 * 1024
 _OFFSET_DTYPE = np.dtype("<i8")
 
 
@@ -111,10 +113,6 @@ def _densify_csr(msg: pb.Tensor, shape: list[int], pad: float, where: str) -> np
     if len(shape) != 2:
         raise UserError(f"{where}: a sparse CSR tensor needs a 2-D shape, got {shape}")
     nrows, ncols = shape
-    if nrows * ncols > MAX_DENSE_CELLS:
-        raise UserError(
-            f"{where}: sparse shape {shape} is too large to densify (limit {MAX_DENSE_CELLS} cells)"
-        )
     csr = msg.sparse_csr
     values = _read(csr.values, msg.dtype, where, "sparse values")
     crow = _indices(csr.crow_indices, where, "crow_indices")
@@ -198,14 +196,88 @@ def _datum_tokens(msg: pb.Datum, index: int) -> np.ndarray:
     return np.frombuffer(b"".join(parts), dtype=_TOKEN_DTYPE).astype(np.int32)
 
 
-def decode_forward_backward(body: bytes) -> FwdBwdRequest:
-    """Decode the SDK's protobuf `ForwardBackwardRequest` (already decompressed)."""
+@dataclass(frozen=True)
+class FwdBwdSummary:
+    """What the gateway routes a `forward_backward` body on, read without building a tensor.
+
+    `n_elements` is what densifying the request would allocate, from the declared shapes:
+    every `loss_fn_inputs` cell plus every token id.
+    """
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    forward_only: bool
+    n_datums: int
+    n_tokens: int
+    n_elements: int
+
+
+def _parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     try:
-        msg = pb.ForwardBackwardRequest.FromString(body)
+        msg: pb.ForwardBackwardRequest = pb.ForwardBackwardRequest.FromString(body)
     except DecodeError as exc:
         raise UserError(
             f"forward_backward body is not a valid ForwardBackwardRequest: {exc}"
         ) from None
+    return msg
+
+
+def _declared_elements(tensor: pb.Tensor) -> int:
+    """The cells a tensor declares: its shape's product, or its dense values when 1-D unshaped."""
+    shape = [int(s) for s in tensor.shape]
+    if shape:
+        return math.prod(max(s, 0) for s in shape)
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        return 0  # refused when decoded: a sparse tensor needs a 2-D shape
+    itemsize = _WIRE_DTYPES[tensor.dtype].itemsize if tensor.dtype in _WIRE_DTYPES else 1
+    return len(tensor.dense) // itemsize
+
+
+def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
+    tokens = 0
+    elements = 0
+    for datum in msg.data:
+        for chunk in datum.model_input:
+            if chunk.WhichOneof("chunk") == "encoded_text":
+                tokens += len(chunk.encoded_text.tokens) // _TOKEN_DTYPE.itemsize
+        for tensor in datum.loss_fn_inputs.values():
+            elements += _declared_elements(tensor)
+    return FwdBwdSummary(
+        model_id=msg.model_id,
+        seq_id=int(msg.seq_id),
+        loss_fn=msg.loss_fn,
+        forward_only=bool(msg.forward_only),
+        n_datums=len(msg.data),
+        n_tokens=tokens,
+        n_elements=elements + tokens,
+    )
+
+
+def check_budget(summary: FwdBwdSummary, max_elements: int) -> None:
+    """Refuse a request that declares more elements than one request may allocate."""
+    if summary.n_elements > max_elements:
+        raise PayloadTooLarge(
+            f"forward_backward declares {summary.n_elements} tensor elements"
+            f" ({summary.n_tokens} tokens across {summary.n_datums} datums, plus loss_fn_inputs);"
+            f" one request may hold at most {max_elements}: send fewer datums per request"
+        )
+
+
+def scan_forward_backward(body: bytes) -> FwdBwdSummary:
+    """The routing fields and declared sizes of a `ForwardBackwardRequest` body (no tensors)."""
+    return _summarise(_parse_forward_backward(body))
+
+
+def decode_forward_backward(
+    body: bytes, max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
+) -> FwdBwdRequest:
+    """Decode the SDK's protobuf `ForwardBackwardRequest` (already decompressed).
+
+    The declared sizes are checked against `max_elements` before any tensor is densified.
+    """
+    msg = _parse_forward_backward(body)
+    check_budget(_summarise(msg), max_elements)
     datums: list[DatumArrays] = []
     for i, datum in enumerate(msg.data):
         inputs = {

@@ -27,7 +27,7 @@ from tinker.types.try_again_response import TryAgainResponse
 
 from protocol import api
 from protocol import tinker_wire_pb2 as pb
-from protocol.errors import ErrorCategory, UserError
+from protocol.errors import ErrorCategory, PayloadTooLarge, UserError
 from protocol.tensors import (
     DatumArrays,
     FwdBwdRequest,
@@ -36,6 +36,7 @@ from protocol.tensors import (
     encode_forward_backward,
     encode_forward_backward_output,
     numpy_to_tensor,
+    scan_forward_backward,
     tensor_to_numpy,
 )
 
@@ -227,8 +228,25 @@ MALFORMED = {
     "col range": (_datum(weights=_csr(_F2, [0, 1, 2], [0, 2], [2, 2])), "out of range"),
     "csr 1-D": (_datum(weights=_csr(_F2, [0, 2], [0, 1], [2])), "2-D shape"),
     "col count": (_datum(weights=_csr(_F2, [0, 1, 2], [0], [2, 2])), "col_indices"),
-    "csr too large": (_datum(weights=_csr(_F2, [0, 1, 2], [0, 1], [2, 10**12])), "too large"),
 }
+
+
+def test_declared_sizes_are_held_to_one_request_budget_before_anything_is_built() -> None:
+    """Sparse shapes cost nothing on the wire; the budget counts what densifying would build,
+    summed over the whole request, and both the scan and the decode refuse past it."""
+    huge = _datum(weights=_csr(_F2, [0, 1, 2], [0, 1], [2, 10**12]))
+    with pytest.raises(PayloadTooLarge, match="at most"):
+        decode_forward_backward(_body_with(huge))
+    # each tensor alone fits, together they do not
+    sparse = _csr(_F2, [0, 1, 2], [0, 1], [2, 600])
+    body = _body_with(_datum(weights=sparse, advantages=sparse))
+    summary = scan_forward_backward(body)
+    assert summary.n_elements == 2 * 1200 + 2 and summary.n_datums == 2
+    with pytest.raises(PayloadTooLarge):
+        decode_forward_backward(body, max_elements=2000)
+    assert decode_forward_backward(body, max_elements=summary.n_elements).datums[1].inputs[
+        "weights"
+    ].shape == (2, 600)
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))

@@ -6,6 +6,7 @@ a small typed surface. Every call has a timeout.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -93,6 +94,14 @@ class Bus:
             return None
         return entry.value
 
+    async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        """A key's value and revision (for a compare-and-set), None when absent."""
+        try:
+            entry = await self.kv[bucket].get(key)
+        except KeyNotFoundError:
+            return None
+        return entry.value or b"", int(entry.revision or 0)
+
     async def put(self, bucket: str, key: str, value: bytes) -> None:
         await self.kv[bucket].put(key, value)
 
@@ -104,26 +113,38 @@ class Bus:
             return False
         return True
 
+    async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
+        """Write `key` only if its revision is still `revision` (None: only if absent)."""
+        if revision is None:
+            return await self.create(bucket, key, value)
+        try:
+            await self.kv[bucket].update(key, value, last=revision)
+        except (KeyWrongLastSequenceError, BadRequestError):
+            return False
+        return True
+
     async def delete(self, bucket: str, key: str) -> None:
         await self.kv[bucket].delete(key)
 
+    async def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        """Keys under `prefix.` (deleted ones included: a read of one answers None).
+
+        One stream-info request with a subject filter: no consumer is created, so a burst of
+        listings leaves nothing behind on the server (a KV watcher would leave a consumer each).
+        """
+        assert self.js is not None
+        subject_prefix = f"$KV.{bucket}."
+        pattern = f"{subject_prefix}{prefix}.>" if prefix else f"{subject_prefix}>"
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=pattern)
+        subjects_found = info.state.subjects or {}
+        return sorted(subject[len(subject_prefix) :] for subject in subjects_found)
+
     async def values(self, bucket: str, prefix: str = "") -> list[bytes]:
-        """Values of the keys under `prefix.` (current revision only)."""
-        kv = self.kv[bucket]
-        watcher = await kv.watch(f"{prefix}.>" if prefix else ">", ignore_deletes=True)
-        values: list[bytes] = []
-        try:
-            while True:
-                entry = await watcher.updates(timeout=self.settings.request_timeout_s)
-                if entry is None:
-                    break
-                if entry.value:
-                    values.append(entry.value)
-                if entry.delta == 0:
-                    break
-        finally:
-            await watcher.stop()
-        return values
+        """Current values of the keys under `prefix.`, in key order (direct reads, no consumer)."""
+        found = await asyncio.gather(
+            *(self.get(bucket, key) for key in await self.keys(bucket, prefix))
+        )
+        return [value for value in found if value]
 
     async def subscribe_kv(
         self, bucket: str, pattern: str, callback: Callable[[str, bytes], Awaitable[None]]

@@ -16,8 +16,16 @@ import uuid
 
 from nats.aio.subscription import Subscription
 
-from protocol import subjects
-from protocol.jobs import Outcome, decode_outcome, encode_outcome, now
+from protocol import rules, subjects
+from protocol.jobs import (
+    Outcome,
+    SeqClaim,
+    decode_claim,
+    decode_outcome,
+    encode_claim,
+    encode_outcome,
+    now,
+)
 from twinkle_async.bus import Bus
 
 log = logging.getLogger(__name__)
@@ -65,15 +73,35 @@ class FutureStore:
             if not waiter.done():
                 waiter.set_result(outcome)
 
-    async def claim(self, model_id: str, seq_id: int, request_id: str) -> str:
-        """The request id owning `(model_id, seq_id)`: ours if first, else the earlier one."""
+    async def claim(self, model_id: str, seq_id: int, claim: SeqClaim) -> SeqClaim:
+        """The claim owning `(model_id, seq_id)`: `claim` if it is the first, else the earlier one."""
         key = subjects.seq_key(model_id, seq_id)
-        if await self.bus.create(subjects.BUCKET_FUTURES, key, request_id.encode()):
-            return request_id
+        if await self.bus.create(subjects.BUCKET_FUTURES, key, encode_claim(claim)):
+            return claim
         existing = await self.bus.get(subjects.BUCKET_FUTURES, key)
-        return existing.decode() if existing else request_id
+        return decode_claim(existing) if existing else claim
 
-    async def record_pending(self, request_id: str, request_type: str, model_id: str) -> None:
+    async def note_seq(self, model_id: str, seq_id: int, field: str = "seq_id") -> int:
+        """Record `seq_id` as seen for the model; returns the highest seq seen before it.
+
+        A seq too far past the highest is refused before it is recorded (`rules.check_seq_ahead`).
+        A compare-and-set loop on one key per model: concurrent chunks of one call race here.
+        """
+        # In `tw_runs`, which never expires: a model idle for a day keeps its count.
+        key = subjects.highest_seq_key(model_id)
+        while True:
+            entry = await self.bus.entry(subjects.BUCKET_RUNS, key)
+            highest = int(entry[0]) if entry is not None else 0
+            rules.check_seq_ahead(field, seq_id, highest)
+            if seq_id <= highest:
+                return highest
+            revision = entry[1] if entry is not None else None
+            if await self.bus.swap(subjects.BUCKET_RUNS, key, str(seq_id).encode(), revision):
+                return highest
+
+    async def record_pending(
+        self, request_id: str, request_type: str, model_id: str, tenant_id: str
+    ) -> None:
         """Write the pending outcome, unless a result is already there (a retried submit)."""
         pending = Outcome(
             request_id=request_id,
@@ -81,6 +109,7 @@ class FutureStore:
             request_type=request_type,
             model_id=model_id,
             created_at=now(),
+            tenant_id=tenant_id,
         )
         await self.bus.create(
             subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(pending)

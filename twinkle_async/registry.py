@@ -6,12 +6,13 @@ tenant's id, exactly as for an id that does not exist.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from nats.aio.subscription import Subscription
 
-from protocol import records, subjects
+from protocol import records, rules, subjects
 from protocol.errors import NotFound, UserError
 from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord, WorkerRecord
 from twinkle_async.bus import Bus
@@ -83,7 +84,10 @@ class Registry:
             subjects.BUCKET_SESSIONS, subjects.token(session.session_id), records.encode(session)
         )
 
-    async def session(self, session_id: str, tenant_id: str) -> SessionRecord:
+    async def session(
+        self, session_id: str, tenant_id: str, field: str = "session_id"
+    ) -> SessionRecord:
+        rules.check_id(field, session_id)
         data = await self.bus.get(subjects.BUCKET_SESSIONS, subjects.token(session_id))
         if data is None:
             raise NotFound(f"session {session_id!r} not found")
@@ -98,7 +102,10 @@ class Registry:
         key = subjects.sampler_key(sampler.sampling_session_id)
         await self.bus.put(subjects.BUCKET_SESSIONS, key, records.encode(sampler))
 
-    async def sampler(self, sampling_session_id: str, tenant_id: str) -> SamplerRecord:
+    async def sampler(
+        self, sampling_session_id: str, tenant_id: str, field: str = "sampling_session_id"
+    ) -> SamplerRecord:
+        rules.check_id(field, sampling_session_id)
         data = await self.bus.get(
             subjects.BUCKET_SESSIONS, subjects.sampler_key(sampling_session_id)
         )
@@ -116,14 +123,18 @@ class Registry:
         data = await self.bus.get(subjects.BUCKET_RUNS, subjects.token(model_id))
         return records.decode(data, RunRecord) if data else None
 
-    async def run(self, model_id: str, tenant_id: str) -> RunRecord:
+    async def run(self, model_id: str, tenant_id: str, field: str = "model_id") -> RunRecord:
+        rules.check_id(field, model_id)
         run = await self.find_run(model_id)
         if run is None or run.tenant_id != tenant_id:
             raise NotFound(f"model_id {model_id!r} not found")
         return run
 
     async def runs(self, tenant_id: str) -> list[RunRecord]:
-        found = [records.decode(v, RunRecord) for v in await self.bus.values(subjects.BUCKET_RUNS)]
+        # run records are keyed by the bare token of their id; dotted keys hold per-run counters
+        keys = [key for key in await self.bus.keys(subjects.BUCKET_RUNS) if "." not in key]
+        values = await asyncio.gather(*(self.bus.get(subjects.BUCKET_RUNS, key) for key in keys))
+        found = [records.decode(value, RunRecord) for value in values if value]
         mine = [run for run in found if run.tenant_id == tenant_id]
         return sorted(mine, key=lambda run: run.created_at)
 

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.tensors import DEFAULT_MAX_REQUEST_ELEMENTS
+
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"TWINKLE_{name}", default)
@@ -39,6 +41,9 @@ class GatewaySettings:
     max_request_bytes: int = 6 * 1024 * 1024
     fwdbwd_max_chunk_len: int = 1024
     fwdbwd_max_chunk_bytes: int = 4 * 1024 * 1024
+    # tensor elements one forward_backward may declare (dense or sparse), checked before
+    # anything is allocated; the worker decodes under the same budget
+    max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
     base_models: tuple[str, ...] = ()
     bus: BusSettings = field(default_factory=BusSettings)
 

@@ -201,6 +201,7 @@ class SamplerService:
                 error=result.message,
                 category=result.category.value,
                 finished_at=time.time(),
+                tenant_id=job.tenant_id,
             )
         else:
             outcome = Outcome(
@@ -210,6 +211,7 @@ class SamplerService:
                 payload=encode_sample_response(result),
                 payload_type="proto",
                 finished_at=time.time(),
+                tenant_id=job.tenant_id,
             )
         await self.bus.put(
             subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encode_outcome(outcome)

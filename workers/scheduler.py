@@ -3,7 +3,8 @@
 Each cycle takes every ready forward/forward_backward across all models of the pool, up to a
 token budget, as ONE shared pass; then every optim_step that directly follows a model's work in
 this cycle (or heads its line) as one fused step; then the other ops (create, save, load,
-unload), which are barriers for their own model only.
+unload), which are barriers for their own model only. Tombstones (calls the gateway refused)
+run nothing: they are settled wherever they stand in a model's line, so they never hold it up.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from protocol.jobs import ForwardBackwardJob, OptimStepJob
+from protocol.jobs import ForwardBackwardJob, OptimStepJob, TombstoneJob
 from workers.sequencer import Pending
 
 H = TypeVar("H")
@@ -24,9 +25,10 @@ class Cycle(Generic[H]):
     shared_pass: list[Pending[H]] = field(default_factory=list)
     optim_steps: list[Pending[H]] = field(default_factory=list)
     others: list[Pending[H]] = field(default_factory=list)
+    settled: list[Pending[H]] = field(default_factory=list)  # tombstones: nothing to run
 
     def __bool__(self) -> bool:
-        return bool(self.shared_pass or self.optim_steps or self.others)
+        return bool(self.shared_pass or self.optim_steps or self.others or self.settled)
 
 
 def plan(ready: dict[str, list[Pending[H]]], token_budget: int) -> Cycle[H]:
@@ -39,13 +41,19 @@ def plan(ready: dict[str, list[Pending[H]]], token_budget: int) -> Cycle[H]:
     tokens = 0
     for run in ready.values():
         i = 0
-        while i < len(run) and isinstance(run[i].job, ForwardBackwardJob):
+        ran_work = False  # whether this model has work in the pass before `run[i]`
+        while i < len(run):
             job = run[i].job
-            assert isinstance(job, ForwardBackwardJob)
-            if cycle.shared_pass and tokens + job.n_tokens > token_budget:
+            if isinstance(job, TombstoneJob):
+                cycle.settled.append(run[i])
+            elif isinstance(job, ForwardBackwardJob):
+                if cycle.shared_pass and tokens + job.n_tokens > token_budget:
+                    break
+                cycle.shared_pass.append(run[i])
+                tokens += job.n_tokens
+                ran_work = True
+            else:
                 break
-            cycle.shared_pass.append(run[i])
-            tokens += job.n_tokens
             i += 1
         if i == len(run):
             continue
@@ -54,6 +62,6 @@ def plan(ready: dict[str, list[Pending[H]]], token_budget: int) -> Cycle[H]:
             continue  # over budget: the rest of this model waits for the next cycle
         if isinstance(head, OptimStepJob):
             cycle.optim_steps.append(run[i])
-        elif i == 0:
+        elif not ran_work:
             cycle.others.append(run[i])
     return cycle

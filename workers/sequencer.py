@@ -73,6 +73,11 @@ class Sequencer(Generic[H]):
         line.applied_seq = max(line.applied_seq, job.seq_id)
         line.stalled_since = None
 
+    def buffered(self, job: Job) -> bool:
+        """Whether this op (same seq) is waiting in its model's line."""
+        line = self.lines.get(job.model_id)
+        return line is not None and job.seq_id in line.buffer
+
     def forget(self, model_id: str) -> list[Pending[H]]:
         """Drop a model's line (unloaded); returns what was still buffered."""
         line = self.lines.pop(model_id, None)

@@ -32,8 +32,10 @@ from protocol.jobs import (
     OptimStepJob,
     Outcome,
     SaveWeightsJob,
+    TombstoneJob,
     UnloadModelJob,
     decode_job,
+    decode_outcome,
     encode_outcome,
     request_type_of,
 )
@@ -61,6 +63,7 @@ def _done(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
         payload=payload,
         payload_type=payload_type,  # type: ignore[arg-type]
         finished_at=time.time(),
+        tenant_id=job.tenant_id,
     )
 
 
@@ -73,6 +76,21 @@ def _failed(job: Job, err: TwinkleError) -> Outcome:
         error=err.message,
         category=err.category.value,
         finished_at=time.time(),
+        tenant_id=job.tenant_id,
+    )
+
+
+def _settled(job: TombstoneJob) -> Outcome:
+    """The outcome the gateway already stored for a refused call (written again: idempotent)."""
+    return Outcome(
+        request_id=job.request_id,
+        state="error",
+        request_type=request_type_of(job),
+        model_id=job.model_id,
+        error=job.error,
+        category=job.category,
+        finished_at=time.time(),
+        tenant_id=job.tenant_id,
     )
 
 
@@ -130,15 +148,34 @@ class TrainerService:
             await msg.term()
             return
         if not self.sequencer.offer(Pending(job=job, handle=msg, received_at=time.monotonic())):
-            log.info(
-                "duplicate op %s seq %d of %s; already handled",
-                job.request_id,
-                job.seq_id,
-                job.model_id,
-            )
+            await self._answer_late(job)
             await msg.ack()
             return
         self._wake.set()
+
+    async def _answer_late(self, job: Job) -> None:
+        """An op at or below its model's applied seq: a redelivery, or one the line moved past.
+
+        A redelivery's result is stored already. One that arrives after its model's line skipped
+        past it (a stalled gap) never ran: its future must not stay pending.
+        """
+        data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
+        if data is not None and decode_outcome(data).state != "pending":
+            log.info("duplicate op %s seq %d of %s", job.request_id, job.seq_id, job.model_id)
+            return
+        if self.sequencer.buffered(job):
+            return  # a redelivery of an op still waiting for its turn
+        log.warning(
+            "op %s seq %d of %s arrived after its model moved past it",
+            job.request_id,
+            job.seq_id,
+            job.model_id,
+        )
+        err = ServerError(
+            f"request seq_id {job.seq_id} of {job.model_id} arrived after the model's later"
+            " requests had run, so it was not applied; restore from your last checkpoint"
+        )
+        await self._store(_failed(job, err))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -194,6 +231,9 @@ class TrainerService:
             await self._run(cycle.shared_pass, self._shared_pass)
         if cycle.optim_steps:
             await self._run(cycle.optim_steps, self._optim_steps)
+        for item in cycle.settled:
+            assert isinstance(item.job, TombstoneJob)
+            await self._finish(item, _settled(item.job))
         for item in cycle.others:
             await self._run([item], self._other)
         log.debug(
@@ -222,12 +262,15 @@ class TrainerService:
                 await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
             await self._finish(item, outcome)
 
-    async def _finish(self, item: Item, outcome: Outcome) -> None:
+    async def _store(self, outcome: Outcome) -> None:
         await self.bus.put(
             subjects.BUCKET_FUTURES,
             subjects.future_key(outcome.request_id),
             encode_outcome(outcome),
         )
+
+    async def _finish(self, item: Item, outcome: Outcome) -> None:
+        await self._store(outcome)
         await item.handle.ack()
         self.sequencer.applied(item.job)
         if isinstance(item.job, UnloadModelJob):
@@ -247,12 +290,7 @@ class TrainerService:
                     f"request seq_id {item.job.seq_id} of {model_id} waited {self.settings.gap_timeout_s:.0f} s "
                     f"for an earlier request that never arrived; restore from your last checkpoint"
                 )
-                outcome = _failed(item.job, err)
-                await self.bus.put(
-                    subjects.BUCKET_FUTURES,
-                    subjects.future_key(outcome.request_id),
-                    encode_outcome(outcome),
-                )
+                await self._store(_failed(item.job, err))
                 await item.handle.ack()
 
     # -- engine-thread work (synchronous) ----------------------------------------------------
@@ -322,6 +360,8 @@ class TrainerService:
                 ]
             if isinstance(job, SaveWeightsJob):
                 return [self._save(job)]
+            if isinstance(job, TombstoneJob):
+                return [(_settled(job), None)]
             if isinstance(job, LoadWeightsJob):
                 return [(self._load(job), None)]
             if isinstance(job, UnloadModelJob):
@@ -341,6 +381,13 @@ class TrainerService:
         self._require_model(job)
         path = TinkerPath(run_id=job.model_id, kind=job.kind, name=job.name)
         directory = self._checkpoint_dir(path)
+        if directory.exists() and not job.overwrite:
+            # Checked again here, in seq order: two pipelined saves of one name both pass the
+            # gateway's check before either has run.
+            raise UserError(
+                f"path: checkpoint {str(path)!r} already exists; choose another name or pass"
+                " overwrite=True"
+            )
         now = time.time()
         meta = {
             "model_id": job.model_id,

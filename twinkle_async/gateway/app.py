@@ -19,6 +19,7 @@ from twinkle_async.gateway import (
     sampling_routes,
     service_routes,
     training_routes,
+    unknown_routes,
 )
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, SETTINGS
@@ -49,7 +50,14 @@ def build_app(settings: GatewaySettings) -> web.Application:
     )
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_bus_ctx)
-    for module in (service_routes, training_routes, sampling_routes, futures_routes, rest_routes):
+    for module in (
+        service_routes,
+        training_routes,
+        sampling_routes,
+        futures_routes,
+        rest_routes,
+        unknown_routes,  # last: the paths nothing else matched
+    ):
         app.add_routes(module.routes)
     return app
 

@@ -9,27 +9,32 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from protocol import api
+from protocol import api, rules
 from protocol.errors import ErrorCategory, NotFound
+from protocol.jobs import Outcome
 from twinkle_async.gateway.bodies import json_response, read_json
 from twinkle_async.gateway.state import FUTURES, REGISTRY, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
 
 
-async def _owned(request: web.Request, model_id: str) -> bool:
+async def _owned(request: web.Request, outcome: Outcome) -> bool:
     """Another tenant's future answers exactly like an unknown one."""
-    if not model_id:
-        return True
-    run = await request.app[REGISTRY].find_run(model_id)
-    return run is None or run.tenant_id == request[TENANT]
+    if outcome.tenant_id:
+        return bool(outcome.tenant_id == request[TENANT])
+    # Written before futures carried their owner: judge by the model's owner, if any.
+    if not outcome.model_id:
+        return False
+    run = await request.app[REGISTRY].find_run(outcome.model_id)
+    return run is not None and run.tenant_id == request[TENANT]
 
 
 @routes.post("/api/v1/retrieve_future")
 async def retrieve_future(request: web.Request) -> web.Response:
     body = await read_json(request, api.FutureRetrieveRequest)
+    rules.check_id("request_id", body.request_id)
     outcome = await request.app[FUTURES].wait(body.request_id, request.app[SETTINGS].long_poll_s)
-    if outcome is None or not await _owned(request, outcome.model_id):
+    if outcome is None or not await _owned(request, outcome):
         raise NotFound(f"request_id {body.request_id!r} not found (unknown or expired)")
     if outcome.state == "pending":
         return json_response(api.TryAgainResponse(request_id=body.request_id, queue_state="active"))

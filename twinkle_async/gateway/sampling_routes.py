@@ -12,13 +12,14 @@ import time
 
 from aiohttp import web
 
-from protocol import api, paths, subjects
+from protocol import api, paths, rules, subjects
 from protocol.errors import UserError
-from protocol.jobs import SampleJob
+from protocol.jobs import SampleJob, SeqClaim
 from protocol.records import SamplerRecord
 from protocol.sampling import sample_spec
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
+from twinkle_async.gateway.sequenced import body_digest
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
 
 routes = web.RouteTableDef()
@@ -95,12 +96,20 @@ async def asample(request: web.Request) -> web.Response:
     )
     futures = request.app[FUTURES]
     request_id = new_request_id("sample")
-    dedupe = (
-        f"{sampler.sampling_session_id}/{body.seq_id}" if body.seq_id is not None else request_id
-    )
+    dedupe = request_id
     if body.seq_id is not None:
-        request_id = await futures.claim(sampler.sampling_session_id, body.seq_id, request_id)
-    await futures.record_pending(request_id, "sample", "")
+        # A sampling client numbers its samples too; a retry (same body) gets the same future.
+        rules.check_seq_id("seq_id", body.seq_id)
+        dedupe = f"{sampler.sampling_session_id}/{body.seq_id}"
+        mine = SeqClaim(request_id=request_id, request_type="sample", digest=body_digest(raw))
+        claim = await futures.claim(sampler.sampling_session_id, body.seq_id, mine)
+        if claim.digest != mine.digest or claim.request_type != "sample":
+            raise UserError(
+                f"seq_id: {body.seq_id} of sampling session {sampler.sampling_session_id!r} was"
+                " already used by another sample request"
+            )
+        request_id = claim.request_id
+    await futures.record_pending(request_id, "sample", "", tenant)
     job = SampleJob(
         request_id=request_id,
         tenant_id=tenant,

@@ -1,19 +1,18 @@
 """Training endpoints: create_model, get_info, forward_backward, optim_step, save, load.
 
-Step 1 of the request flow (DESIGN.md §3): decode, check ownership and input, map
-`(model_id, seq_id)` to one request id, record the future as pending, publish the job to the
-model's shard with `Nats-Msg-Id`, and answer `{"request_id"}` at once. A retried submit finds the
-same request id and publishes again; JetStream drops the duplicate.
+Step 1 of the request flow (DESIGN.md §3): read only what the call is routed on, check that the
+caller owns the model, then hand the call to `sequenced.submit_sequenced`, which spends and
+settles its `seq_id` (claim, tombstone on refusal, pending future, publish). Each handler's
+`build` does the rest of the validation, so a refusal after ownership still settles the seq.
 """
 
 from __future__ import annotations
 
 import time
 
-import msgspec
 from aiohttp import web
 
-from protocol import api, paths, subjects
+from protocol import api, paths, rules
 from protocol.errors import UserError
 from protocol.jobs import (
     CreateModelJob,
@@ -22,33 +21,23 @@ from protocol.jobs import (
     LoadWeightsJob,
     OptimStepJob,
     SaveWeightsJob,
-    request_type_of,
 )
-from protocol.records import RunRecord, SamplerRecord
-from protocol.rules import check_adam, check_lora_config
-from protocol.tensors import decode_forward_backward
-from twinkle_async.futures import new_request_id
+from protocol.records import CheckpointRecord, RunRecord, SamplerRecord
+from protocol.tensors import check_budget, scan_forward_backward
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
-from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
+from twinkle_async.gateway.sequenced import seq_ref, submit_sequenced
+from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
 
-
-async def submit(request: web.Request, job: Job, base_model: str) -> web.Response:
-    """Dedupe, record pending, publish; answer the request id (the first one for a retry)."""
-    futures = request.app[FUTURES]
-    request_id = await futures.claim(job.model_id, job.seq_id, job.request_id)
-    if request_id != job.request_id:
-        job = msgspec.structs.replace(job, request_id=request_id)
-    await futures.record_pending(request_id, request_type_of(job), job.model_id)
-    await request.app[BUS].publish_job(subjects.pool_of(base_model), job)
-    return json_response(api.UntypedAPIFuture(request_id=request_id, model_id=job.model_id))
+# `model_seq_id` / `sampling_session_seq_id` count a session's clients; they become part of ids.
+_MAX_CLIENT_SEQ = 2**31 - 1
 
 
-def _seq(seq_id: int | None, what: str) -> int:
-    if seq_id is None or seq_id < 1:
-        raise UserError(f"{what}: seq_id must be a positive integer, got {seq_id!r}")
-    return seq_id
+def _client_seq(field: str, value: int) -> int:
+    if not 0 <= value <= _MAX_CLIENT_SEQ:
+        raise UserError(f"{field}: {value} is out of range 0..{_MAX_CLIENT_SEQ}")
+    return value
 
 
 def _check_optimizer(config: api.OptimizerConfig | None) -> None:
@@ -56,42 +45,55 @@ def _check_optimizer(config: api.OptimizerConfig | None) -> None:
         raise UserError("optimizer_config type 'dimuon' is not supported yet; use adamw")
 
 
+async def _owned_run(request: web.Request, body: bytes) -> tuple[RunRecord, int | None]:
+    """The run a sequenced JSON call names (404 unless the caller owns it), and its seq_id."""
+    ref = seq_ref(body)
+    if ref.model_id is None:
+        raise UserError("model_id: missing")
+    run = await request.app[REGISTRY].run(ref.model_id, request[TENANT])
+    return run, ref.seq_id
+
+
 @routes.post("/api/v1/create_model")
 async def create_model(request: web.Request) -> web.Response:
-    body = await read_json(request, api.CreateModelRequest)
+    raw = await read_body(request)
+    body = api.decode(raw, api.CreateModelRequest)
     tenant = request[TENANT]
     registry = request.app[REGISTRY]
     session = await registry.session(body.session_id, tenant)
     worker = registry.check_base_model(body.base_model)
-    lora = check_lora_config(
+    lora = rules.check_lora_config(
         body.lora_config or api.LoraConfig(), worker.max_rank if worker else None
     )
     _check_optimizer(body.optimizer_config)
-    model_id = f"{session.session_id}:train:{body.model_seq_id}"
+    model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
     now = time.time()
-    if await registry.find_run(model_id) is None:
-        await registry.put_run(
-            RunRecord(
-                model_id=model_id,
-                tenant_id=tenant,
-                session_id=session.session_id,
-                base_model=body.base_model,
-                lora=lora,
-                created_at=now,
-                last_request_time=now,
-                user_metadata=dict(body.user_metadata or {}),
-            )
+    run = await registry.find_run(model_id)
+    if run is None:
+        run = RunRecord(
+            model_id=model_id,
+            tenant_id=tenant,
+            session_id=session.session_id,
+            base_model=body.base_model,
+            lora=lora,
+            created_at=now,
+            last_request_time=now,
+            user_metadata=dict(body.user_metadata or {}),
         )
-    job = CreateModelJob(
-        request_id=new_request_id("create_model"),
-        model_id=model_id,
-        tenant_id=tenant,
-        seq_id=0,
-        published_at=now,
-        base_model=body.base_model,
-        lora=lora,
-    )
-    return await submit(request, job, body.base_model)
+        await registry.put_run(run)
+
+    async def build(request_id: str) -> Job:
+        return CreateModelJob(
+            request_id=request_id,
+            model_id=model_id,
+            tenant_id=tenant,
+            seq_id=0,
+            published_at=now,
+            base_model=body.base_model,
+            lora=lora,
+        )
+
+    return await submit_sequenced(request, run, 0, "create_model", raw, build)
 
 
 @routes.post("/api/v1/get_info")
@@ -117,153 +119,242 @@ async def get_info(request: web.Request) -> web.Response:
 
 @routes.post("/api/v1/forward_backward")
 async def forward_backward(request: web.Request) -> web.Response:
-    body = await read_body(request)
-    decoded = decode_forward_backward(body)
-    run = await request.app[REGISTRY].run(decoded.model_id, request[TENANT])
-    if not decoded.datums:
-        raise UserError("forward_backward: data is empty")
-    kind = "forward" if decoded.forward_only else "forward_backward"
-    job = ForwardBackwardJob(
-        request_id=new_request_id(kind),
-        model_id=decoded.model_id,
-        tenant_id=request[TENANT],
-        seq_id=decoded.seq_id,
-        published_at=time.time(),
-        body=body,
-        forward_only=decoded.forward_only,
-        n_tokens=decoded.n_tokens,
-    )
-    return await submit(request, job, run.base_model)
+    """Routed on a scan of the protobuf body: no tensor is built here; the worker decodes it."""
+    raw = await read_body(request)
+    summary = scan_forward_backward(raw)
+    run = await request.app[REGISTRY].run(summary.model_id, request[TENANT])
+    kind = "forward" if summary.forward_only else "forward_backward"
+
+    async def build(request_id: str) -> Job:
+        if not summary.n_datums:
+            raise UserError("forward_backward: data is empty")
+        check_budget(summary, request.app[SETTINGS].max_request_elements)
+        return ForwardBackwardJob(
+            request_id=request_id,
+            model_id=run.model_id,
+            tenant_id=run.tenant_id,
+            seq_id=summary.seq_id,
+            published_at=time.time(),
+            body=raw,
+            forward_only=summary.forward_only,
+            n_tokens=summary.n_tokens,
+        )
+
+    return await submit_sequenced(request, run, summary.seq_id, kind, raw, build)
 
 
 @routes.post("/api/v1/optim_step")
 async def optim_step(request: web.Request) -> web.Response:
-    body = await read_json(request, api.OptimStepRequest)
-    run = await request.app[REGISTRY].run(body.model_id, request[TENANT])
-    if body.adam_params is None:
-        raise UserError("optim_step: only adam_params is supported (the dimuon optimizer is not)")
-    p = check_adam(body.adam_params)
-    job = OptimStepJob(
-        request_id=new_request_id("optim_step"),
-        model_id=body.model_id,
-        tenant_id=request[TENANT],
-        seq_id=_seq(body.seq_id, "optim_step"),
-        published_at=time.time(),
-        adam=p,
-    )
-    return await submit(request, job, run.base_model)
+    raw = await read_body(request)
+    run, seq_id = await _owned_run(request, raw)
+
+    async def build(request_id: str) -> Job:
+        body = api.decode(raw, api.OptimStepRequest)
+        if body.adam_params is None:
+            raise UserError(
+                "optim_step: only adam_params is supported (the dimuon optimizer is not)"
+            )
+        return OptimStepJob(
+            request_id=request_id,
+            model_id=run.model_id,
+            tenant_id=run.tenant_id,
+            seq_id=body.seq_id or 0,
+            published_at=time.time(),
+            adam=rules.check_adam(body.adam_params),
+        )
+
+    return await submit_sequenced(request, run, seq_id, "optim_step", raw, build)
+
+
+async def _refuse_existing(request: web.Request, run: RunRecord, path: paths.TinkerPath) -> None:
+    """A checkpoint name is immutable content unless the call says `overwrite`."""
+    if await request.app[REGISTRY].find_checkpoint(run.model_id, path.checkpoint_id) is not None:
+        raise UserError(
+            f"path: checkpoint {str(path)!r} already exists; choose another name or pass"
+            " overwrite=True"
+        )
 
 
 @routes.post("/api/v1/save_weights")
 async def save_weights(request: web.Request) -> web.Response:
-    body = await read_json(request, api.SaveWeightsRequest)
-    run = await request.app[REGISTRY].run(body.model_id, request[TENANT])
-    job = SaveWeightsJob(
-        request_id=new_request_id("save_weights"),
-        model_id=body.model_id,
-        tenant_id=request[TENANT],
-        seq_id=_seq(body.seq_id, "save_weights"),
-        published_at=time.time(),
-        name=paths.check_name(body.path or ""),
-        kind="weights",
-        ttl_seconds=body.ttl_seconds,
-        user_metadata=dict(body.user_metadata or {}),
-    )
-    return await submit(request, job, run.base_model)
+    raw = await read_body(request)
+    run, seq_id = await _owned_run(request, raw)
+
+    async def build(request_id: str) -> Job:
+        body = api.decode(raw, api.SaveWeightsRequest)
+        name = rules.check_checkpoint_name("path", body.path or "")
+        path = paths.TinkerPath(run_id=run.model_id, kind="weights", name=name)
+        if not body.overwrite:
+            await _refuse_existing(request, run, path)
+        return SaveWeightsJob(
+            request_id=request_id,
+            model_id=run.model_id,
+            tenant_id=run.tenant_id,
+            seq_id=body.seq_id or 0,
+            published_at=time.time(),
+            name=name,
+            kind="weights",
+            ttl_seconds=_ttl(body.ttl_seconds),
+            user_metadata=_metadata(body.user_metadata),
+            overwrite=body.overwrite,
+        )
+
+    return await submit_sequenced(request, run, seq_id, "save_weights", raw, build)
 
 
 @routes.post("/api/v1/save_weights_for_sampler")
 async def save_weights_for_sampler(request: web.Request) -> web.Response:
     """Named: a sampler checkpoint at `path`. Unnamed (`save_weights_and_get_sampling_client`):
     an immutable snapshot plus a sampling session bound to it, answered by its id."""
-    body = await read_json(request, api.SaveWeightsForSamplerRequest)
-    tenant = request[TENANT]
-    registry = request.app[REGISTRY]
-    run = await registry.run(body.model_id, tenant)
-    seq_id = _seq(body.seq_id, "save_weights_for_sampler")
-    session_sampler = ""
-    if body.path is not None:
-        name = paths.check_name(body.path)
-    elif body.sampling_session_seq_id is not None:
-        session_sampler = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
-        name = f"snapshot-{seq_id}-{body.sampling_session_seq_id}"
-        snapshot = paths.TinkerPath(run_id=run.model_id, kind="sampler_weights", name=name)
-        await registry.put_sampler(
-            SamplerRecord(
-                sampling_session_id=session_sampler,
-                tenant_id=tenant,
-                session_id=run.session_id,
-                base_model=run.base_model,
-                model_path=str(snapshot),
-                created_at=time.time(),
+    raw = await read_body(request)
+    run, seq_id = await _owned_run(request, raw)
+
+    async def build(request_id: str) -> Job:
+        body = api.decode(raw, api.SaveWeightsForSamplerRequest)
+        session_sampler = ""
+        if body.path is not None:
+            name = rules.check_checkpoint_name("path", body.path)
+            if not body.overwrite:
+                await _refuse_existing(
+                    request, run, paths.TinkerPath(run.model_id, "sampler_weights", name)
+                )
+        elif body.sampling_session_seq_id is not None:
+            client_seq = _client_seq("sampling_session_seq_id", body.sampling_session_seq_id)
+            session_sampler = f"{run.session_id}:sample:{client_seq}"
+            name = f"snapshot-{body.seq_id}-{client_seq}"
+            snapshot = paths.TinkerPath(run_id=run.model_id, kind="sampler_weights", name=name)
+            await request.app[REGISTRY].put_sampler(
+                SamplerRecord(
+                    sampling_session_id=session_sampler,
+                    tenant_id=run.tenant_id,
+                    session_id=run.session_id,
+                    base_model=run.base_model,
+                    model_path=str(snapshot),
+                    created_at=time.time(),
+                )
             )
+        else:
+            raise UserError("save_weights_for_sampler needs path or sampling_session_seq_id")
+        return SaveWeightsJob(
+            request_id=request_id,
+            model_id=run.model_id,
+            tenant_id=run.tenant_id,
+            seq_id=body.seq_id or 0,
+            published_at=time.time(),
+            name=name,
+            kind="sampler_weights",
+            ttl_seconds=_ttl(body.ttl_seconds),
+            user_metadata=_metadata(body.user_metadata),
+            sampling_session_id=session_sampler,
+            overwrite=body.overwrite,
         )
-    else:
-        raise UserError("save_weights_for_sampler needs path or sampling_session_seq_id")
-    job = SaveWeightsJob(
-        request_id=new_request_id("save_weights_for_sampler"),
-        model_id=body.model_id,
-        tenant_id=tenant,
-        seq_id=seq_id,
-        published_at=time.time(),
-        name=name,
-        kind="sampler_weights",
-        ttl_seconds=body.ttl_seconds,
-        user_metadata=dict(body.user_metadata or {}),
-        sampling_session_id=session_sampler,
-    )
-    return await submit(request, job, run.base_model)
+
+    return await submit_sequenced(request, run, seq_id, "save_weights_for_sampler", raw, build)
+
+
+_MAX_TTL_S = 10 * 365 * 24 * 3600
+
+
+def _ttl(ttl_seconds: int | None) -> int | None:
+    if ttl_seconds is not None and not 1 <= ttl_seconds <= _MAX_TTL_S:
+        raise UserError(f"ttl_seconds: {ttl_seconds} is out of range 1..{_MAX_TTL_S} (or null)")
+    return ttl_seconds
+
+
+_MAX_METADATA_ENTRIES = 64
+_MAX_METADATA_CHARS = 1024
+
+
+def _metadata(user_metadata: dict[str, str] | None) -> dict[str, str]:
+    metadata = dict(user_metadata or {})
+    if len(metadata) > _MAX_METADATA_ENTRIES or any(
+        len(k) > _MAX_METADATA_CHARS or len(v) > _MAX_METADATA_CHARS for k, v in metadata.items()
+    ):
+        raise UserError(
+            f"user_metadata: at most {_MAX_METADATA_ENTRIES} entries of at most"
+            f" {_MAX_METADATA_CHARS} characters each"
+        )
+    return metadata
 
 
 @routes.post("/api/v1/load_weights")
 async def load_weights(request: web.Request) -> web.Response:
-    body = await read_json(request, api.LoadWeightsRequest)
+    """Legacy addressing (`model_id` + `seq_id`) loads into a model the caller owns and spends a
+    seq; create-via-load (`session_id` + `model_seq_id`) creates the model as its seq 0."""
+    raw = await read_body(request)
     tenant = request[TENANT]
     registry = request.app[REGISTRY]
+    ref = seq_ref(raw)
+    if ref.model_id is not None:
+        run = await registry.run(ref.model_id, tenant)
+
+        async def build_load(request_id: str) -> Job:
+            body = api.decode(raw, api.LoadWeightsRequest)
+            ckpt = await _loadable(request, body)
+            if run.base_model != ckpt.base_model:
+                raise UserError(
+                    f"path: checkpoint base model {ckpt.base_model!r} differs from the model's"
+                    f" {run.base_model!r}"
+                )
+            return LoadWeightsJob(
+                request_id=request_id,
+                model_id=run.model_id,
+                tenant_id=tenant,
+                seq_id=body.seq_id or 0,
+                published_at=time.time(),
+                path=body.path,
+                with_optimizer=body.optimizer,
+                base_model=ckpt.base_model,
+            )
+
+        return await submit_sequenced(request, run, ref.seq_id, "load_weights", raw, build_load)
+
+    body = api.decode(raw, api.LoadWeightsRequest)
+    assert body.session_id is not None and body.model_seq_id is not None
+    session = await registry.session(body.session_id, tenant)
+    ckpt = await _loadable(request, body)
+    registry.check_base_model(ckpt.base_model)
+    model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
+    now = time.time()
+    created = await registry.find_run(model_id)
+    if created is None:
+        created = RunRecord(
+            model_id=model_id,
+            tenant_id=tenant,
+            session_id=session.session_id,
+            base_model=ckpt.base_model,
+            lora=ckpt.lora,
+            created_at=now,
+            last_request_time=now,
+            user_metadata=dict(body.user_metadata or {}),
+        )
+        await registry.put_run(created)
+
+    async def build_create(request_id: str) -> Job:
+        return LoadWeightsJob(
+            request_id=request_id,
+            model_id=model_id,
+            tenant_id=tenant,
+            seq_id=0,
+            published_at=now,
+            path=body.path,
+            with_optimizer=body.optimizer,
+            create=True,
+            base_model=ckpt.base_model,
+        )
+
+    return await submit_sequenced(request, created, 0, "load_weights", raw, build_create)
+
+
+async def _loadable(request: web.Request, body: api.LoadWeightsRequest) -> CheckpointRecord:
+    """The training checkpoint a load names, readable by the caller (own or published)."""
     path = paths.parse_path(body.path)
-    ckpt = await registry.checkpoint(path.run_id, path.checkpoint_id, tenant)
+    ckpt = await request.app[REGISTRY].checkpoint(path.run_id, path.checkpoint_id, request[TENANT])
     if path.kind != "weights":
         raise UserError(
-            f"load_weights needs a training checkpoint (tinker://<run>/weights/<name>), got {body.path!r}"
+            f"path: load_weights needs a training checkpoint (tinker://<run>/weights/<name>),"
+            f" got {body.path!r}"
         )
     if body.optimizer and not ckpt.with_optimizer:
-        raise UserError(f"checkpoint {body.path!r} has no optimizer state")
-    now = time.time()
-    if body.model_id is not None:  # legacy addressing: load into an existing model
-        run = await registry.run(body.model_id, tenant)
-        if run.base_model != ckpt.base_model:
-            raise UserError(
-                f"checkpoint base model {ckpt.base_model!r} differs from the model's {run.base_model!r}"
-            )
-        model_id, seq_id, create = run.model_id, body.seq_id or 0, False
-    else:  # create-via-load: the SDK derives the model id itself
-        if body.session_id is None or body.model_seq_id is None:
-            raise UserError("load_weights needs either model_id or session_id + model_seq_id")
-        session = await registry.session(body.session_id, tenant)
-        registry.check_base_model(ckpt.base_model)
-        model_id, seq_id, create = f"{session.session_id}:train:{body.model_seq_id}", 0, True
-        if await registry.find_run(model_id) is None:
-            await registry.put_run(
-                RunRecord(
-                    model_id=model_id,
-                    tenant_id=tenant,
-                    session_id=session.session_id,
-                    base_model=ckpt.base_model,
-                    lora=ckpt.lora,
-                    created_at=now,
-                    last_request_time=now,
-                    user_metadata=dict(body.user_metadata or {}),
-                )
-            )
-    job = LoadWeightsJob(
-        request_id=new_request_id("load_weights"),
-        model_id=model_id,
-        tenant_id=tenant,
-        seq_id=seq_id,
-        published_at=now,
-        path=body.path,
-        with_optimizer=body.optimizer,
-        create=create,
-        base_model=ckpt.base_model,
-    )
-    return await submit(request, job, ckpt.base_model)
+        raise UserError(f"path: checkpoint {body.path!r} has no optimizer state")
+    return ckpt

@@ -1,0 +1,134 @@
+"""Submitting a call that spends a model's `seq_id`: every seq the SDK spends is settled.
+
+The SDK numbers each call on a training model (`seq_id` 1, 2, 3, ...) before sending it, and
+the worker runs a model's calls strictly in that order. So a call must never leave a hole:
+
+1. The caller must own the model (checked by the route first): another tenant's model is a 404
+   that touches nothing of it, so no tenant can settle or skip another's calls.
+2. `seq_id` must be in range and not absurdly far ahead of the model's latest call; otherwise a
+   400, and nothing is spent (no worker would ever wait for it).
+3. `(model_id, seq_id)` is claimed with the call's type and body digest. A genuine retry (same
+   type and digest) gets the first request id; a different call reusing the seq is a 400.
+4. The call is validated and built. If the gateway refuses it, a *tombstone* carrying the error
+   is published in its place (the worker treats it as applied), the future holds the error,
+   and the client gets the 4xx at once; the model's next call runs without waiting.
+5. Otherwise the future is recorded as pending and the job published with
+   `Nats-Msg-Id = <model_id>/<seq_id>` (JetStream drops a re-publish).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from protocol import api, rules, subjects
+from protocol.errors import ErrorCategory, TwinkleError, UserError
+from protocol.jobs import Job, Outcome, SeqClaim, TombstoneJob
+from protocol.records import RunRecord
+from twinkle_async.futures import new_request_id
+from twinkle_async.gateway.bodies import json_response
+from twinkle_async.gateway.state import BUS, FUTURES, TENANT
+
+BuildJob = Callable[[str], Awaitable[Job]]
+
+
+class SeqRef(msgspec.Struct):
+    """The two fields a sequenced JSON body is routed on, read before (and whatever) the rest."""
+
+    model_id: str | None = None
+    seq_id: int | None = None
+
+
+_SEQ_REF = msgspec.json.Decoder(SeqRef)
+
+
+def seq_ref(body: bytes) -> SeqRef:
+    """`model_id` and `seq_id` of a JSON body whose other fields may still be wrong.
+
+    Only these two must be well-formed here; every other field is checked when the call is
+    built, after ownership, so that a refusal can settle the seq.
+    """
+    try:
+        return _SEQ_REF.decode(body or b"{}")
+    except msgspec.ValidationError as exc:
+        raise UserError(f"invalid body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise UserError(f"body is not valid JSON: {exc}") from None
+
+
+def body_digest(body: bytes) -> str:
+    """What makes a retry a retry: the same bytes."""
+    return hashlib.sha256(body).hexdigest()[:32]
+
+
+async def submit_sequenced(
+    request: web.Request,
+    run: RunRecord,
+    seq_id: int | None,
+    request_type: str,
+    body: bytes,
+    build: BuildJob,
+    *,
+    field: str = "seq_id",
+) -> web.Response:
+    """Steps 2-5 of the module docstring for a call on `run`, which the caller owns."""
+    futures = request.app[FUTURES]
+    model_id = run.model_id
+    if seq_id != 0:  # 0 is the model's creation, claimed like any call but never "ahead"
+        rules.check_seq_id(field, seq_id)
+        assert seq_id is not None
+        await futures.note_seq(model_id, seq_id, field)
+    assert seq_id is not None
+    digest = body_digest(body)
+    mine = SeqClaim(
+        request_id=new_request_id(request_type), request_type=request_type, digest=digest
+    )
+    claim = await futures.claim(model_id, seq_id, mine)
+    if claim.request_type != request_type or claim.digest != digest:
+        raise UserError(
+            f"{field}: {seq_id} of model {model_id!r} was already used by another"
+            f" {claim.request_type} call (request {claim.request_id}); each call takes the next"
+            " seq_id"
+        )
+    try:
+        job = await build(claim.request_id)
+    except TwinkleError as err:
+        if err.category is ErrorCategory.USER:
+            await settle_refused(request, run, seq_id, claim, err)
+        raise
+    await futures.record_pending(claim.request_id, request_type, model_id, request[TENANT])
+    await request.app[BUS].publish_job(subjects.pool_of(run.base_model), job)
+    return json_response(api.UntypedAPIFuture(request_id=claim.request_id, model_id=model_id))
+
+
+async def settle_refused(
+    request: web.Request, run: RunRecord, seq_id: int, claim: SeqClaim, err: TwinkleError
+) -> None:
+    """Publish the tombstone of a refused call and store its error as the call's outcome."""
+    tombstone = TombstoneJob(
+        request_id=claim.request_id,
+        model_id=run.model_id,
+        tenant_id=run.tenant_id,
+        seq_id=seq_id,
+        published_at=time.time(),
+        request_type=claim.request_type,
+        error=err.message,
+        category=err.category.value,
+    )
+    await request.app[FUTURES].resolve(
+        Outcome(
+            request_id=claim.request_id,
+            state="error",
+            request_type=claim.request_type,
+            model_id=run.model_id,
+            error=err.message,
+            category=err.category.value,
+            finished_at=time.time(),
+            tenant_id=run.tenant_id,
+        )
+    )
+    await request.app[BUS].publish_job(subjects.pool_of(run.base_model), tombstone)

@@ -114,6 +114,7 @@ class SampleJob(msgspec.Struct, frozen=True):
     adapter_path: str = ""
     body: bytes = b""
     published_at: float = 0.0
+    adapter_content_id: str = ""  # the content the session is bound to ("": current)
 
 
 RequestType = Literal[

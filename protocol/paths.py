@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -51,3 +52,19 @@ def parse_path(path: str, field: str = "path") -> TinkerPath:
     name = rules.check_checkpoint_name(f"{field} name", parts[2])
     kind: CheckpointKind = "weights" if parts[1] == "weights" else "sampler_weights"
     return TinkerPath(run_id=run_id, kind=kind, name=name)
+
+
+# -- where checkpoint files live ---------------------------------------------------------------
+
+CONTENT_ID_FILE = "content_id"
+_VERSIONS = ".versions"  # names never start with '.', so this never collides with one
+
+
+def checkpoint_dir(root: Path, path: TinkerPath) -> Path:
+    """The current content of a checkpoint: `<root>/<run_id>/<kind>/<name>/` (PEFT layout)."""
+    return root / path.run_id / path.kind / path.name
+
+
+def version_dir(root: Path, path: TinkerPath, content_id: str) -> Path:
+    """Where the content `content_id` of a name lives once an overwrite has replaced it."""
+    return root / path.run_id / path.kind / _VERSIONS / path.name / content_id

@@ -57,6 +57,9 @@ class CheckpointRecord(msgspec.Struct):
     public: bool = False
     expires_at: float | None = None
     user_metadata: dict[str, str] = {}
+    # a fresh id per save: an overwritten name gets new content, and readers bound to the old
+    # one (sampling sessions) keep reading it from `paths.version_dir`
+    content_id: str = ""
 
 
 class SamplerRecord(msgspec.Struct):
@@ -68,6 +71,7 @@ class SamplerRecord(msgspec.Struct):
     base_model: str
     model_path: str | None
     created_at: float
+    content_id: str = ""  # the checkpoint content this session samples ("": whatever is current)
 
 
 class WorkerRecord(msgspec.Struct):

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from protocol import api, subjects
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
-from protocol.paths import parse_path
+from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
 
@@ -40,6 +40,7 @@ class Prepared:
     msg: Msg
     spec: SampleSpec
     adapter_dir: Path | None
+    adapter_key: str | None = None  # names the adapter's content: a cache key that never goes stale
 
 
 class SamplerBackend(Protocol):
@@ -70,7 +71,7 @@ class TorchBackend:
         requests: list[tuple[SampleSpec, str | None]] = []
         index: list[int] = []
         for i, item in enumerate(items):
-            key = str(item.adapter_dir) if item.adapter_dir else None
+            key = item.adapter_key
             try:
                 if key is not None and not self.sampler.has_adapter(key):
                     assert item.adapter_dir is not None
@@ -102,7 +103,7 @@ class VllmBackend:
 
     async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
         async def one(item: Prepared) -> SampleOutput | TwinkleError:
-            key = str(item.adapter_dir) if item.adapter_dir else None
+            key = item.adapter_key
             try:
                 result: SampleOutput = await self.sampler.sample(item.spec, item.adapter_dir, key)
             except TwinkleError as err:
@@ -163,18 +164,35 @@ class SamplerService:
             spec = sample_spec(
                 body, max_context=self.backend.max_context, vocab_size=self.backend.vocab_size
             )
-            adapter_dir = self._adapter_dir(job.adapter_path) if job.adapter_path else None
+            adapter_dir, adapter_key = (
+                self._adapter_dir(job.adapter_path, job.adapter_content_id)
+                if job.adapter_path
+                else (None, None)
+            )
         except TwinkleError as err:
             await self._finish(job, msg, err)
             return
-        self._queue.put_nowait(Prepared(job=job, msg=msg, spec=spec, adapter_dir=adapter_dir))
+        self._queue.put_nowait(
+            Prepared(job=job, msg=msg, spec=spec, adapter_dir=adapter_dir, adapter_key=adapter_key)
+        )
 
-    def _adapter_dir(self, adapter_path: str) -> Path:
+    def _adapter_dir(self, adapter_path: str, content_id: str) -> tuple[Path, str]:
+        """The directory holding the content a session is bound to, and its cache key.
+
+        The current content lives at the checkpoint's own directory; content an overwrite
+        replaced lives in its version directory. ("": whatever is current.)
+        """
         path = parse_path(adapter_path)
-        directory = self.checkpoint_root / path.run_id / path.kind / path.name
+        directory = checkpoint_dir(self.checkpoint_root, path)
+        id_file = directory / CONTENT_ID_FILE
+        current = id_file.read_text().strip() if id_file.exists() else ""
+        if content_id and content_id != current:
+            directory = version_dir(self.checkpoint_root, path, content_id)
+        else:
+            content_id = current
         if not (directory / "adapter_config.json").exists():
             raise UserError(f"sampler checkpoint {adapter_path!r} is not in the checkpoint store")
-        return directory
+        return directory, f"{adapter_path}@{content_id}"
 
     async def _serve(self, batch: list[Prepared]) -> None:
         started = time.perf_counter()

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +42,13 @@ from protocol.jobs import (
     encode_outcome,
     request_type_of,
 )
-from protocol.paths import TinkerPath, parse_path
+from protocol.paths import (
+    CONTENT_ID_FILE,
+    TinkerPath,
+    checkpoint_dir,
+    parse_path,
+    version_dir,
+)
 from protocol.records import CheckpointRecord, WorkerRecord
 from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
 from workers.bus import WorkerBus
@@ -375,19 +384,35 @@ class TrainerService:
             return [(_failed(job, err), None)]
 
     def _checkpoint_dir(self, path: TinkerPath) -> Path:
-        return self.settings.checkpoint_root / path.run_id / path.kind / path.name
+        return checkpoint_dir(self.settings.checkpoint_root, path)
+
+    def _retire(self, path: TinkerPath, directory: Path) -> None:
+        """Move a checkpoint's current content aside before an overwrite replaces it.
+
+        Sampling sessions bound to that content keep reading it from its version directory.
+        """
+        id_file = directory / CONTENT_ID_FILE
+        old_id = id_file.read_text().strip() if id_file.exists() else ""
+        target = version_dir(self.settings.checkpoint_root, path, old_id or "unversioned")
+        if target.exists():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(directory, target)
 
     def _save(self, job: SaveWeightsJob) -> tuple[Outcome, CheckpointRecord | None]:
         self._require_model(job)
         path = TinkerPath(run_id=job.model_id, kind=job.kind, name=job.name)
         directory = self._checkpoint_dir(path)
-        if directory.exists() and not job.overwrite:
-            # Checked again here, in seq order: two pipelined saves of one name both pass the
-            # gateway's check before either has run.
-            raise UserError(
-                f"path: checkpoint {str(path)!r} already exists; choose another name or pass"
-                " overwrite=True"
-            )
+        if directory.exists():
+            if not job.overwrite:
+                # Checked again here, in seq order: two pipelined saves of one name both pass
+                # the gateway's check before either has run.
+                raise UserError(
+                    f"path: checkpoint {str(path)!r} already exists; choose another name or"
+                    " pass overwrite=True"
+                )
+            self._retire(path, directory)
+        content_id = uuid.uuid4().hex[:16]
         now = time.time()
         meta = {
             "model_id": job.model_id,
@@ -396,6 +421,7 @@ class TrainerService:
             "saved_at": now,
         }
         size = self.engine.save(job.model_id, directory, kind=job.kind, meta=meta)
+        (directory / CONTENT_ID_FILE).write_text(content_id)
         record = CheckpointRecord(
             run_id=job.model_id,
             tenant_id=job.tenant_id,
@@ -410,6 +436,7 @@ class TrainerService:
             with_optimizer=job.kind == "weights",
             expires_at=now + job.ttl_seconds if job.ttl_seconds else None,
             user_metadata=dict(job.user_metadata),
+            content_id=content_id,
         )
         if job.kind == "weights":
             body = api.encode(api.SaveWeightsResponse(path=str(path)))

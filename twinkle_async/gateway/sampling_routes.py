@@ -35,6 +35,10 @@ async def create_sampling_session(request: web.Request) -> web.Response:
     tenant = request[TENANT]
     registry = request.app[REGISTRY]
     session = await registry.session(body.session_id, tenant)
+    client_seq = body.sampling_session_seq_id
+    if not 0 <= client_seq < 2**31:
+        raise UserError(f"sampling_session_seq_id: {client_seq} is out of range 0..{2**31 - 1}")
+    content_id = ""
     if body.model_path:
         path = paths.parse_path(body.model_path)
         ckpt = await registry.checkpoint(path.run_id, path.checkpoint_id, tenant)
@@ -44,6 +48,7 @@ async def create_sampling_session(request: web.Request) -> web.Response:
                 "checkpoint (save_weights_for_sampler) instead"
             )
         base_model = ckpt.base_model
+        content_id = ckpt.content_id
     elif body.base_model:
         base_model = body.base_model
     else:
@@ -56,6 +61,7 @@ async def create_sampling_session(request: web.Request) -> web.Response:
         base_model=base_model,
         model_path=body.model_path or None,
         created_at=time.time(),
+        content_id=content_id,
     )
     await registry.put_sampler(sampler)
     return json_response(
@@ -116,6 +122,7 @@ async def asample(request: web.Request) -> web.Response:
         sampling_session_id=sampler.sampling_session_id,
         base_model=sampler.base_model,
         adapter_path=sampler.model_path or "",
+        adapter_content_id=sampler.content_id,
         body=raw,
         published_at=time.time(),
     )

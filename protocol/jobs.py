@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 
 from protocol.api import AdamParams, LoraConfig
+from protocol.errors import ErrorCategory
 
 
 class JobBase(msgspec.Struct, frozen=True, tag_field="op"):
@@ -86,7 +87,7 @@ class TombstoneJob(JobBase, frozen=True, tag="tombstone"):
 
     request_type: str = ""
     error: str = ""
-    category: str = "user"
+    category: ErrorCategory = ErrorCategory.USER
 
 
 Job = (
@@ -142,7 +143,7 @@ class Outcome(msgspec.Struct, frozen=True):
     payload: bytes = b""
     payload_type: Literal["json", "proto"] = "json"
     error: str = ""
-    category: str = ""
+    category: ErrorCategory | None = None  # set when `state` is "error"
     created_at: float = 0.0
     finished_at: float = 0.0
     tenant_id: str = ""  # the owner: another tenant's request_id reads as unknown

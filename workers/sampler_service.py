@@ -217,7 +217,7 @@ class SamplerService:
                 state="error",
                 request_type="sample",
                 error=result.message,
-                category=result.category.value,
+                category=result.category,
                 finished_at=time.time(),
                 tenant_id=job.tenant_id,
             )

@@ -83,7 +83,7 @@ def _failed(job: Job, err: TwinkleError) -> Outcome:
         request_type=request_type_of(job),
         model_id=job.model_id,
         error=err.message,
-        category=err.category.value,
+        category=err.category,
         finished_at=time.time(),
         tenant_id=job.tenant_id,
     )

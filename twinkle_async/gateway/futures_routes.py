@@ -39,11 +39,10 @@ async def retrieve_future(request: web.Request) -> web.Response:
     if outcome.state == "pending":
         return json_response(api.TryAgainResponse(request_id=body.request_id, queue_state="active"))
     if outcome.state == "error":
-        category = (
-            outcome.category if outcome.category in ErrorCategory._value2member_map_ else "unknown"
-        )
         return json_response(
-            api.RequestFailedResponse(error=outcome.error, category=ErrorCategory(category))
+            api.RequestFailedResponse(
+                error=outcome.error, category=outcome.category or ErrorCategory.UNKNOWN
+            )
         )
     if outcome.payload_type == "proto":
         return web.Response(body=outcome.payload, content_type="application/x-protobuf")

@@ -117,7 +117,7 @@ async def settle_refused(
         published_at=time.time(),
         request_type=claim.request_type,
         error=err.message,
-        category=err.category.value,
+        category=err.category,
     )
     await request.app[FUTURES].resolve(
         Outcome(
@@ -126,7 +126,7 @@ async def settle_refused(
             request_type=claim.request_type,
             model_id=run.model_id,
             error=err.message,
-            category=err.category.value,
+            category=err.category,
             finished_at=time.time(),
             tenant_id=run.tenant_id,
         )

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from protocol.jobs import CreateModelJob, ForwardBackwardJob, Job, OptimStepJob, SaveWeightsJob
+from protocol.jobs import (
+    CreateModelJob,
+    ForwardBackwardJob,
+    Job,
+    OptimStepJob,
+    SaveWeightsJob,
+    TombstoneJob,
+)
 from workers.scheduler import plan
 from workers.sequencer import Pending, Sequencer
 
@@ -86,3 +93,50 @@ def test_plan_respects_the_token_budget_but_always_takes_one() -> None:
     cycle = plan(seq.ready(), token_budget=100)
     assert [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass] == [("a", 1)]
     assert [(p.job.model_id, p.job.seq_id) for p in cycle.optim_steps] == [("a", 2)]
+
+
+def tomb(model: str, seq: int) -> Job:
+    return TombstoneJob(
+        request_id=f"r-{model}-{seq}", model_id=model, tenant_id="t", seq_id=seq, error="refused"
+    )
+
+
+def test_tombstones_are_settled_where_they_stand_and_never_hold_a_model_up() -> None:
+    seq: Sequencer[str] = Sequencer()
+    for model in ("a", "b"):
+        offer(seq, create(model))
+        seq.applied(create(model))
+    for job in (fwd("a", 1), tomb("a", 2), fwd("a", 3), opt("a", 4), tomb("b", 1), fwd("b", 2)):
+        offer(seq, job)
+    offer(seq, SaveWeightsJob(request_id="s", model_id="b", tenant_id="t", seq_id=3, name="x"))
+    cycle = plan(seq.ready(), token_budget=1000)
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass] == [
+        ("a", 1),
+        ("a", 3),
+        ("b", 2),
+    ]
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.settled] == [("a", 2), ("b", 1)]
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.optim_steps] == [("a", 4)]
+    assert cycle.others == [], "b's save waits for the pass that holds b's earlier work"
+    for item in [*cycle.shared_pass, *cycle.settled, *cycle.optim_steps]:
+        seq.applied(item.job)
+    assert [(p.job.model_id, p.job.seq_id) for p in plan(seq.ready(), 1000).others] == [("b", 3)]
+
+
+def test_a_tombstone_alone_settles_and_the_next_save_runs_in_the_same_cycle() -> None:
+    seq: Sequencer[str] = Sequencer()
+    offer(seq, create("a"))
+    seq.applied(create("a"))
+    offer(seq, tomb("a", 1))
+    offer(seq, SaveWeightsJob(request_id="s", model_id="a", tenant_id="t", seq_id=2, name="x"))
+    cycle = plan(seq.ready(), token_budget=1000)
+    assert [p.job.seq_id for p in cycle.settled] == [1]
+    assert [p.job.seq_id for p in cycle.others] == [2]
+
+
+def test_buffered_tells_a_waiting_op_from_one_the_line_moved_past() -> None:
+    seq: Sequencer[str] = Sequencer()
+    offer(seq, create("a"))
+    seq.applied(create("a"))
+    offer(seq, fwd("a", 2))
+    assert seq.buffered(fwd("a", 2)) and not seq.buffered(fwd("a", 1))

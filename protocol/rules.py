@@ -64,12 +64,13 @@ MAX_SEQ_ID = 2**31 - 2
 MAX_SEQ_AHEAD = 65536
 
 
-def check_seq_id(field: str, seq_id: int | None) -> int:
-    """A call's `seq_id`: a positive integer of the SDK's range."""
+def check_seq_id(field: str, seq_id: int | None, *, first: int = 1) -> int:
+    """A call's `seq_id` in the SDK's range: a training model's calls count from 1, a sampling
+    client's from 0 (`first`)."""
     if seq_id is None:
         raise UserError(f"{field}: missing; every call on a training model carries a seq_id")
-    if not 1 <= seq_id <= MAX_SEQ_ID:
-        raise UserError(f"{field}: {seq_id} is out of range 1..{MAX_SEQ_ID}")
+    if not first <= seq_id <= MAX_SEQ_ID:
+        raise UserError(f"{field}: {seq_id} is out of range {first}..{MAX_SEQ_ID}")
     return seq_id
 
 

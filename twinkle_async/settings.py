@@ -38,7 +38,8 @@ class GatewaySettings:
     port: int = 8000
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant_id
     long_poll_s: float = 30.0
-    max_request_bytes: int = 6 * 1024 * 1024
+    max_request_bytes: int = 6 * 1024 * 1024  # a forward_backward chunk (protobuf)
+    max_json_bytes: int = 2 * 1024 * 1024  # every JSON body (a prompt of ~250k token ids fits)
     fwdbwd_max_chunk_len: int = 1024
     fwdbwd_max_chunk_bytes: int = 4 * 1024 * 1024
     # tensor elements one forward_backward may declare (dense or sparse), checked before

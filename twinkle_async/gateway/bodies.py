@@ -14,12 +14,19 @@ from twinkle_async.gateway.state import SETTINGS
 T = TypeVar("T")
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The raw body, zstd-decompressed when the SDK compressed it, within the size limit."""
-    limit = request.app[SETTINGS].max_request_bytes
+async def read_body(request: web.Request, *, protobuf: bool = False) -> bytes:
+    """The raw body, zstd-decompressed when the SDK compressed it, within the size limit.
+
+    JSON bodies have a tighter limit than protobuf ones: decoding JSON numbers into Python
+    objects costs many times their bytes, and no JSON call carries tensors.
+    """
+    settings = request.app[SETTINGS]
+    limit = settings.max_request_bytes if protobuf else settings.max_json_bytes
     body = await request.read()
     encoding = request.headers.get("Content-Encoding", "").lower()
     if encoding in ("", "identity"):
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body of {len(body)} bytes exceeds {limit} bytes")
         return body
     if encoding != "zstd":
         raise UserError(f"unsupported Content-Encoding {encoding!r} (zstd or none)")

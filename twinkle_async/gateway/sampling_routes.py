@@ -105,7 +105,7 @@ async def asample(request: web.Request) -> web.Response:
     dedupe = request_id
     if body.seq_id is not None:
         # A sampling client numbers its samples too; a retry (same body) gets the same future.
-        rules.check_seq_id("seq_id", body.seq_id)
+        rules.check_seq_id("seq_id", body.seq_id, first=0)
         dedupe = f"{sampler.sampling_session_id}/{body.seq_id}"
         mine = SeqClaim(request_id=request_id, request_type="sample", digest=body_digest(raw))
         claim = await futures.claim(sampler.sampling_session_id, body.seq_id, mine)

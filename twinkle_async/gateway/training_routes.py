@@ -120,7 +120,7 @@ async def get_info(request: web.Request) -> web.Response:
 @routes.post("/api/v1/forward_backward")
 async def forward_backward(request: web.Request) -> web.Response:
     """Routed on a scan of the protobuf body: no tensor is built here; the worker decodes it."""
-    raw = await read_body(request)
+    raw = await read_body(request, protobuf=True)
     summary = scan_forward_backward(raw)
     run = await request.app[REGISTRY].run(summary.model_id, request[TENANT])
     kind = "forward" if summary.forward_only else "forward_backward"

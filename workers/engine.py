@@ -72,9 +72,9 @@ class Engine:
         # bf16 where it is fast; fp32 on the CPU, where results must match references exactly.
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
-        model.to(self.device)
+        model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a decorator
         model.requires_grad_(False)
-        model.eval()
+        model.eval()  # type: ignore[no-untyped-call]
         text_config = model.config.get_text_config()
         self.base_model = base_model
         self.vocab_size = int(text_config.vocab_size)
@@ -230,7 +230,7 @@ class Engine:
                 # Each `.grad` is a strided view of the bank's flat gradient buffer by design;
                 # autograd adds into it in place, so the layout advice does not apply.
                 with torch.autograd.enforce_grad_layout_policy(False):
-                    total.backward()
+                    total.backward()  # type: ignore[no-untyped-call]
         return results
 
     def _padded(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,9 @@ Step 3 (`forward_backward`): rows are packed tenant by tenant (one contiguous se
         right-padded, with an attention mask; the routing binds the segments; the pass's loss is
         the sum of every training item's own summed loss, so each slot receives exactly the
         gradient of its solo pass. Gradients accumulate in the slot until its optim_step.
-Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings.
+Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings;
+        a step that cannot be applied (overflow, non-finite gradient or update) fails alone and
+        leaves its slot exactly as it was (`workers.optimizer`).
 
 A call naming more tenants than there are slots runs as several sub-passes (or sub-steps) of at
 most `max_slots` tenants (`Residency.sub_calls`), with results in request order.
@@ -32,7 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
-from protocol.errors import ServerError, UserError
+from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.lora import LoraBank, Segment, SlotRouting
@@ -294,22 +296,29 @@ class Engine:
         self.slots.spec(model_id)
         check_adam(adam)
 
-    def optim_step(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
+    def optim_step(
+        self, steps: list[tuple[str, AdamParams]]
+    ) -> list[dict[str, float] | TwinkleError]:
         """Apply and clear the accumulated gradients of each listed model, fused across them
-        (in groups of at most `max_slots` tenants when more are listed)."""
+        (in groups of at most `max_slots` tenants when more are listed).
+
+        Per step: its metrics, or the `UserError` of a step that could not be applied (see
+        `SlotAdamW.step`); that model's slot is then exactly as it was, and the others' steps
+        are unaffected. A request that fails validation fails the whole call, changing nothing.
+        """
         listed: set[str] = set()
         for model_id, adam in steps:
             self.validate_optim_step(model_id, adam)
             if model_id in listed:
                 raise ServerError(f"optim_step lists model_id {model_id!r} twice in one step")
             listed.add(model_id)
-        metrics: dict[int, dict[str, float]] = {}
+        results: dict[int, dict[str, float] | TwinkleError] = {}
         for indices in self.slots.sub_calls([model_id for model_id, _ in steps]):
             tenants = self.slots.resident([steps[index][0] for index in indices])
             slots = [tenant.slot for tenant in tenants]
             adams = [steps[index][1] for index in indices]
-            metrics.update(zip(indices, self.optimizer.step(slots, adams), strict=True))
-        return [metrics[index] for index in range(len(steps))]
+            results.update(zip(indices, self.optimizer.step(slots, adams), strict=True))
+        return [results[index] for index in range(len(steps))]
 
 
 def _pack_rows(

@@ -304,10 +304,13 @@ class TrainerService:
             steps.append((job.model_id, job.adam))
             index.append(i)
         if steps:
-            for i, metrics in zip(index, self.engine.optim_step(steps), strict=True):
-                outcomes[i] = _done(
-                    items[i].job, api.encode(api.OptimStepResponse(metrics=metrics))
-                )
+            for i, result in zip(index, self.engine.optim_step(steps), strict=True):
+                if isinstance(result, TwinkleError):
+                    outcomes[i] = _failed(items[i].job, result)
+                else:
+                    outcomes[i] = _done(
+                        items[i].job, api.encode(api.OptimStepResponse(metrics=result))
+                    )
         return [(outcomes[i], None) for i in range(len(items))]
 
     def _other(self, items: list[Item]) -> list[Result]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from protocol.api import AdamParams, LoraConfig
-from protocol.errors import UserError
+from protocol.errors import TwinkleError, UserError
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
 from tests.test_engine import make_request, perturb_b
 from workers.engine import Engine
@@ -25,15 +26,19 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
 CLIPPED = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=0.5)
-SPECS = {"a": LoraConfig(rank=4, seed=1), "b": LoraConfig(rank=8, seed=2, train_mlp=False)}
+SPECS = {
+    "a": LoraConfig(rank=4, seed=1),
+    "b": LoraConfig(rank=8, seed=2, train_mlp=False),
+    "c": LoraConfig(rank=2, seed=3, train_attn=False),
+}
 
 
 @pytest.fixture
-def make_engine(random_qwen3: Path) -> Callable[[], Engine]:
-    """An engine holding tenants "a" and "b" with non-zero B matrices (so A gets gradient)."""
+def make_engine(random_qwen3: Path) -> Callable[..., Engine]:
+    """An engine holding the SPECS tenants with non-zero B matrices (so A gets gradient)."""
 
-    def make() -> Engine:
-        engine = Engine(str(random_qwen3), max_slots=3, max_rank=8)
+    def make(cls: type[Engine] = Engine) -> Engine:
+        engine = cls(str(random_qwen3), max_slots=3, max_rank=8)
         for index, (model_id, spec) in enumerate(SPECS.items()):
             engine.create(model_id, spec)
             perturb_b(engine, model_id, seed=10 + index)
@@ -66,7 +71,8 @@ def assert_same_bits(a: dict[str, torch.Tensor | int], b: dict[str, torch.Tensor
 
 def requests(seed: int) -> list[tuple[str, FwdBwdRequest]]:
     rng = np.random.default_rng(seed)
-    return [("a", make_request("a", [5, 3], rng)), ("b", make_request("b", [4, 6], rng))]
+    lengths = {"a": [5, 3], "b": [4, 6], "c": [7]}
+    return [(model_id, make_request(model_id, lengths[model_id], rng)) for model_id in SPECS]
 
 
 def train_round(engine: Engine, seed: int) -> None:
@@ -79,7 +85,7 @@ def train_round(engine: Engine, seed: int) -> None:
 
 @pytest.mark.parametrize("a_adam", [ADAM, CLIPPED], ids=["plain", "clipped"])
 def test_overflowing_learning_rate_fails_alone(
-    make_engine: Callable[[], Engine], a_adam: AdamParams
+    make_engine: Callable[..., Engine], a_adam: AdamParams
 ) -> None:
     faulty, reference = make_engine(), make_engine()
     for engine in (faulty, reference):
@@ -113,7 +119,7 @@ def test_overflowing_learning_rate_fails_alone(
     ids=["nan-gradient", "inf-gradient-clipped", "overflowing-update"],
 )
 def test_non_finite_gradient_or_update_fails_alone(
-    make_engine: Callable[[], Engine], poison: float, adam: AdamParams, fragment: str
+    make_engine: Callable[..., Engine], poison: float, adam: AdamParams, fragment: str
 ) -> None:
     faulty, reference = make_engine(), make_engine()
     for engine in (faulty, reference):
@@ -130,3 +136,84 @@ def test_non_finite_gradient_or_update_fails_alone(
     assert_same_bits(slot_state(faulty, "a"), slot_state(reference, "a"))
     assert isinstance(b_result, UserError) and fragment in b_result.message
     assert_same_bits(slot_state(faulty, "b"), b_before)
+
+
+# -- the shared pass ----------------------------------------------------------------------------
+
+
+def poisoned(request: FwdBwdRequest, scale: float, alternate: bool) -> FwdBwdRequest:
+    """`request` with every loss weight at `scale` (signs alternating if `alternate`): finite
+    inputs whose loss (1e38) or, with the signs cancelling in the loss, gradient (2.5e37)
+    overflows float32."""
+    for datum in request.datums:
+        weights = np.full(datum.inputs["weights"].shape, scale, dtype=np.float32)
+        if alternate:
+            weights[1::2] *= -1
+        datum.inputs["weights"] = weights
+    return request
+
+
+def assert_same_output(got: object, want: object) -> None:
+    assert isinstance(got, FwdBwdOutput) and isinstance(want, FwdBwdOutput)
+    assert got.metrics == want.metrics and got.loss_fn_output_type == want.loss_fn_output_type
+    for left, right in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        for key in ("logprobs", "elementwise_loss"):
+            np.testing.assert_array_equal(left[key], right[key])
+
+
+@pytest.mark.parametrize(
+    ("scale", "alternate", "fragment"),
+    [(1e38, False, "the loss is not finite"), (2.5e37, True, "the gradient is not finite")],
+    ids=["overflowing-loss", "overflowing-gradient"],
+)
+def test_overflowing_item_fails_alone_in_a_shared_pass(
+    make_engine: Callable[..., Engine], scale: float, alternate: bool, fragment: str
+) -> None:
+    faulty, reference = make_engine(), make_engine()
+    for engine in (faulty, reference):
+        train_round(engine, seed=5)  # pending gradients from an earlier pass, in both slots
+    b_before = slot_state(faulty, "b")
+    rng = np.random.default_rng(6)
+    a_request = make_request("a", [5, 3], rng)
+    b_request = poisoned(make_request("b", [4, 6], rng), scale, alternate)
+    b_evaluation = make_request("b", [7], rng, forward_only=True)
+
+    a_result, b_result, b_evaluated = faulty.forward_backward(
+        [("a", a_request), ("b", b_request), ("b", b_evaluation)]
+    )
+    [a_solo] = reference.forward_backward([("a", a_request)])
+    [b_evaluated_solo] = reference.forward_backward([("b", b_evaluation)])
+
+    assert_same_output(a_result, a_solo)
+    assert_same_bits(slot_state(faulty, "a"), slot_state(reference, "a"))
+    assert isinstance(b_result, UserError) and b_result.category == "user"
+    assert fragment in b_result.message and "weights" in b_result.message
+    assert_same_output(b_evaluated, b_evaluated_solo)  # B's own evaluation still answers
+    assert_same_bits(slot_state(faulty, "b"), b_before)
+
+
+class ExplodingEngine(Engine):
+    """Once armed, raises in every pass that holds tenant "b", after the backward has moved
+    gradients."""
+
+    armed = False
+
+    def _run_pass(
+        self, batch: list[tuple[str, FwdBwdRequest]], *rest: Any
+    ) -> list[FwdBwdOutput | TwinkleError]:
+        results = super()._run_pass(batch, *rest)
+        if self.armed and any(model_id == "b" for model_id, _ in batch):
+            raise RuntimeError("injected fault after the backward")
+        return results
+
+
+def test_a_pass_that_raises_changes_no_gradient(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(ExplodingEngine)
+    assert isinstance(engine, ExplodingEngine)
+    train_round(engine, seed=7)  # pending gradients in every slot, to be protected
+    before = engine.bank.grads.clone()
+    engine.armed = True
+
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.forward_backward(requests(seed=8))
+    assert torch.equal(engine.bank.grads.view(torch.int32), before.view(torch.int32))

@@ -12,12 +12,20 @@ Step 3 (`forward_backward`): rows are packed tenant by tenant (one contiguous se
         right-padded, with an attention mask; the routing binds the segments; the pass's loss is
         the sum of every training item's own summed loss, so each slot receives exactly the
         gradient of its solo pass. Gradients accumulate in the slot until its optim_step.
+        A training item whose loss or slot gradient is not finite fails alone (`UserError`)
+        and its slot's gradients are restored from a copy taken before the pass.
 Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings;
         a step that cannot be applied (overflow, non-finite gradient or update) fails alone and
         leaves its slot exactly as it was (`workers.optimizer`).
 
 A call naming more tenants than there are slots runs as several sub-passes (or sub-steps) of at
-most `max_slots` tenants (`Residency.sub_calls`), with results in request order.
+most `max_slots` tenants (`sub_calls`), with results in request order.
+
+Transactions: one sub-pass or sub-step is a transaction per tenant. A tenant's failure is its own
+result and leaves its slot as it was; a sub-call that raises (a fault not pinned on one item) has
+changed no state, so the caller may re-run its items in smaller groups to find the culprit
+(`workers.isolation`, used by the service one sub-call at a time). Slots a pass does not train
+receive exact zeros from the backward: their values never change (a -0.0 may become +0.0).
 
 Invariants: the base model is frozen and in eval mode (no dropout); adapters, gradients and
 moments are fp32; a forward_only item contributes no gradient; a request that fails validation
@@ -26,6 +34,7 @@ changes no state; a snapshot slot is never trained, stepped or saved.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -191,40 +200,96 @@ class Engine:
                 f"{field}: token id {bad} outside the vocabulary [0, {self.vocab_size})"
             )
 
-    def forward_backward(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdOutput]:
+    def forward_backward(
+        self, batch: list[tuple[str, FwdBwdRequest]]
+    ) -> list[FwdBwdOutput | TwinkleError]:
         """One shared pass over every item; gradients of training items accumulate per slot.
 
-        Items of more tenants than there are slots run as several passes
-        (see `Residency.sub_calls`).
+        Per item: its outputs, or the `UserError` of a training item whose loss or gradient is
+        not finite (its slot's gradients are then exactly as before). Items of more tenants than
+        there are slots run as several passes (see `sub_calls`), each its own transaction.
         """
         if not batch:
             return []
         for model_id, req in batch:
             self.validate(model_id, req)
-        results: dict[int, FwdBwdOutput] = {}
-        for indices in self.slots.sub_calls([model_id for model_id, _ in batch]):
+        results: dict[int, FwdBwdOutput | TwinkleError] = {}
+        for indices in self.sub_calls([model_id for model_id, _ in batch]):
             sub_batch = [batch[index] for index in indices]
             results.update(zip(indices, self._shared_pass(sub_batch), strict=True))
         return [results[index] for index in range(len(batch))]
 
-    def _shared_pass(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdOutput]:
-        """One pass over validated items of at most `max_slots` tenants."""
+    def sub_calls(self, model_ids: list[str]) -> list[list[int]]:
+        """A call's item indices in runs of at most `max_slots` tenants, resident ones first.
+
+        Each run is one pass (or one fused step) and one transaction: a call of one run that
+        raises has changed no state, so a caller may retry its items in smaller groups.
+        """
+        return self.slots.sub_calls(model_ids)
+
+    def _shared_pass(
+        self, batch: list[tuple[str, FwdBwdRequest]]
+    ) -> list[FwdBwdOutput | TwinkleError]:
+        """One pass over validated items of at most `max_slots` tenants, as a transaction.
+
+        The pending gradient rows of the slots this pass trains are copied first. After the
+        backward, a slot whose row is not finite fails its training items and gets its copy
+        back, as does a slot none of whose training items succeeded (so not even the sign of a
+        zero changes); a pass that raises restores every one of them before re-raising.
+        """
         tenants = self.slots.resident([model_id for model_id, _ in batch])
         slots = [tenant.slot for tenant in tenants]
         segments, item_rows, rows = _pack_rows([req for _, req in batch], slots)
         input_ids, attention_mask = self._padded(rows)
-        training = any(not req.forward_only for _, req in batch)
+        training_items: dict[int, list[int]] = {}  # slot → its training items
+        for index, ((_, req), slot) in enumerate(zip(batch, slots, strict=True)):
+            if not req.forward_only:
+                training_items.setdefault(slot, []).append(index)
+        trained = sorted(training_items)
+        pending = self.bank.grads[trained]  # advanced indexing: a copy of those rows
+        try:
+            results = self._run_pass(batch, segments, item_rows, input_ids, attention_mask)
+            failed_rows = self._failed_rows(trained)
+            for row, slot in enumerate(trained):
+                items = training_items[slot]
+                if slot in failed_rows:
+                    for index in items:
+                        if not isinstance(results[index], TwinkleError):
+                            results[index] = _not_finite("gradient", "an overflow in float32")
+                if all(isinstance(results[index], TwinkleError) for index in items):
+                    self.bank.grads[slot].copy_(pending[row])
+            return results
+        except BaseException:
+            for row, slot in enumerate(trained):
+                self.bank.grads[slot].copy_(pending[row])
+            raise
 
+    def _run_pass(
+        self,
+        batch: list[tuple[str, FwdBwdRequest]],
+        segments: list[Segment],
+        item_rows: list[range],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+    ) -> list[FwdBwdOutput | TwinkleError]:
+        """Forward, losses, and one backward of the sum of the training items' finite losses."""
+        training = any(not req.forward_only for _, req in batch)
         with torch.set_grad_enabled(training), self.routing.bind(segments):
             logits = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).logits
-            results: list[FwdBwdOutput] = []
+            results: list[FwdBwdOutput | TwinkleError] = []
             training_losses: list[torch.Tensor] = []
             for (_, req), rows_of_item in zip(batch, item_rows, strict=True):
                 loss, result = self._item_loss(req, logits, rows_of_item)
-                results.append(result)
-                if not req.forward_only:
+                value = result.metrics["loss:sum"]
+                if req.forward_only:
+                    results.append(result)  # an evaluation may report an infinite loss
+                elif not math.isfinite(value):
+                    # Left out of the backward: its slot gets nothing from it.
+                    results.append(_not_finite("loss", f"loss:sum = {value}"))
+                else:
+                    results.append(result)
                     training_losses.append(loss)
         if training_losses:
             total = torch.stack(training_losses).sum()
@@ -234,6 +299,13 @@ class Engine:
                 with torch.autograd.enforce_grad_layout_policy(False):
                     total.backward()  # type: ignore[no-untyped-call]
         return results
+
+    def _failed_rows(self, slots: list[int]) -> set[int]:
+        """The slots whose gradient row holds NaN or inf (one device sync)."""
+        if not slots:
+            return set()
+        finite = torch.stack([self.bank.grads[slot].isfinite().all() for slot in slots])
+        return {slot for slot, ok in zip(slots, finite.tolist(), strict=True) if not ok}
 
     def _padded(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded token ids and the attention mask that hides the padding."""
@@ -337,6 +409,14 @@ def _pack_rows(
                 item_rows[index] = range(first, len(rows))
         segments.append(Segment(slot, start, len(rows)))
     return segments, item_rows, rows
+
+
+def _not_finite(what: str, detail: str) -> UserError:
+    return UserError(
+        f"forward_backward: the {what} is not finite ({detail}); check the loss inputs "
+        "(weights, advantages, logprobs) for values too large for float32. This request "
+        "added no gradient."
+    )
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -282,6 +282,9 @@ class TrainerService:
         if batch:
             results = self.engine.forward_backward(batch)
             for i, result in zip(batch_index, results, strict=True):
+                if isinstance(result, TwinkleError):
+                    outcomes[i] = _failed(items[i].job, result)
+                    continue
                 payload = encode_forward_backward_output(
                     result.loss_fn_outputs, result.metrics, result.loss_fn_output_type
                 )

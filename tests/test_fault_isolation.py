@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from protocol.api import AdamParams, LoraConfig
-from protocol.errors import TwinkleError, UserError
+from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
 from tests.test_engine import make_request, perturb_b
 from workers.engine import Engine
+from workers.isolation import isolate
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -217,3 +218,27 @@ def test_a_pass_that_raises_changes_no_gradient(make_engine: Callable[..., Engin
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.forward_backward(requests(seed=8))
     assert torch.equal(engine.bank.grads.view(torch.int32), before.view(torch.int32))
+
+
+def test_bisection_fails_only_the_culprit_of_a_raising_pass(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, reference = make_engine(ExplodingEngine), make_engine()
+    assert isinstance(engine, ExplodingEngine)
+    for each in (engine, reference):
+        train_round(each, seed=9)
+    b_before = slot_state(engine, "b")
+    engine.armed = True
+    batch = requests(seed=10)
+
+    a_result, b_result, c_result = isolate(
+        engine.forward_backward, batch, describe=lambda item: f"req-{item[0]}"
+    )
+    a_expected, c_expected = reference.forward_backward([item for item in batch if item[0] != "b"])
+
+    assert_same_output(a_result, a_expected)
+    assert_same_output(c_result, c_expected)
+    assert isinstance(b_result, ServerError) and "req-b" in b_result.message
+    for model_id in ("a", "c"):
+        assert_same_bits(slot_state(engine, model_id), slot_state(reference, model_id))
+    assert_same_bits(slot_state(engine, "b"), b_before)

@@ -207,6 +207,8 @@ class SlotAdamW:
 
     def _apply(self, slots: list[int], coefs: list[float | None], scalars: list[_Scalars]) -> None:
         """Phase 2: clip, step and clear the gradients of slots whose rehearsal passed, fused."""
+        # Scratch first: an allocation failure must come before the first in-place write.
+        denominators = self._scratch_rows(len(slots))
         grads = [self.grads[s] for s in slots]
         clipped = [(grads[i], coef) for i, coef in enumerate(coefs) if coef is not None]
         if clipped:
@@ -216,7 +218,7 @@ class SlotAdamW:
             grads,
             [self.exp_avg[s] for s in slots],
             [self.exp_avg_sq[s] for s in slots],
-            self._scratch_rows(len(slots)),
+            denominators,
             scalars,
         )
         torch._foreach_zero_(grads)

@@ -216,8 +216,9 @@ class TrainerService:
         try:
             results: list[Result] = await loop.run_in_executor(self.executor, fn, items)
         except Exception:
-            # Engine faults are isolated per request inside `fn` (`_transactions`); what gets
-            # here is a fault of the cycle's own code, not pinned on any one request.
+            # A pass or a fused step isolates engine faults per request inside `fn`
+            # (`_transactions`); what gets here is a lone op of `_other` that crashed, or a
+            # fault of the cycle's own code that no request can be blamed for.
             log.exception(
                 "cycle of %d ops failed: %s",
                 len(items),

@@ -392,6 +392,12 @@ class LoadWeightsResponse(_Response, frozen=True, tag_field="type", tag="load_we
     model_id: str | None = None
 
 
+class UnloadModelResponse(_Response, frozen=True, tag_field="type", tag="unload_model"):
+    """Result of an `unload_model` future: the adapter is gone from its worker."""
+
+    model_id: str
+
+
 # -- REST: runs and checkpoints -----------------------------------------------------------------
 
 

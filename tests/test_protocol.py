@@ -444,6 +444,7 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
         types.SaveWeightsForSamplerResponse,
     ),
     (api.LoadWeightsResponse(path="tinker://r/weights/a", model_id="m"), types.LoadWeightsResponse),
+    (api.UnloadModelResponse(model_id="sess-1:train:0"), types.UnloadModelResponse),
     (CKPT, types.Checkpoint),
     (SAMPLER_CKPT, types.Checkpoint),
     (RUN, types.TrainingRun),

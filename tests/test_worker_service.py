@@ -1,17 +1,20 @@
 """The trainer service against a real nats-server and a real engine, in-process: ops published
 before the worker starts are merged into one shared pass across models, outcomes land in KV,
-and a model whose next seq never arrives fails loudly instead of hanging."""
+a model whose next seq never arrives fails loudly instead of hanging, an unload frees the
+model's adapter and answers with the SDK's response, and a request that crashes a shared pass
+fails alone while the others of its pass succeed."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from protocol import subjects
+from protocol import api, subjects
 from protocol.api import LoraConfig
 from protocol.jobs import (
     CreateModelJob,
@@ -19,6 +22,7 @@ from protocol.jobs import (
     Job,
     OptimStepJob,
     Outcome,
+    UnloadModelJob,
     decode_outcome,
 )
 from protocol.tensors import (
@@ -130,6 +134,98 @@ async def test_service_merges_models_and_fails_gaps(
         gap = await wait_outcome(gateway_bus, "req-m-gap-2", timeout_s=30)
         assert gap.state == "error" and gap.category == "server" and "never arrived" in gap.error
         assert max(service.pass_models) == 3, list(service.pass_models)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker_bus.close()
+        await gateway_bus.close()
+
+
+@pytest.mark.timeout(120)
+async def test_service_unloads_a_model(nats_server: NatsServer, tmp_path: Path) -> None:
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    settings = WorkerSettings(
+        base_model=str(model_dir), nats_url=nats_server.url, data_dir=tmp_path / "data", max_rank=8
+    )
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    jobs: list[Job] = [
+        CreateModelJob(
+            request_id="req-u-0",
+            model_id="m-u",
+            tenant_id="t",
+            seq_id=0,
+            base_model=str(model_dir),
+            lora=LoraConfig(rank=4, seed=1),
+        ),
+        UnloadModelJob(request_id="req-u-1", model_id="m-u", tenant_id="t", seq_id=1),
+    ]
+    for job in jobs:
+        await gateway_bus.publish_job(settings.pool, job)
+
+    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
+    worker_bus = WorkerBus(nats_server.url)
+    await worker_bus.connect()
+    service = TrainerService(worker_bus, engine, settings)
+    task = asyncio.create_task(service.run())
+    try:
+        out = await wait_outcome(gateway_bus, "req-u-1")
+        assert (out.state, out.error) == ("done", "")
+        assert api.decode(out.payload, api.UnloadModelResponse).model_id == "m-u"
+        assert not engine.has("m-u") and engine.slots_used() == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker_bus.close()
+        await gateway_bus.close()
+
+
+class FaultyEngine(Engine):
+    """Raises inside every pass that holds model "m-bad", after its backward."""
+
+    def _run_pass(self, batch: list[tuple[str, FwdBwdRequest]], *rest: Any) -> Any:
+        results = super()._run_pass(batch, *rest)
+        if any(model_id == "m-bad" for model_id, _ in batch):
+            raise RuntimeError("injected device fault")
+        return results
+
+
+@pytest.mark.timeout(120)
+async def test_service_fails_only_the_request_that_crashes_a_pass(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    settings = WorkerSettings(
+        base_model=str(model_dir), nats_url=nats_server.url, data_dir=tmp_path / "data", max_rank=8
+    )
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    models = ["m-a", "m-bad", "m-c"]
+    for i, model_id in enumerate(models):
+        create = CreateModelJob(
+            request_id=f"req-{model_id}-0",
+            model_id=model_id,
+            tenant_id="t",
+            seq_id=0,
+            base_model=str(model_dir),
+            lora=LoraConfig(rank=4, seed=i),
+        )
+        await gateway_bus.publish_job(settings.pool, create)
+        await gateway_bus.publish_job(settings.pool, fwd_job(model_id, 1, length=5 + i))
+
+    engine = FaultyEngine(settings.base_model, max_slots=4, max_rank=8)
+    worker_bus = WorkerBus(nats_server.url)
+    await worker_bus.connect()
+    service = TrainerService(worker_bus, engine, settings)
+    task = asyncio.create_task(service.run())
+    try:
+        outcomes = {m: await wait_outcome(gateway_bus, f"req-{m}-1") for m in models}
+        bad = outcomes.pop("m-bad")
+        assert bad.state == "error" and bad.category == "server"
+        assert "req-m-bad-1" in bad.error and "injected" not in bad.error
+        for out in outcomes.values():
+            assert out.state == "done", out.error
+        assert max(service.pass_models) == 3  # they did share a pass before the bisection
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -1,44 +1,40 @@
 """The trainer engine: tenants' LoRA adapters on one frozen base model, trained in shared passes.
 
-Job: run decoded requests as one padded forward/backward over every tenant's rows, per-slot AdamW
-steps, and PEFT checkpoints of a slot. The worker service calls it synchronously from one
-dedicated thread; nothing here is thread-safe or asynchronous.
+Job: the shared forward/backward pass and the fused optimizer step, nothing else. The worker
+service calls it synchronously from one dedicated thread; nothing here is thread-safe or
+asynchronous. Which slot each tenant holds, parking and snapshots are `workers.residency`'s
+(`self.slots`); checkpoint files of a slot are `workers.slot_checkpoints`'s.
 
-Step 1 (`create` / `load`): a model_id takes a free slot of the `LoraBank` (see "Slot pressure").
+Step 1 (`create` / `load`, delegated to `self.slots`): a model_id takes a slot of the `LoraBank`.
 Step 2 (`validate`): a request is checked before it joins a pass; a bad field is a `UserError`
         naming the datum and the field.
 Step 3 (`forward_backward`): rows are packed tenant by tenant (one contiguous segment per slot),
         right-padded, with an attention mask; the routing binds the segments; the pass's loss is
         the sum of every training item's own summed loss, so each slot receives exactly the
         gradient of its solo pass. Gradients accumulate in the slot until its optim_step.
-Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings.
-Step 5 (`save` / `load`): a slot to and from a PEFT-layout directory (`workers.checkpoints`).
-Step 6 (`load_snapshot`): a sampler checkpoint into an inference-only slot that sampling passes
-        (`workers.sampling_torch`) route rows to; idle slots keep snapshots until a tenant asks.
+        A training item whose loss or slot gradient is not finite fails alone (`UserError`)
+        and its slot's gradients are restored from a copy taken before the pass.
+Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings;
+        a step that cannot be applied (overflow, non-finite gradient or update) fails alone and
+        leaves its slot exactly as it was (`workers.optimizer`).
 
-Slot pressure: a tenant that needs a slot takes a free one, else the least recently used
-snapshot's, else the least recently used resident tenant's, which is *parked*: its whole slot state
-(weights, both Adam moments, pending gradients, step count, scales, spec) is copied to host memory
-(`ParkedAdapters`) and the slot is freed; a snapshot with no slot to take parks one too. Every call
-that names a tenant accepts a parked one; those that need its slot (a pass, a step, a save, `slot`)
-restore it first, bit-exactly, so training never notices a park. A call naming more tenants than
-there are slots runs as several sub-passes (or sub-steps) of at most `max_slots` tenants, resident
-tenants first, with results in request order. Without this a server would refuse new tenants once
-`max_slots` had arrived, however idle the old ones. `max_parked` bounds host memory: beyond it the
-oldest parked tenant is dropped (with a warning) and its later requests fail as not loaded.
+A call naming more tenants than there are slots runs as several sub-passes (or sub-steps) of at
+most `max_slots` tenants (`sub_calls`), with results in request order.
+
+Transactions: one sub-pass or sub-step is a transaction per tenant. A tenant's failure is its own
+result and leaves its slot as it was; a sub-call that raises (a fault not pinned on one item) has
+changed no state, so the caller may re-run its items in smaller groups to find the culprit
+(`workers.isolation`, used by the service one sub-call at a time). Slots a pass does not train
+receive exact zeros from the backward: their values never change (a -0.0 may become +0.0).
 
 Invariants: the base model is frozen and in eval mode (no dropout); adapters, gradients and
 moments are fp32; a forward_only item contributes no gradient; a request that fails validation
-changes no state; a snapshot slot is never trained, stepped or saved; a model_id is resident (in
-`_tenants`, least recently used first) or parked, never both; a call's own tenants are never
-parked to make room for each other.
+changes no state; a snapshot slot is never trained, stepped or saved.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
-from collections.abc import Collection
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,19 +43,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
-from protocol.errors import NotFound, ServerError, UserError
-from protocol.rules import check_adam, check_lora_config
+from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.checkpoints import (
-    MOMENTS,
-    AdapterCheckpoint,
-    adapter_key,
-    match_layers,
-    read_checkpoint,
-    target_modules_for,
-    write_checkpoint,
-)
-from workers.lora import LayerGroup, LoraBank, Segment, SlotRouting
+from workers.lora import LoraBank, Segment, SlotRouting
 from workers.losses import (
     TARGET_TOKENS,
     LossFn,
@@ -69,13 +56,13 @@ from workers.losses import (
     resolve_config,
 )
 from workers.optimizer import SlotAdamW
-from workers.parking import GROUP_FLAGS, ParkedAdapters, Tenant, trained_groups
-
-log = logging.getLogger(__name__)
+from workers.parking import ParkedAdapters
+from workers.residency import Residency
+from workers.slot_checkpoints import SlotCheckpoints
 
 
 class Engine:
-    """Adapter slots over one base model; see the module docstring for the flow."""
+    """One base model, its adapter bank, the shared pass and the fused step."""
 
     def __init__(
         self,
@@ -96,9 +83,9 @@ class Engine:
         # bf16 where it is fast; fp32 on the CPU, where results must match references exactly.
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
-        model.to(self.device)
+        model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a decorator
         model.requires_grad_(False)
-        model.eval()
+        model.eval()  # type: ignore[no-untyped-call]
         text_config = model.config.get_text_config()
         self.base_model = base_model
         self.vocab_size = int(text_config.vocab_size)
@@ -107,75 +94,83 @@ class Engine:
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.lora_alpha = float(lora_alpha)
-        self._linear_paths = [p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         self.routing = SlotRouting()
         self.bank = LoraBank(
             model, max_slots=max_slots, max_rank=max_rank, routing=self.routing, device=self.device
         )
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
-        self.parked = ParkedAdapters(self.bank, self.optimizer, max_parked=max_parked)
+        files = SlotCheckpoints(
+            self.bank,
+            self.optimizer,
+            base_model=base_model,
+            linear_paths=[p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)],
+        )
+        self.slots = Residency(
+            self.bank, self.optimizer, files, lora_alpha=self.lora_alpha, max_parked=max_parked
+        )
         self.model = model
-        # Resident tenants, least recently used first; the parked ones are in `self.parked`.
-        self._tenants: OrderedDict[str, Tenant] = OrderedDict()
-        self._snapshots: OrderedDict[str, int] = OrderedDict()  # key → slot, least recent first
 
-    # -- slots -------------------------------------------------------------------------------
+    # -- slots, snapshots and checkpoints: `self.slots` ----------------------------------------
+    # Thin delegates: the service and the samplers hold one engine handle on the engine thread.
+
+    @property
+    def parked(self) -> ParkedAdapters:
+        return self.slots.parked
 
     def create(self, model_id: str, spec: LoraConfig) -> None:
-        """Give `model_id` a fresh adapter: A kaiming-uniform (seeded if `spec.seed`), B = 0."""
-        if self.has(model_id):
-            raise UserError(f"model_id {model_id!r} already has an adapter")
-        check_lora_config(spec, self.max_rank)
-        slot = self._slot_for_tenant(keep=())
-        generator = torch.Generator()
-        if spec.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(spec.seed)
-        self.bank.init_slot(
-            slot,
-            rank=spec.rank,
-            groups=trained_groups(spec),
-            lora_alpha=self.lora_alpha,
-            generator=generator,
-        )
-        self.optimizer.reset_slot(slot)
-        self._tenants[model_id] = Tenant(slot, spec, self.lora_alpha)
+        self.slots.create(model_id, spec)
 
     def has(self, model_id: str) -> bool:
-        """Whether `model_id` has an adapter here, resident or parked."""
-        return model_id in self._tenants or model_id in self.parked
+        return self.slots.has(model_id)
 
     def spec(self, model_id: str) -> LoraConfig:
-        return self._spec(model_id)
+        return self.slots.spec(model_id)
 
     def slot(self, model_id: str) -> int:
-        """The bank row holding this model's adapter, restored first if it was parked."""
-        [tenant] = self._make_resident([model_id])
-        return tenant.slot
+        return self.slots.slot(model_id)
 
     def slots_used(self) -> int:
-        """Slots holding training adapters (resident tenants; snapshots not counted)."""
-        return len(self._tenants)
+        return self.slots.slots_used()
 
     def adapters_total(self) -> int:
-        """Training adapters on this worker: resident plus parked."""
-        return len(self._tenants) + len(self.parked)
+        return self.slots.adapters_total()
 
     def release(self, model_id: str) -> None:
-        """Forget the adapter: zero its slot, or drop its parked copy; unknown is a no-op."""
-        tenant = self._tenants.pop(model_id, None)
-        if tenant is not None:
-            self.bank.clear_slot(tenant.slot)
-            self.optimizer.reset_slot(tenant.slot)
-        else:
-            self.parked.pop(model_id)
+        self.slots.release(model_id)
+
+    def save(
+        self,
+        model_id: str,
+        directory: Path,
+        *,
+        kind: Literal["weights", "sampler_weights"],
+        meta: dict[str, Any],
+    ) -> int:
+        return self.slots.save(model_id, directory, kind=kind, meta=meta)
+
+    def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraConfig:
+        return self.slots.load(model_id, directory, with_optimizer=with_optimizer)
+
+    def load_snapshot(self, key: str, directory: Path) -> None:
+        self.slots.load_snapshot(key, directory)
+
+    def has_snapshot(self, key: str) -> bool:
+        return self.slots.has_snapshot(key)
+
+    def snapshot_slot(self, key: str) -> int:
+        return self.slots.snapshot_slot(key)
+
+    def snapshot_capacity(self) -> int:
+        return self.slots.snapshot_capacity()
+
+    def drop_snapshot(self, key: str) -> None:
+        self.slots.drop_snapshot(key)
 
     # -- requests ----------------------------------------------------------------------------
 
     def validate(self, model_id: str, req: FwdBwdRequest) -> None:
         """Raise a `UserError` naming the field if `req` cannot run; changes nothing."""
-        self._spec(model_id)
+        self.slots.spec(model_id)
         loss = get_loss(req.loss_fn)
         settings = resolve_config(loss, req.loss_fn_config)
         if not req.datums:
@@ -205,39 +200,96 @@ class Engine:
                 f"{field}: token id {bad} outside the vocabulary [0, {self.vocab_size})"
             )
 
-    def forward_backward(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdOutput]:
+    def forward_backward(
+        self, batch: list[tuple[str, FwdBwdRequest]]
+    ) -> list[FwdBwdOutput | TwinkleError]:
         """One shared pass over every item; gradients of training items accumulate per slot.
 
-        Items of more tenants than there are slots run as several passes (see `_sub_calls`).
+        Per item: its outputs, or the `UserError` of a training item whose loss or gradient is
+        not finite (its slot's gradients are then exactly as before). Items of more tenants than
+        there are slots run as several passes (see `sub_calls`), each its own transaction.
         """
         if not batch:
             return []
         for model_id, req in batch:
             self.validate(model_id, req)
-        results: dict[int, FwdBwdOutput] = {}
-        for indices in self._sub_calls([model_id for model_id, _ in batch]):
+        results: dict[int, FwdBwdOutput | TwinkleError] = {}
+        for indices in self.sub_calls([model_id for model_id, _ in batch]):
             sub_batch = [batch[index] for index in indices]
             results.update(zip(indices, self._shared_pass(sub_batch), strict=True))
         return [results[index] for index in range(len(batch))]
 
-    def _shared_pass(self, batch: list[tuple[str, FwdBwdRequest]]) -> list[FwdBwdOutput]:
-        """One pass over validated items of at most `max_slots` tenants."""
-        tenants = self._make_resident([model_id for model_id, _ in batch])
+    def sub_calls(self, model_ids: list[str]) -> list[list[int]]:
+        """A call's item indices in runs of at most `max_slots` tenants, resident ones first.
+
+        Each run is one pass (or one fused step) and one transaction: a call of one run that
+        raises has changed no state, so a caller may retry its items in smaller groups.
+        """
+        return self.slots.sub_calls(model_ids)
+
+    def _shared_pass(
+        self, batch: list[tuple[str, FwdBwdRequest]]
+    ) -> list[FwdBwdOutput | TwinkleError]:
+        """One pass over validated items of at most `max_slots` tenants, as a transaction.
+
+        The pending gradient rows of the slots this pass trains are copied first. After the
+        backward, a slot whose row is not finite fails its training items and gets its copy
+        back, as does a slot none of whose training items succeeded (so not even the sign of a
+        zero changes); a pass that raises restores every one of them before re-raising.
+        """
+        tenants = self.slots.resident([model_id for model_id, _ in batch])
         slots = [tenant.slot for tenant in tenants]
         segments, item_rows, rows = _pack_rows([req for _, req in batch], slots)
         input_ids, attention_mask = self._padded(rows)
-        training = any(not req.forward_only for _, req in batch)
+        training_items: dict[int, list[int]] = {}  # slot → its training items
+        for index, ((_, req), slot) in enumerate(zip(batch, slots, strict=True)):
+            if not req.forward_only:
+                training_items.setdefault(slot, []).append(index)
+        trained = sorted(training_items)
+        pending = self.bank.grads[trained]  # advanced indexing: a copy of those rows
+        try:
+            results = self._run_pass(batch, segments, item_rows, input_ids, attention_mask)
+            failed_rows = self._failed_rows(trained)
+            for row, slot in enumerate(trained):
+                items = training_items[slot]
+                if slot in failed_rows:
+                    for index in items:
+                        if not isinstance(results[index], TwinkleError):
+                            results[index] = _not_finite("gradient", "an overflow in float32")
+                if all(isinstance(results[index], TwinkleError) for index in items):
+                    self.bank.grads[slot].copy_(pending[row])
+            return results
+        except BaseException:
+            for row, slot in enumerate(trained):
+                self.bank.grads[slot].copy_(pending[row])
+            raise
 
+    def _run_pass(
+        self,
+        batch: list[tuple[str, FwdBwdRequest]],
+        segments: list[Segment],
+        item_rows: list[range],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+    ) -> list[FwdBwdOutput | TwinkleError]:
+        """Forward, losses, and one backward of the sum of the training items' finite losses."""
+        training = any(not req.forward_only for _, req in batch)
         with torch.set_grad_enabled(training), self.routing.bind(segments):
             logits = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, use_cache=False
             ).logits
-            results: list[FwdBwdOutput] = []
+            results: list[FwdBwdOutput | TwinkleError] = []
             training_losses: list[torch.Tensor] = []
             for (_, req), rows_of_item in zip(batch, item_rows, strict=True):
                 loss, result = self._item_loss(req, logits, rows_of_item)
-                results.append(result)
-                if not req.forward_only:
+                value = result.metrics["loss:sum"]
+                if req.forward_only:
+                    results.append(result)  # an evaluation may report an infinite loss
+                elif not math.isfinite(value):
+                    # Left out of the backward: its slot gets nothing from it.
+                    results.append(_not_finite("loss", f"loss:sum = {value}"))
+                else:
+                    results.append(result)
                     training_losses.append(loss)
         if training_losses:
             total = torch.stack(training_losses).sum()
@@ -245,8 +297,15 @@ class Engine:
                 # Each `.grad` is a strided view of the bank's flat gradient buffer by design;
                 # autograd adds into it in place, so the layout advice does not apply.
                 with torch.autograd.enforce_grad_layout_policy(False):
-                    total.backward()
+                    total.backward()  # type: ignore[no-untyped-call]
         return results
+
+    def _failed_rows(self, slots: list[int]) -> set[int]:
+        """The slots whose gradient row holds NaN or inf (one device sync)."""
+        if not slots:
+            return set()
+        finite = torch.stack([self.bank.grads[slot].isfinite().all() for slot in slots])
+        return {slot for slot, ok in zip(slots, finite.tolist(), strict=True) if not ok}
 
     def _padded(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded token ids and the attention mask that hides the padding."""
@@ -306,251 +365,32 @@ class Engine:
         `optim_step` checks the same and fails as a whole, so callers fusing several tenants'
         steps check each one first.
         """
-        self._spec(model_id)
+        self.slots.spec(model_id)
         check_adam(adam)
 
-    def optim_step(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
+    def optim_step(
+        self, steps: list[tuple[str, AdamParams]]
+    ) -> list[dict[str, float] | TwinkleError]:
         """Apply and clear the accumulated gradients of each listed model, fused across them
-        (in groups of at most `max_slots` tenants when more are listed)."""
+        (in groups of at most `max_slots` tenants when more are listed).
+
+        Per step: its metrics, or the `UserError` of a step that could not be applied (see
+        `SlotAdamW.step`); that model's slot is then exactly as it was, and the others' steps
+        are unaffected. A request that fails validation fails the whole call, changing nothing.
+        """
         listed: set[str] = set()
         for model_id, adam in steps:
             self.validate_optim_step(model_id, adam)
             if model_id in listed:
                 raise ServerError(f"optim_step lists model_id {model_id!r} twice in one step")
             listed.add(model_id)
-        metrics: dict[int, dict[str, float]] = {}
-        for indices in self._sub_calls([model_id for model_id, _ in steps]):
-            tenants = self._make_resident([steps[index][0] for index in indices])
+        results: dict[int, dict[str, float] | TwinkleError] = {}
+        for indices in self.slots.sub_calls([model_id for model_id, _ in steps]):
+            tenants = self.slots.resident([steps[index][0] for index in indices])
             slots = [tenant.slot for tenant in tenants]
             adams = [steps[index][1] for index in indices]
-            metrics.update(zip(indices, self.optimizer.step(slots, adams), strict=True))
-        return [metrics[index] for index in range(len(steps))]
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def save(
-        self,
-        model_id: str,
-        directory: Path,
-        *,
-        kind: Literal["weights", "sampler_weights"],
-        meta: dict[str, Any],
-    ) -> int:
-        """Write the slot as a PEFT checkpoint (plus optimizer state for `weights`); bytes written."""
-        [tenant] = self._make_resident([model_id])
-        tensors = self._export_slot(tenant, self.bank.weights)
-        moments: dict[str, torch.Tensor] | None = None
-        if kind == "weights":
-            moments = {}
-            for moment in MOMENTS:
-                buffer = getattr(self.optimizer, moment)
-                moments.update(self._export_slot(tenant, buffer, suffix=f".{moment}"))
-        groups = trained_groups(tenant.spec)
-        trained_paths = [lay.path for lay in self.bank.layouts if lay.group in groups]
-        checkpoint = AdapterCheckpoint(
-            base_model=self.base_model,
-            rank=tenant.spec.rank,
-            lora_alpha=tenant.lora_alpha,
-            target_modules=target_modules_for(trained_paths, self._linear_paths),
-            tensors=tensors,
-            spec=tenant.spec,
-            moments=moments,
-            step=self.optimizer.steps[tenant.slot],
-            meta=meta,
-        )
-        return write_checkpoint(directory, checkpoint, kind=kind)
-
-    def _export_slot(
-        self, tenant: Tenant, buffer: torch.Tensor, *, suffix: str = ""
-    ) -> dict[str, torch.Tensor]:
-        """The trained layers' matrices of a slot in `buffer`, by PEFT key (+ suffix), on the CPU."""
-        groups = trained_groups(tenant.spec)
-        exported: dict[str, torch.Tensor] = {}
-        for layout, a, b in self.bank.slot_views(buffer, tenant.slot, tenant.spec.rank):
-            if layout.group in groups:
-                exported[adapter_key(layout.path, "A") + suffix] = _exported(a)
-                exported[adapter_key(layout.path, "B") + suffix] = _exported(b)
-        return exported
-
-    def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraConfig:
-        """Load a checkpoint into `model_id` (creating it if new); pending gradients are dropped."""
-        checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=with_optimizer)
-        tenant = self._tenants.get(model_id)
-        if tenant is not None:
-            slot = tenant.slot
-        else:
-            self.parked.pop(model_id)  # a parked state is replaced, never restored
-            slot = self._slot_for_tenant(keep=())
-
-        # Everything is checked; from here on the slot is overwritten.
-        self.optimizer.reset_slot(slot)
-        buffers = [("", self.bank.weights)]
-        if with_optimizer:
-            buffers += [(f".{moment}", getattr(self.optimizer, moment)) for moment in MOMENTS]
-            self.optimizer.steps[slot] = checkpoint.step
-        self._write_slot(slot, checkpoint, spec, adapters, buffers)
-        self._tenants[model_id] = Tenant(slot, spec, checkpoint.lora_alpha)
-        self._tenants.move_to_end(model_id)
-        return spec
-
-    def _read_adapter(
-        self, directory: Path, *, with_optimizer: bool
-    ) -> tuple[AdapterCheckpoint, LoraConfig, set[LayerGroup]]:
-        """A checkpoint checked against this model: (checkpoint, LoRA spec, covered groups)."""
-        checkpoint = read_checkpoint(directory, with_optimizer=with_optimizer)
-        adapters = match_layers(checkpoint, self.bank.layouts, max_rank=self.max_rank)
-        spec = checkpoint.spec or LoraConfig(
-            rank=checkpoint.rank,
-            **{flag: group in adapters for group, flag in GROUP_FLAGS.items()},
-        )
-        check_lora_config(spec, self.max_rank)
-        if spec.rank != checkpoint.rank or set(adapters) != trained_groups(spec):
-            raise UserError(f"{directory.name}: the adapter's layers do not match its LoRA spec")
-        return checkpoint, spec, adapters
-
-    def _write_slot(
-        self,
-        slot: int,
-        checkpoint: AdapterCheckpoint,
-        spec: LoraConfig,
-        adapters: set[LayerGroup],
-        buffers: list[tuple[str, torch.Tensor]],
-    ) -> None:
-        """Overwrite a slot's scales and `buffers` (weights, maybe moments) from a checkpoint."""
-        self.bank.clear_slot(slot)
-        self.bank.set_scales(
-            slot, rank=spec.rank, groups=adapters, lora_alpha=checkpoint.lora_alpha
-        )
-        stored = {**checkpoint.tensors, **(checkpoint.moments or {})}
-        for suffix, buffer in buffers:
-            for layout, a, b in self.bank.slot_views(buffer, slot, spec.rank):
-                if layout.group in adapters:
-                    a.copy_(stored[adapter_key(layout.path, "A") + suffix])
-                    b.copy_(stored[adapter_key(layout.path, "B") + suffix])
-
-    # -- inference-only snapshots --------------------------------------------------------------
-    # A snapshot is a sampler checkpoint in a slot of its own that only sampling passes read: it
-    # is never trained, stepped or saved, so what it samples cannot change. Snapshots live in the
-    # slots no tenant holds; a tenant that needs a slot takes the least recently used snapshot's.
-
-    def load_snapshot(self, key: str, directory: Path) -> None:
-        """Load a sampler checkpoint as snapshot `key`; a key already loaded is only marked used.
-
-        Takes a free slot, else the least recently used snapshot's, else parks the least recently
-        used tenant (restored on its next request): sampling keeps working on a full worker.
-        """
-        if key in self._snapshots:
-            self._snapshots.move_to_end(key)
-            return
-        checkpoint, spec, adapters = self._read_adapter(directory, with_optimizer=False)
-        slot = self._slot_for_tenant(keep=())
-        self._write_slot(slot, checkpoint, spec, adapters, [("", self.bank.weights)])
-        self._snapshots[key] = slot
-
-    def has_snapshot(self, key: str) -> bool:
-        return key in self._snapshots
-
-    def snapshot_slot(self, key: str) -> int:
-        """The slot of snapshot `key`, marked as just used; `NotFound` if it is not loaded."""
-        slot = self._snapshots.get(key)
-        if slot is None:
-            raise NotFound(f"snapshot {key!r} is not loaded on this worker")
-        self._snapshots.move_to_end(key)
-        return slot
-
-    def snapshot_capacity(self) -> int:
-        """How many snapshots fit at once: the slots no resident tenant holds."""
-        return self.max_slots - len(self._tenants)
-
-    def drop_snapshot(self, key: str) -> None:
-        """Free a snapshot's slot and zero it; dropping an unknown key is a no-op."""
-        slot = self._snapshots.pop(key, None)
-        if slot is not None:
-            self.bank.clear_slot(slot)
-
-    # -- residency ---------------------------------------------------------------------------
-
-    def _spec(self, model_id: str) -> LoraConfig:
-        tenant = self._tenants.get(model_id)
-        if tenant is not None:
-            return tenant.spec
-        parked = self.parked.get(model_id)
-        if parked is None:
-            raise NotFound(f"model_id {model_id!r} has no adapter on this worker")
-        return parked.spec
-
-    def _sub_calls(self, model_ids: list[str]) -> list[list[int]]:
-        """A call's item indices split into runs of at most `max_slots` distinct tenants.
-
-        Resident tenants go first, so a call that fits is one run and one that does not parks
-        as few tenants as it can. Each run keeps its items in request order.
-        """
-        distinct = list(dict.fromkeys(model_ids))
-        distinct.sort(key=lambda model_id: model_id not in self._tenants)  # stable
-        run_of = {model_id: n // self.max_slots for n, model_id in enumerate(distinct)}
-        runs: list[list[int]] = [[] for _ in range(-(-len(distinct) // self.max_slots))]
-        for index, model_id in enumerate(model_ids):
-            runs[run_of[model_id]].append(index)
-        return runs
-
-    def _make_resident(self, model_ids: list[str]) -> list[Tenant]:
-        """Each listed model's tenant (per item), restoring parked ones; all marked just used.
-
-        A restored tenant takes a free slot, else a snapshot's, else the slot of the least
-        recently used resident tenant that is not listed (parked).
-        """
-        wanted = list(dict.fromkeys(model_ids))
-        if len(wanted) > self.max_slots:
-            raise ServerError(
-                f"one pass needs {len(wanted)} adapters; this worker has {self.max_slots} slots"
-            )
-        for model_id in wanted:
-            self._spec(model_id)  # NotFound before anything moves
-        # Out of parking before any slot is freed, so parking others cannot drop these.
-        returning = [
-            (model_id, parked)
-            for model_id in wanted
-            if model_id not in self._tenants and (parked := self.parked.pop(model_id)) is not None
-        ]
-        for model_id in wanted:
-            if model_id in self._tenants:
-                self._tenants.move_to_end(model_id)
-        for model_id, parked in returning:
-            slot = self._slot_for_tenant(keep=wanted)
-            self._tenants[model_id] = self.parked.restore(parked, slot)
-            log.debug("restored model_id %s into slot %d", model_id, slot)
-        return [self._tenants[model_id] for model_id in model_ids]
-
-    def _slot_for_tenant(self, keep: Collection[str]) -> int:
-        """A slot for a tenant: free, else a snapshot's, else a parked tenant's (not in `keep`)."""
-        slot = self._free_slot()
-        if slot is not None:
-            return slot
-        victim = next((model_id for model_id in self._tenants if model_id not in keep), None)
-        if victim is None:
-            raise ServerError(
-                f"no free adapter slot: all {self.max_slots} slots are needed by this call"
-            )
-        tenant = self._tenants.pop(victim)
-        self.parked.park(victim, tenant)
-        log.debug("parked model_id %s from slot %d", victim, tenant.slot)
-        return tenant.slot
-
-    # -- helpers -----------------------------------------------------------------------------
-
-    def _free_slot(self) -> int | None:
-        """A slot nobody holds, else the least recently used snapshot's (evicted); None when
-        resident tenants hold every slot."""
-        used = {tenant.slot for tenant in self._tenants.values()}
-        used.update(self._snapshots.values())
-        for slot in range(self.max_slots):
-            if slot not in used:
-                return slot
-        if self._snapshots:
-            key, slot = next(iter(self._snapshots.items()))
-            self.drop_snapshot(key)
-            return slot
-        return None
+            results.update(zip(indices, self.optimizer.step(slots, adams), strict=True))
+        return [results[index] for index in range(len(steps))]
 
 
 def _pack_rows(
@@ -571,10 +411,13 @@ def _pack_rows(
     return segments, item_rows, rows
 
 
+def _not_finite(what: str, detail: str) -> UserError:
+    return UserError(
+        f"forward_backward: the {what} is not finite ({detail}); check the loss inputs "
+        "(weights, advantages, logprobs) for values too large for float32. This request "
+        "added no gradient."
+    )
+
+
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy()
-
-
-def _exported(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous fp32 CPU copy, detached from the live buffer."""
-    return tensor.detach().to("cpu", torch.float32).clone(memory_format=torch.contiguous_format)

@@ -132,7 +132,7 @@ class MultiSlotLoraLinear(nn.Module):
         self.routing = routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)
+        y: torch.Tensor = self.base_layer(x)
         segments = self.routing.segments
         if not segments:
             return y

@@ -162,7 +162,8 @@ class TorchSampler:
                 rows.append(self._row(index, slots[index], spec, sample_index))
                 source.append(prefill_row)
         expand = torch.tensor(source, device=device)
-        cache.reorder_cache(expand)
+        # `reorder_cache` is annotated LongTensor; any int64 index tensor is what it takes.
+        cache.reorder_cache(expand)  # type: ignore[arg-type]
         attention_mask = attention_mask[expand]
         next_logits = logits[:, -1][expand]
         del logits
@@ -175,7 +176,7 @@ class TorchSampler:
                 break
             if len(keep) < len(active):
                 kept = torch.tensor(keep, device=device)
-                cache.reorder_cache(kept)
+                cache.reorder_cache(kept)  # type: ignore[arg-type]
                 attention_mask = attention_mask[kept]
                 active = [active[i] for i in keep]
                 tokens = [tokens[i] for i in keep]

@@ -172,12 +172,13 @@ class VllmSampler:
             dtype = "float32" if current_platform.is_cpu() else "bfloat16"
         args = AsyncEngineArgs(
             model=self.base_model,
-            dtype=dtype,
-            max_model_len=self.max_model_len,
+            # vLLM annotates these as Literals (and max_model_len as int, default None).
+            dtype=dtype,  # type: ignore[arg-type]
+            max_model_len=self.max_model_len,  # type: ignore[arg-type]
             seed=self.seed,
             enforce_eager=True,
             enable_lora=True,
-            max_lora_rank=self.engine_lora_rank,
+            max_lora_rank=self.engine_lora_rank,  # type: ignore[arg-type]
             max_loras=self.max_loras,
             lora_target_modules=list(LORA_TARGET_MODULES),
             logprobs_mode="raw_logprobs",
@@ -371,7 +372,11 @@ def _sequence(request_id: str, completion: CompletionOutput) -> SampledSequence:
     steps = completion.logprobs or []
     if len(steps) != len(tokens):
         raise ServerError(f"{request_id}: {len(steps)} logprobs for {len(tokens)} tokens")
-    logprobs = [float(step[token].logprob) for token, step in zip(tokens, steps, strict=True)]
+    logprobs: list[float] = []
+    for token, step in zip(tokens, steps, strict=True):
+        if step is None:
+            raise ServerError(f"{request_id}: no logprob for sampled token {token}")
+        logprobs.append(float(step[token].logprob))
     return SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=stop_reason)
 
 

@@ -6,7 +6,8 @@ step, then saves/loads (`workers/scheduler.py`), and runs them on the engine's s
 Step 5: each op's outcome is written to KV `tw_futures`, then the op is acked; a crash between
 the two only re-runs the op and rewrites the same key.
 
-A bad op fails alone with a `user` error; the rest of its pass still runs.
+A bad op fails alone with a `user` error; the rest of its pass still runs. An engine call that
+raises is re-run in halves until the ops that make it fail are alone (`workers.isolation`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import shutil
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -53,6 +55,7 @@ from protocol.records import CheckpointRecord, WorkerRecord
 from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
 from workers.bus import WorkerBus
 from workers.engine import Engine
+from workers.isolation import isolate
 from workers.scheduler import Cycle, plan
 from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
@@ -61,6 +64,8 @@ log = logging.getLogger(__name__)
 
 Item = Pending[Msg]
 Result = tuple[Outcome, CheckpointRecord | None]
+C = TypeVar("C")  # one engine call's item: (model_id, request) or (model_id, AdamParams)
+R = TypeVar("R")
 
 
 def _done(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
@@ -260,7 +265,14 @@ class TrainerService:
         try:
             results: list[Result] = await loop.run_in_executor(self.executor, fn, items)
         except Exception:
-            log.exception("engine batch of %d ops crashed", len(items))
+            # A pass or a fused step isolates engine faults per request inside `fn`
+            # (`_transactions`); what gets here is a lone op of `_other` that crashed, or a
+            # fault of the cycle's own code that no request can be blamed for.
+            log.exception(
+                "cycle of %d ops failed: %s",
+                len(items),
+                ", ".join(item.job.request_id for item in items),
+            )
             err = ServerError("the worker failed while running this request; see the worker log")
             results = [(_failed(item.job, err), None) for item in items]
         finally:
@@ -327,8 +339,12 @@ class TrainerService:
             batch.append((job.model_id, request))
             batch_index.append(i)
         if batch:
-            results = self.engine.forward_backward(batch)
+            jobs = [items[i].job for i in batch_index]
+            results = self._transactions(self.engine.forward_backward, batch, jobs)
             for i, result in zip(batch_index, results, strict=True):
+                if isinstance(result, TwinkleError):
+                    outcomes[i] = _failed(items[i].job, result)
+                    continue
                 payload = encode_forward_backward_output(
                     result.loss_fn_outputs, result.metrics, result.loss_fn_output_type
                 )
@@ -337,8 +353,8 @@ class TrainerService:
 
     def _optim_steps(self, items: list[Item]) -> list[Result]:
         outcomes: dict[int, Outcome] = {}
-        steps = []
-        index = []
+        steps: list[tuple[str, api.AdamParams]] = []
+        index: list[int] = []
         for i, item in enumerate(items):
             job = item.job
             assert isinstance(job, OptimStepJob)
@@ -351,11 +367,32 @@ class TrainerService:
             steps.append((job.model_id, job.adam))
             index.append(i)
         if steps:
-            for i, metrics in zip(index, self.engine.optim_step(steps), strict=True):
-                outcomes[i] = _done(
-                    items[i].job, api.encode(api.OptimStepResponse(metrics=metrics))
-                )
+            jobs = [items[i].job for i in index]
+            results = self._transactions(self.engine.optim_step, steps, jobs)
+            for i, result in zip(index, results, strict=True):
+                if isinstance(result, TwinkleError):
+                    outcomes[i] = _failed(items[i].job, result)
+                else:
+                    outcomes[i] = _done(
+                        items[i].job, api.encode(api.OptimStepResponse(metrics=result))
+                    )
         return [(outcomes[i], None) for i in range(len(items))]
+
+    def _transactions(
+        self, run: Callable[[list[C]], Sequence[R]], calls: list[C], jobs: list[Job]
+    ) -> list[R | TwinkleError]:
+        """`run(calls)` one engine transaction at a time (`Engine.sub_calls`); a transaction
+        that raises has changed nothing and is re-run in halves until the requests that make it
+        fail are alone (`workers.isolation`), so only those fail."""
+        results: dict[int, R | TwinkleError] = {}
+        for group in self.engine.sub_calls([job.model_id for job in jobs]):
+            outputs = isolate(
+                lambda indices: run([calls[i] for i in indices]),
+                group,
+                describe=lambda i: jobs[i].request_id,
+            )
+            results.update(zip(group, outputs, strict=True))
+        return [results[i] for i in range(len(calls))]
 
     def _other(self, items: list[Item]) -> list[Result]:
         (item,) = items

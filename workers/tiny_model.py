@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -91,7 +91,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -109,7 +109,7 @@ def _config(
     if num_layers < 1:
         raise ValueError("num_layers must be at least 1")
     heads = hidden_size // HEAD_DIM
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -165,7 +165,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = (Qwen3ForCausalLM if arch == "qwen3" else Qwen3_5ForCausalLM)(config)
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )
     directory.mkdir(parents=True, exist_ok=True)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    transformers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     path = build_tiny_model(
         args.directory,
         args.arch,

@@ -1,0 +1,244 @@
+"""Fault isolation in the trainer engine (fp32, CPU): a tenant whose step or loss goes non-finite
+fails alone with a user error, its slot stays bit-identical to before the call, and every other
+tenant of the same fused step or shared pass gets bit-identically what it gets without it.
+
+Each test runs a faulty engine beside a reference engine in which the culprit behaves, and compares
+whole slot rows bit for bit (NaN and the sign of zero included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.api import AdamParams, LoraConfig
+from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.tensors import FwdBwdOutput, FwdBwdRequest
+from tests.test_engine import make_request, perturb_b
+from workers.engine import Engine
+from workers.isolation import isolate
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
+CLIPPED = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=0.5)
+SPECS = {
+    "a": LoraConfig(rank=4, seed=1),
+    "b": LoraConfig(rank=8, seed=2, train_mlp=False),
+    "c": LoraConfig(rank=2, seed=3, train_attn=False),
+}
+
+
+@pytest.fixture
+def make_engine(random_qwen3: Path) -> Callable[..., Engine]:
+    """An engine holding the SPECS tenants with non-zero B matrices (so A gets gradient)."""
+
+    def make(cls: type[Engine] = Engine) -> Engine:
+        engine = cls(str(random_qwen3), max_slots=3, max_rank=8)
+        for index, (model_id, spec) in enumerate(SPECS.items()):
+            engine.create(model_id, spec)
+            perturb_b(engine, model_id, seed=10 + index)
+        return engine
+
+    return make
+
+
+def slot_state(engine: Engine, model_id: str) -> dict[str, torch.Tensor | int]:
+    """Copies of everything a tenant's slot holds: whole rows, padding included."""
+    slot = engine.slot(model_id)
+    return {
+        "weights": engine.bank.weights[slot].clone(),
+        "grads": engine.bank.grads[slot].clone(),
+        "exp_avg": engine.optimizer.exp_avg[slot].clone(),
+        "exp_avg_sq": engine.optimizer.exp_avg_sq[slot].clone(),
+        "step": engine.optimizer.steps[slot],
+    }
+
+
+def assert_same_bits(a: dict[str, torch.Tensor | int], b: dict[str, torch.Tensor | int]) -> None:
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor)
+            assert torch.equal(value.view(torch.int32), other.view(torch.int32)), key
+        else:
+            assert value == other, key
+
+
+def requests(seed: int) -> list[tuple[str, FwdBwdRequest]]:
+    rng = np.random.default_rng(seed)
+    lengths = {"a": [5, 3], "b": [4, 6], "c": [7]}
+    return [(model_id, make_request(model_id, lengths[model_id], rng)) for model_id in SPECS]
+
+
+def train_round(engine: Engine, seed: int) -> None:
+    results = engine.forward_backward(requests(seed))
+    assert all(isinstance(result, FwdBwdOutput) for result in results)
+
+
+# -- the fused optimizer step -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("a_adam", [ADAM, CLIPPED], ids=["plain", "clipped"])
+def test_overflowing_learning_rate_fails_alone(
+    make_engine: Callable[..., Engine], a_adam: AdamParams
+) -> None:
+    faulty, reference = make_engine(), make_engine()
+    for engine in (faulty, reference):
+        train_round(engine, seed=1)
+        engine.optim_step([("a", a_adam), ("b", ADAM)])
+        train_round(engine, seed=2)
+    b_before = slot_state(faulty, "b")
+
+    a_result, b_result = faulty.optim_step(
+        [("a", a_adam), ("b", AdamParams(learning_rate=1e38, grad_clip_norm=1.0))]
+    )
+    reference_a, reference_b = reference.optim_step([("a", a_adam), ("b", ADAM)])
+
+    assert a_result == reference_a and isinstance(a_result, dict)
+    assert_same_bits(slot_state(faulty, "a"), slot_state(reference, "a"))
+    assert isinstance(b_result, UserError) and b_result.category == "user"
+    assert "overflow float32" in b_result.message and "learning_rate" in b_result.message
+    assert_same_bits(slot_state(faulty, "b"), b_before)
+    # Nothing of B's was lost: retried with a sane rate, it takes the step the reference's B took.
+    assert faulty.optim_step([("b", ADAM)]) == [reference_b]
+    assert_same_bits(slot_state(faulty, "b"), slot_state(reference, "b"))
+
+
+@pytest.mark.parametrize(
+    ("poison", "adam", "fragment"),
+    [
+        (float("nan"), ADAM, "gradient is not finite"),
+        (float("inf"), CLIPPED, "gradient is not finite (its L2 norm is inf)"),
+        (1e25, ADAM, "update is not finite"),  # finite, but its square overflows exp_avg_sq
+    ],
+    ids=["nan-gradient", "inf-gradient-clipped", "overflowing-update"],
+)
+def test_non_finite_gradient_or_update_fails_alone(
+    make_engine: Callable[..., Engine], poison: float, adam: AdamParams, fragment: str
+) -> None:
+    faulty, reference = make_engine(), make_engine()
+    for engine in (faulty, reference):
+        train_round(engine, seed=3)
+        engine.optim_step([("a", CLIPPED), ("b", ADAM)])
+        train_round(engine, seed=4)
+    faulty.bank.grads[faulty.slot("b"), 7] = poison
+    b_before = slot_state(faulty, "b")
+
+    a_result, b_result = faulty.optim_step([("a", CLIPPED), ("b", adam)])
+    reference_a, _ = reference.optim_step([("a", CLIPPED), ("b", adam)])
+
+    assert a_result == reference_a and isinstance(a_result, dict)
+    assert_same_bits(slot_state(faulty, "a"), slot_state(reference, "a"))
+    assert isinstance(b_result, UserError) and fragment in b_result.message
+    assert_same_bits(slot_state(faulty, "b"), b_before)
+
+
+# -- the shared pass ----------------------------------------------------------------------------
+
+
+def poisoned(request: FwdBwdRequest, scale: float, alternate: bool) -> FwdBwdRequest:
+    """`request` with every loss weight at `scale` (signs alternating if `alternate`): finite
+    inputs whose loss (1e38) or, with the signs cancelling in the loss, gradient (2.5e37)
+    overflows float32."""
+    for datum in request.datums:
+        weights = np.full(datum.inputs["weights"].shape, scale, dtype=np.float32)
+        if alternate:
+            weights[1::2] *= -1
+        datum.inputs["weights"] = weights
+    return request
+
+
+def assert_same_output(got: object, want: object) -> None:
+    assert isinstance(got, FwdBwdOutput) and isinstance(want, FwdBwdOutput)
+    assert got.metrics == want.metrics and got.loss_fn_output_type == want.loss_fn_output_type
+    for left, right in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        for key in ("logprobs", "elementwise_loss"):
+            np.testing.assert_array_equal(left[key], right[key])
+
+
+@pytest.mark.parametrize(
+    ("scale", "alternate", "fragment"),
+    [(1e38, False, "the loss is not finite"), (2.5e37, True, "the gradient is not finite")],
+    ids=["overflowing-loss", "overflowing-gradient"],
+)
+def test_overflowing_item_fails_alone_in_a_shared_pass(
+    make_engine: Callable[..., Engine], scale: float, alternate: bool, fragment: str
+) -> None:
+    faulty, reference = make_engine(), make_engine()
+    for engine in (faulty, reference):
+        train_round(engine, seed=5)  # pending gradients from an earlier pass, in both slots
+    b_before = slot_state(faulty, "b")
+    rng = np.random.default_rng(6)
+    a_request = make_request("a", [5, 3], rng)
+    b_request = poisoned(make_request("b", [4, 6], rng), scale, alternate)
+    b_evaluation = make_request("b", [7], rng, forward_only=True)
+
+    a_result, b_result, b_evaluated = faulty.forward_backward(
+        [("a", a_request), ("b", b_request), ("b", b_evaluation)]
+    )
+    [a_solo] = reference.forward_backward([("a", a_request)])
+    [b_evaluated_solo] = reference.forward_backward([("b", b_evaluation)])
+
+    assert_same_output(a_result, a_solo)
+    assert_same_bits(slot_state(faulty, "a"), slot_state(reference, "a"))
+    assert isinstance(b_result, UserError) and b_result.category == "user"
+    assert fragment in b_result.message and "weights" in b_result.message
+    assert_same_output(b_evaluated, b_evaluated_solo)  # B's own evaluation still answers
+    assert_same_bits(slot_state(faulty, "b"), b_before)
+
+
+class ExplodingEngine(Engine):
+    """Once armed, raises in every pass that holds tenant "b", after the backward has moved
+    gradients."""
+
+    armed = False
+
+    def _run_pass(
+        self, batch: list[tuple[str, FwdBwdRequest]], *rest: Any
+    ) -> list[FwdBwdOutput | TwinkleError]:
+        results = super()._run_pass(batch, *rest)
+        if self.armed and any(model_id == "b" for model_id, _ in batch):
+            raise RuntimeError("injected fault after the backward")
+        return results
+
+
+def test_a_pass_that_raises_changes_no_gradient(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(ExplodingEngine)
+    assert isinstance(engine, ExplodingEngine)
+    train_round(engine, seed=7)  # pending gradients in every slot, to be protected
+    before = engine.bank.grads.clone()
+    engine.armed = True
+
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.forward_backward(requests(seed=8))
+    assert torch.equal(engine.bank.grads.view(torch.int32), before.view(torch.int32))
+
+
+def test_bisection_fails_only_the_culprit_of_a_raising_pass(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, reference = make_engine(ExplodingEngine), make_engine()
+    assert isinstance(engine, ExplodingEngine)
+    for each in (engine, reference):
+        train_round(each, seed=9)
+    b_before = slot_state(engine, "b")
+    engine.armed = True
+    batch = requests(seed=10)
+
+    a_result, b_result, c_result = isolate(
+        engine.forward_backward, batch, describe=lambda item: f"req-{item[0]}"
+    )
+    a_expected, c_expected = reference.forward_backward([item for item in batch if item[0] != "b"])
+
+    assert_same_output(a_result, a_expected)
+    assert_same_output(c_result, c_expected)
+    assert isinstance(b_result, ServerError) and "req-b" in b_result.message
+    for model_id in ("a", "c"):
+        assert_same_bits(slot_state(engine, model_id), slot_state(reference, model_id))
+    assert_same_bits(slot_state(engine, "b"), b_before)

@@ -1,0 +1,142 @@
+"""Slot checkpoint I/O: one slot of the adapter bank to and from a PEFT-layout directory.
+
+Job: export a tenant's slot as a checkpoint (`workers.checkpoints` owns the files and their
+layout), read a checkpoint and check it against this model before anything is touched, and
+write a checked checkpoint into a slot. Which slot a tenant or a snapshot holds is
+`workers.residency`'s decision; this module only moves the values of a slot it is given.
+
+Invariants:
+- Reading and checking change no state: a malformed or incompatible checkpoint is a `UserError`
+  before any slot is written.
+- Writing replaces the whole slot: weights and scales from the checkpoint, pending gradients
+  zeroed, Adam moments and step count from the checkpoint (`with_optimizer`) or reset.
+- Only the adapter's own rank and trained layer groups are exported, as contiguous fp32 CPU
+  copies, so weights and moments round-trip bit-exactly and rank padding stays 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from protocol.api import LoraConfig
+from protocol.errors import UserError
+from protocol.rules import check_lora_config
+from workers.checkpoints import (
+    MOMENTS,
+    AdapterCheckpoint,
+    adapter_key,
+    match_layers,
+    read_checkpoint,
+    target_modules_for,
+    write_checkpoint,
+)
+from workers.lora import LayerGroup, LoraBank
+from workers.optimizer import SlotAdamW
+from workers.parking import GROUP_FLAGS, Tenant, trained_groups
+
+
+@dataclass(frozen=True)
+class StoredAdapter:
+    """A checkpoint read and checked against this model, ready to be written into a slot."""
+
+    checkpoint: AdapterCheckpoint
+    spec: LoraConfig
+    groups: frozenset[LayerGroup]  # the layer groups the checkpoint covers
+
+
+class SlotCheckpoints:
+    """Checkpoint I/O for the slots of one bank and its optimizer state."""
+
+    def __init__(
+        self, bank: LoraBank, optimizer: SlotAdamW, *, base_model: str, linear_paths: list[str]
+    ) -> None:
+        self.bank = bank
+        self.optimizer = optimizer
+        self.base_model = base_model
+        # Every linear of the model, so `target_modules` selects exactly the trained ones.
+        self.linear_paths = linear_paths
+
+    def save(
+        self,
+        tenant: Tenant,
+        directory: Path,
+        *,
+        kind: Literal["weights", "sampler_weights"],
+        meta: dict[str, Any],
+    ) -> int:
+        """Write the slot as a PEFT checkpoint (plus optimizer state for `weights`); bytes written."""
+        tensors = self._export(tenant, self.bank.weights)
+        moments: dict[str, torch.Tensor] | None = None
+        if kind == "weights":
+            moments = {}
+            for moment in MOMENTS:
+                buffer = getattr(self.optimizer, moment)
+                moments.update(self._export(tenant, buffer, suffix=f".{moment}"))
+        groups = trained_groups(tenant.spec)
+        trained_paths = [lay.path for lay in self.bank.layouts if lay.group in groups]
+        checkpoint = AdapterCheckpoint(
+            base_model=self.base_model,
+            rank=tenant.spec.rank,
+            lora_alpha=tenant.lora_alpha,
+            target_modules=target_modules_for(trained_paths, self.linear_paths),
+            tensors=tensors,
+            spec=tenant.spec,
+            moments=moments,
+            step=self.optimizer.steps[tenant.slot],
+            meta=meta,
+        )
+        return write_checkpoint(directory, checkpoint, kind=kind)
+
+    def read(self, directory: Path, *, with_optimizer: bool) -> StoredAdapter:
+        """A checkpoint checked against this model; a `UserError` if it cannot be loaded."""
+        checkpoint = read_checkpoint(directory, with_optimizer=with_optimizer)
+        groups = match_layers(checkpoint, self.bank.layouts, max_rank=self.bank.max_rank)
+        spec = checkpoint.spec or LoraConfig(
+            rank=checkpoint.rank,
+            **{flag: group in groups for group, flag in GROUP_FLAGS.items()},
+        )
+        check_lora_config(spec, self.bank.max_rank)
+        if spec.rank != checkpoint.rank or groups != trained_groups(spec):
+            raise UserError(f"{directory.name}: the adapter's layers do not match its LoRA spec")
+        return StoredAdapter(checkpoint, spec, frozenset(groups))
+
+    def write(self, slot: int, stored: StoredAdapter, *, with_optimizer: bool) -> Tenant:
+        """Overwrite `slot` with a checked checkpoint; the slot's old content goes entirely."""
+        checkpoint, spec = stored.checkpoint, stored.spec
+        self.optimizer.reset_slot(slot)
+        buffers = [("", self.bank.weights)]
+        if with_optimizer:
+            buffers += [(f".{moment}", getattr(self.optimizer, moment)) for moment in MOMENTS]
+            self.optimizer.steps[slot] = checkpoint.step
+        self.bank.clear_slot(slot)
+        self.bank.set_scales(
+            slot, rank=spec.rank, groups=stored.groups, lora_alpha=checkpoint.lora_alpha
+        )
+        values = {**checkpoint.tensors, **(checkpoint.moments or {})}
+        for suffix, buffer in buffers:
+            for layout, a, b in self.bank.slot_views(buffer, slot, spec.rank):
+                if layout.group in stored.groups:
+                    a.copy_(values[adapter_key(layout.path, "A") + suffix])
+                    b.copy_(values[adapter_key(layout.path, "B") + suffix])
+        return Tenant(slot, spec, checkpoint.lora_alpha)
+
+    def _export(
+        self, tenant: Tenant, buffer: torch.Tensor, *, suffix: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """The trained layers' matrices of a slot in `buffer`, by PEFT key (+ suffix), on the CPU."""
+        groups = trained_groups(tenant.spec)
+        exported: dict[str, torch.Tensor] = {}
+        for layout, a, b in self.bank.slot_views(buffer, tenant.slot, tenant.spec.rank):
+            if layout.group in groups:
+                exported[adapter_key(layout.path, "A") + suffix] = _exported(a)
+                exported[adapter_key(layout.path, "B") + suffix] = _exported(b)
+        return exported
+
+
+def _exported(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous fp32 CPU copy, detached from the live buffer."""
+    return tensor.detach().to("cpu", torch.float32).clone(memory_format=torch.contiguous_format)

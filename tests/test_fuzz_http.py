@@ -13,8 +13,9 @@ the smallest example seen. `test_cluster_still_trains_after_fuzzing` then checks
 survived, and `test_no_property_violations` fails with the whole list: run it together with the
 fuzz tests it sums up (e.g. `-k "forward_backward or no_property"`).
 
-`TWINKLE_FUZZ_SHRINK=1`: a violation raises at once, so hypothesis shrinks each distinct one to a
-minimal example (slower). `TWINKLE_FUZZ_REPORT=<file>`: the findings are also written as JSON.
+`TWINKLE_FUZZ_SHRINK=1` (or `=<part of a signature>`): a violation raises at once, so hypothesis
+shrinks each distinct one to a minimal example (slower). `TWINKLE_FUZZ_REPORT=<file>`: the
+findings are also written as JSON.
 """
 
 from __future__ import annotations

@@ -59,6 +59,13 @@ class NotFound(UserError):
     status = 404
 
 
+class Gone(UserError):
+    """The id named something that has ended (a finished session): the SDK stops using it."""
+
+    code = "gone"
+    status = 410
+
+
 class Unauthorized(UserError):
     """Missing or wrong API key."""
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
+
+import msgspec
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import UserError
@@ -35,6 +38,58 @@ def check_id(field: str, value: str) -> str:
             " A-Z a-z 0-9 . _ : -)"
         )
     return value
+
+
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_request_id(field: str, value: str) -> str:
+    """A request id: what `new_request_id` makes, `req-<hex>-<kind>`; it is used as a KV key."""
+    if not value or len(value) > MAX_ID_CHARS or not _REQUEST_ID_RE.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise UserError(
+            f"{field}: {shown!r} is not a request id this server returned (at most"
+            f" {MAX_ID_CHARS} characters of A-Z a-z 0-9 _ -)"
+        )
+    return value
+
+
+# -- user metadata ------------------------------------------------------------------------------
+
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_CHARS = 1024
+
+
+def check_user_metadata(field: str, metadata: dict[str, Any] | None) -> dict[str, str]:
+    """Free-form labels, stored and listed as strings (the SDK reads them back as `str`).
+
+    The SDK lets a client send any JSON value; a non-string is kept as its JSON text, so
+    `{"epoch": 3}` lists as `{"epoch": "3"}`. Bounded in entries and characters.
+    """
+    stored: dict[str, str] = {}
+    for key, value in (metadata or {}).items():
+        text = value if isinstance(value, str) else _JSON.encode(value).decode()
+        if len(key) > MAX_METADATA_CHARS or len(text) > MAX_METADATA_CHARS:
+            raise UserError(
+                f"{field}: entry {key[:40]!r} is longer than {MAX_METADATA_CHARS} characters"
+            )
+        stored[key] = text
+    if len(stored) > MAX_METADATA_ENTRIES:
+        raise UserError(f"{field}: {len(stored)} entries, at most {MAX_METADATA_ENTRIES}")
+    return stored
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def check_tags(field: str, tags: list[str]) -> list[str]:
+    """A session's tags: a few short labels."""
+    if len(tags) > MAX_METADATA_ENTRIES or any(len(tag) > MAX_METADATA_CHARS for tag in tags):
+        raise UserError(
+            f"{field}: at most {MAX_METADATA_ENTRIES} tags of at most {MAX_METADATA_CHARS}"
+            " characters"
+        )
+    return list(tags)
 
 
 # -- checkpoint names ---------------------------------------------------------------------------

@@ -42,6 +42,7 @@ _TOKEN_DTYPE = np.dtype("<i4")
 # held to a budget before anything is allocated. The default is one element per byte of the
 # chunk size the gateway announces (4 MiB): four times what any dense request of that size holds.
 DEFAULT_MAX_REQUEST_ELEMENTS = 4 * 1024 * 1024
+MAX_DIMS = 8  # loss inputs are [N] or [N, K]; anything deeper is refused before numpy sees it
 _OFFSET_DTYPE = np.dtype("<i8")
 
 
@@ -143,6 +144,8 @@ def tensor_to_numpy(msg: pb.Tensor, *, where: str = "tensor", pad: float = 0) ->
     if msg.dtype not in _WIRE_DTYPES:
         raise UserError(f"{where}: unsupported dtype {msg.dtype}")
     shape = [int(s) for s in msg.shape]
+    if len(shape) > MAX_DIMS:
+        raise UserError(f"{where}: {len(shape)} dimensions; at most {MAX_DIMS}")
     if any(s < 0 for s in shape):
         raise UserError(f"{where}: negative dimension in shape {shape}")
     if msg.WhichOneof("encoding") == "sparse_csr":
@@ -224,10 +227,13 @@ def _parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
 
 
 def _declared_elements(tensor: pb.Tensor) -> int:
-    """The cells a tensor declares: its shape's product, or its dense values when 1-D unshaped."""
+    """The cells a tensor declares: its shape's product, or its dense values when 1-D unshaped.
+
+    A zero dimension counts as one, so `[0, 2**62]` cannot slip an absurd shape past the budget.
+    """
     shape = [int(s) for s in tensor.shape]
     if shape:
-        return math.prod(max(s, 0) for s in shape)
+        return math.prod(max(s, 1) for s in shape)
     if tensor.WhichOneof("encoding") == "sparse_csr":
         return 0  # refused when decoded: a sparse tensor needs a 2-D shape
     itemsize = _WIRE_DTYPES[tensor.dtype].itemsize if tensor.dtype in _WIRE_DTYPES else 1

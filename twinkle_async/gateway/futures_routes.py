@@ -32,7 +32,7 @@ async def _owned(request: web.Request, outcome: Outcome) -> bool:
 @routes.post("/api/v1/retrieve_future")
 async def retrieve_future(request: web.Request) -> web.Response:
     body = await read_json(request, api.FutureRetrieveRequest)
-    rules.check_id("request_id", body.request_id)
+    rules.check_request_id("request_id", body.request_id)
     outcome = await request.app[FUTURES].wait(body.request_id, request.app[SETTINGS].long_poll_s)
     if outcome is None or not await _owned(request, outcome):
         raise NotFound(f"request_id {body.request_id!r} not found (unknown or expired)")

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from protocol.errors import ErrorCategory, PayloadTooLarge, TwinkleError, Unauthorized
+from protocol.errors import ErrorCategory, PayloadTooLarge, TwinkleError, Unauthorized, UserError
 from twinkle_async.gateway.state import SETTINGS, TENANT
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(err)
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(PayloadTooLarge(f"request body too large: {exc.text}"))
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own answers (no route, wrong method) in the same JSON shape as ours
+        reason = f"{request.method} {request.path[:100]}: {exc.reason}"
+        return error_response(
+            UserError(reason, code=exc.reason.lower().replace(" ", "_"), status=exc.status)
+        )
     except Exception:
         incident = uuid.uuid4().hex[:12]
         log.exception("%s %s crashed (incident %s)", request.method, request.path, incident)

@@ -50,17 +50,19 @@ def run_view(run: RunRecord, ckpts: list[CheckpointRecord]) -> api.TrainingRun:
     )
 
 
+_MAX_QUERY_INT = 10**9
+
+
 def _int_param(request: web.Request, name: str, default: int) -> int:
+    """A non-negative decimal query parameter (ASCII digits only, at most 10**9)."""
     raw = request.query.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UserError(f"query parameter {name} must be an integer, got {raw!r}") from None
-    if value < 0:
-        raise UserError(f"query parameter {name} must be >= 0")
-    return value
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 10) or int(raw) > _MAX_QUERY_INT:
+        raise UserError(
+            f"query parameter {name}: {raw[:20]!r} is not an integer in 0..{_MAX_QUERY_INT}"
+        )
+    return int(raw)
 
 
 @routes.get("/api/v1/training_runs")

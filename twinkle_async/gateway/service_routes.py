@@ -7,8 +7,8 @@ import uuid
 
 from aiohttp import web
 
-from protocol import api
-from protocol.errors import NotFound
+from protocol import api, rules
+from protocol.errors import Gone, NotFound
 from protocol.records import SessionRecord
 from twinkle_async.gateway.bodies import json_response, read_json
 from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
@@ -69,9 +69,9 @@ async def create_session(request: web.Request) -> web.Response:
         tenant_id=request[TENANT],
         created_at=now,
         last_heartbeat=now,
-        tags=list(body.tags),
-        user_metadata=dict(body.user_metadata or {}),
-        sdk_version=body.sdk_version or "",
+        tags=rules.check_tags("tags", body.tags),
+        user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
+        sdk_version=(body.sdk_version or "")[:64],
     )
     await request.app[REGISTRY].put_session(session)
     return json_response(api.CreateSessionResponse(session_id=session.session_id))
@@ -83,7 +83,7 @@ async def session_heartbeat(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     session = await registry.session(body.session_id, request[TENANT])
     if session.finished:
-        return json_response({"detail": f"session {body.session_id!r} is finished"}, status=410)
+        raise Gone(f"session {body.session_id!r} is finished")
     session.last_heartbeat = time.time()
     await registry.put_session(session)
     return json_response(api.SessionHeartbeatResponse())

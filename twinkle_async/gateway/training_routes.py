@@ -78,7 +78,7 @@ async def create_model(request: web.Request) -> web.Response:
             lora=lora,
             created_at=now,
             last_request_time=now,
-            user_metadata=dict(body.user_metadata or {}),
+            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
         )
         await registry.put_run(run)
 
@@ -151,8 +151,9 @@ async def optim_step(request: web.Request) -> web.Response:
     async def build(request_id: str) -> Job:
         body = api.decode(raw, api.OptimStepRequest)
         if body.adam_params is None:
+            given = "optimizer_params (dimuon)" if body.optimizer_params else "nothing"
             raise UserError(
-                "optim_step: only adam_params is supported (the dimuon optimizer is not)"
+                f"adam_params: missing (got {given}); this server steps with AdamW only"
             )
         return OptimStepJob(
             request_id=request_id,
@@ -195,7 +196,7 @@ async def save_weights(request: web.Request) -> web.Response:
             name=name,
             kind="weights",
             ttl_seconds=_ttl(body.ttl_seconds),
-            user_metadata=_metadata(body.user_metadata),
+            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
             overwrite=body.overwrite,
         )
 
@@ -244,7 +245,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
             name=name,
             kind="sampler_weights",
             ttl_seconds=_ttl(body.ttl_seconds),
-            user_metadata=_metadata(body.user_metadata),
+            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
             sampling_session_id=session_sampler,
             overwrite=body.overwrite,
         )
@@ -259,22 +260,6 @@ def _ttl(ttl_seconds: int | None) -> int | None:
     if ttl_seconds is not None and not 1 <= ttl_seconds <= _MAX_TTL_S:
         raise UserError(f"ttl_seconds: {ttl_seconds} is out of range 1..{_MAX_TTL_S} (or null)")
     return ttl_seconds
-
-
-_MAX_METADATA_ENTRIES = 64
-_MAX_METADATA_CHARS = 1024
-
-
-def _metadata(user_metadata: dict[str, str] | None) -> dict[str, str]:
-    metadata = dict(user_metadata or {})
-    if len(metadata) > _MAX_METADATA_ENTRIES or any(
-        len(k) > _MAX_METADATA_CHARS or len(v) > _MAX_METADATA_CHARS for k, v in metadata.items()
-    ):
-        raise UserError(
-            f"user_metadata: at most {_MAX_METADATA_ENTRIES} entries of at most"
-            f" {_MAX_METADATA_CHARS} characters each"
-        )
-    return metadata
 
 
 @routes.post("/api/v1/load_weights")
@@ -326,7 +311,7 @@ async def load_weights(request: web.Request) -> web.Response:
             lora=ckpt.lora,
             created_at=now,
             last_request_time=now,
-            user_metadata=dict(body.user_metadata or {}),
+            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
         )
         await registry.put_run(created)
 

@@ -38,4 +38,4 @@ async def unknown_endpoint(request: web.Request) -> web.StreamResponse:
     async def build(request_id: str) -> Job:
         raise refusal
 
-    return await submit_sequenced(request, run, ref.seq_id, f"{endpoint[:40]}", raw, build)
+    return await submit_sequenced(request, run, ref.seq_id, "unsupported", raw, build)

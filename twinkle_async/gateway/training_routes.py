@@ -9,6 +9,7 @@ settles its `seq_id` (claim, tombstone on refusal, pending future, publish). Eac
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -22,7 +23,7 @@ from protocol.jobs import (
     OptimStepJob,
     SaveWeightsJob,
 )
-from protocol.records import CheckpointRecord, RunRecord, SamplerRecord
+from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord
 from protocol.tensors import check_budget, scan_forward_backward
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.sequenced import seq_ref, submit_sequenced
@@ -43,6 +44,37 @@ def _client_seq(field: str, value: int) -> int:
 def _check_optimizer(config: api.OptimizerConfig | None) -> None:
     if isinstance(config, api.DimuonOptimizerConfig):
         raise UserError("optimizer_config type 'dimuon' is not supported yet; use adamw")
+
+
+async def _new_run(
+    request: web.Request,
+    model_id: str,
+    session: SessionRecord,
+    base_model: str,
+    lora: api.LoraConfig,
+    user_metadata: dict[str, Any] | None,
+    now: float,
+) -> RunRecord:
+    """The run record a creation (create_model or create-via-load) makes, unless it exists.
+
+    A retried creation finds its own record; a different creation of the same id is refused
+    when it claims seq 0 with another body.
+    """
+    registry = request.app[REGISTRY]
+    run = await registry.find_run(model_id)
+    if run is None:
+        run = RunRecord(
+            model_id=model_id,
+            tenant_id=session.tenant_id,
+            session_id=session.session_id,
+            base_model=base_model,
+            lora=lora,
+            created_at=now,
+            last_request_time=now,
+            user_metadata=rules.check_user_metadata("user_metadata", user_metadata),
+        )
+        await registry.put_run(run)
+    return run
 
 
 async def _owned_run(request: web.Request, body: bytes) -> tuple[RunRecord, int | None]:
@@ -68,19 +100,7 @@ async def create_model(request: web.Request) -> web.Response:
     _check_optimizer(body.optimizer_config)
     model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
     now = time.time()
-    run = await registry.find_run(model_id)
-    if run is None:
-        run = RunRecord(
-            model_id=model_id,
-            tenant_id=tenant,
-            session_id=session.session_id,
-            base_model=body.base_model,
-            lora=lora,
-            created_at=now,
-            last_request_time=now,
-            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
-        )
-        await registry.put_run(run)
+    run = await _new_run(request, model_id, session, body.base_model, lora, body.user_metadata, now)
 
     async def build(request_id: str) -> Job:
         return CreateModelJob(
@@ -301,19 +321,9 @@ async def load_weights(request: web.Request) -> web.Response:
     registry.check_base_model(ckpt.base_model)
     model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
     now = time.time()
-    created = await registry.find_run(model_id)
-    if created is None:
-        created = RunRecord(
-            model_id=model_id,
-            tenant_id=tenant,
-            session_id=session.session_id,
-            base_model=ckpt.base_model,
-            lora=ckpt.lora,
-            created_at=now,
-            last_request_time=now,
-            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
-        )
-        await registry.put_run(created)
+    created = await _new_run(
+        request, model_id, session, ckpt.base_model, ckpt.lora, body.user_metadata, now
+    )
 
     async def build_create(request_id: str) -> Job:
         return LoadWeightsJob(

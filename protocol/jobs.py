@@ -19,6 +19,7 @@ import msgspec
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ErrorCategory
+from protocol.tensors import DEFAULT_MAX_REQUEST_ELEMENTS
 
 
 class JobBase(msgspec.Struct, frozen=True, tag_field="op"):
@@ -44,6 +45,7 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
     body: bytes = b""
     forward_only: bool = False
     n_tokens: int = 0
+    max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # the budget the gateway checked it against
 
 
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):

@@ -111,6 +111,13 @@ def gateway(
         list[str] | None, typer.Option("--base-model", help="advertise before a worker reports in")
     ] = None,
     fwdbwd_max_chunk_len: Annotated[int, typer.Option()] = 1024,
+    max_request_elements: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="tensor elements one forward_backward may declare (default: the chunk size in bytes)",
+        ),
+    ] = None,
     ready_file: Annotated[
         Path | None, typer.Option(help="write the base URL here as JSON once listening")
     ] = None,
@@ -126,6 +133,7 @@ def gateway(
         api_keys=load_api_keys(key_file, api_key),
         base_models=tuple(base_model or ()),
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
+        max_request_elements=max_request_elements,
         bus=bus_from_env(nats_url)
         if nats_url or os.environ.get("TWINKLE_NATS_URL")
         else BusSettings(),

@@ -9,8 +9,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.tensors import DEFAULT_MAX_REQUEST_ELEMENTS
-
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"TWINKLE_{name}", default)
@@ -43,8 +41,17 @@ class GatewaySettings:
     fwdbwd_max_chunk_len: int = 1024
     fwdbwd_max_chunk_bytes: int = 4 * 1024 * 1024
     # tensor elements one forward_backward may declare (dense or sparse), checked before
-    # anything is allocated; the worker decodes under the same budget
-    max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
+    # anything is allocated; the job carries it, so the worker decodes under the same budget.
+    # None: one element per byte of the chunk size announced to the SDK (4 Mi by default).
+    max_request_elements: int | None = None
+
+    @property
+    def request_elements_budget(self) -> int:
+        """The per-request element budget in force."""
+        if self.max_request_elements is not None:
+            return self.max_request_elements
+        return self.fwdbwd_max_chunk_bytes
+
     base_models: tuple[str, ...] = ()
     bus: BusSettings = field(default_factory=BusSettings)
 

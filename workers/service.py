@@ -331,7 +331,7 @@ class TrainerService:
             assert isinstance(job, ForwardBackwardJob)
             try:
                 self._require_model(job)
-                request = decode_forward_backward(job.body)
+                request = decode_forward_backward(job.body, job.max_elements)
                 self.engine.validate(job.model_id, request)
             except TwinkleError as err:
                 outcomes[i] = _failed(job, err)

@@ -148,7 +148,8 @@ async def forward_backward(request: web.Request) -> web.Response:
     async def build(request_id: str) -> Job:
         if not summary.n_datums:
             raise UserError("forward_backward: data is empty")
-        check_budget(summary, request.app[SETTINGS].max_request_elements)
+        budget = request.app[SETTINGS].request_elements_budget
+        check_budget(summary, budget)
         return ForwardBackwardJob(
             request_id=request_id,
             model_id=run.model_id,
@@ -158,6 +159,7 @@ async def forward_backward(request: web.Request) -> web.Response:
             body=raw,
             forward_only=summary.forward_only,
             n_tokens=summary.n_tokens,
+            max_elements=budget,
         )
 
     return await submit_sequenced(request, run, summary.seq_id, kind, raw, build)

@@ -66,6 +66,28 @@ class Gone(UserError):
     status = 410
 
 
+class Forbidden(UserError):
+    """The caller is known but may not do this (an admin call on a gateway without an admin key)."""
+
+    code = "forbidden"
+    status = 403
+
+
+class QuotaExceeded(UserError):
+    """A hard cap of the tenant's quota; the message names the limit and the current value."""
+
+    code = "quota_exceeded"
+    status = 403
+
+
+class RateLimited(UserError):
+    """Over a rate the queue cannot absorb: retry later (the SDK retries a 429 with backoff)."""
+
+    code = "rate_limited"
+    status = 429
+    retryable = True
+
+
 class Unauthorized(UserError):
     """Missing or wrong API key."""
 

@@ -46,6 +46,9 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
     forward_only: bool = False
     n_tokens: int = 0
     max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # the budget the gateway checked it against
+    # the tenant's rate limit lets it start then (Unix seconds; 0: at once), and why
+    not_before: float = 0.0
+    queue_reason: str = ""
 
 
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):
@@ -76,7 +79,13 @@ class LoadWeightsJob(JobBase, frozen=True, tag="load_weights"):
 
 
 class UnloadModelJob(JobBase, frozen=True, tag="unload_model"):
-    """Release the model's slot (session finished or expired)."""
+    """Release the model's slot (session finished or expired, or an older SDK's unload_model).
+
+    With `save_as`, the adapter and optimizer state are first saved as the training checkpoint
+    `tinker://<model_id>/weights/<save_as>` (replacing one of that name), so nothing is lost.
+    """
+
+    save_as: str = ""
 
 
 class TombstoneJob(JobBase, frozen=True, tag="tombstone"):
@@ -149,6 +158,9 @@ class Outcome(msgspec.Struct, frozen=True):
     created_at: float = 0.0
     finished_at: float = 0.0
     tenant_id: str = ""  # the owner: another tenant's request_id reads as unknown
+    # pending in its tenant's rate-limit queue until then (Unix seconds), and why
+    not_before: float = 0.0
+    queue_reason: str = ""
 
 
 class SeqClaim(msgspec.Struct, frozen=True):

@@ -24,6 +24,10 @@ class SessionRecord(msgspec.Struct):
     user_metadata: dict[str, str] = {}
     finished: bool = False
     sdk_version: str = ""
+    finished_at: float | None = None
+    finish_reason: str = (
+        ""  # "success", "errored", "interrupted", or "expired" (heartbeats stopped)
+    )
 
 
 class RunRecord(msgspec.Struct):
@@ -38,6 +42,7 @@ class RunRecord(msgspec.Struct):
     last_request_time: float
     user_metadata: dict[str, str] = {}
     corrupted: bool = False
+    unloaded_at: float | None = None  # its adapter left the worker (session finished)
 
 
 class CheckpointRecord(msgspec.Struct):
@@ -103,3 +108,69 @@ T = TypeVar("T")
 
 def decode(data: bytes, type_: type[T]) -> T:
     return msgspec.msgpack.decode(data, type=type_)
+
+
+# -- tenancy ------------------------------------------------------------------------------------
+
+
+class TenantRecord(msgspec.Struct):
+    """A tenant: the owner of sessions, runs, checkpoints and API keys (`tw_tenants`)."""
+
+    name: str
+    created_at: float
+    display_name: str = ""
+
+
+class KeyRecord(msgspec.Struct):
+    """An API key, stored under the sha256 of the key (`tw_keys`): never the key itself.
+
+    `prefix` is the key's first characters, enough for a person to tell keys apart in a list.
+    """
+
+    key_id: str
+    tenant_id: str
+    key_hash: str
+    prefix: str
+    created_at: float
+    label: str = ""
+    revoked_at: float | None = None
+
+
+class QuotaRecord(msgspec.Struct, omit_defaults=True):
+    """A tenant's limits (`tw_quotas`); `None` takes the deployment's default for that limit."""
+
+    tenant_id: str
+    max_adapters: int | None = None
+    max_rank: int | None = None
+    max_tokens_per_request: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_samples: int | None = None
+    max_checkpoint_bytes: int | None = None
+
+
+class UsageRecord(msgspec.Struct):
+    """What one worker ran for one tenant, cumulative since the worker started counting.
+
+    Each worker writes its own key (`tw_usage`, `<tenant>.<worker>`), so no two writers share a
+    counter; a tenant's usage is the sum over its keys.
+    """
+
+    tenant_id: str
+    worker_id: str
+    tokens_trained: int = 0
+    tokens_forward: int = 0
+    forward_backward_requests: int = 0
+    optim_steps: int = 0
+    samples: int = 0
+    sampled_tokens: int = 0
+    updated_at: float = 0.0
+
+
+class RateBucket(msgspec.Struct):
+    """A tenant's training-token bucket (`tw_usage`, `rate.<tenant>`): level and when measured.
+
+    The level may go negative: that debt is the queue of accepted work not yet allowed to run.
+    """
+
+    level: float
+    updated_at: float

@@ -54,6 +54,27 @@ def check_request_id(field: str, value: str) -> str:
     return value
 
 
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+
+
+def check_tenant_name(field: str, name: str) -> str:
+    """A tenant's name: its id everywhere (records, keys, metrics labels)."""
+    if not _TENANT_RE.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise UserError(
+            f"{field}: {shown!r} is not a valid tenant name (1 to 63 characters of a-z 0-9 _ -,"
+            " starting with a letter or digit)"
+        )
+    return name
+
+
+def check_label(field: str, label: str) -> str:
+    """A short free-text label (an API key's), printable, at most 200 characters."""
+    if len(label) > 200 or not label.isprintable():
+        raise UserError(f"{field}: at most 200 printable characters")
+    return label
+
+
 # -- user metadata ------------------------------------------------------------------------------
 
 MAX_METADATA_ENTRIES = 64

@@ -28,6 +28,7 @@ def buckets(futures_ttl_s: float) -> tuple[BucketSpec, ...]:
         BucketSpec(subjects.BUCKET_RUNS),
         BucketSpec(subjects.BUCKET_CHECKPOINTS),
         BucketSpec(subjects.BUCKET_KEYS),
+        BucketSpec(subjects.BUCKET_TENANTS),
         BucketSpec(subjects.BUCKET_QUOTAS),
         BucketSpec(subjects.BUCKET_USAGE),
         BucketSpec(subjects.BUCKET_LEASES, ttl_s=30.0),

@@ -105,6 +105,7 @@ class Cluster:
     data_dir: Path
     base_models: list[str]
     process: subprocess.Popen[bytes]
+    admin_key: str = ""
 
 
 def start_cluster(
@@ -156,7 +157,13 @@ def start_cluster(
         time.sleep(0.05)
     info = json.loads(ready.read_text())
     return Cluster(
-        info["base_url"], info["api_key"], info["nats_url"], data_dir, info["base_models"], proc
+        info["base_url"],
+        info["api_key"],
+        info["nats_url"],
+        data_dir,
+        info["base_models"],
+        proc,
+        info.get("admin_key", ""),
     )
 
 

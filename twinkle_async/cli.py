@@ -14,7 +14,13 @@ from typing import Annotated
 
 import typer
 
-from twinkle_async.settings import BusSettings, GatewaySettings, bus_from_env, load_api_keys
+from twinkle_async.settings import (
+    BusSettings,
+    GatewaySettings,
+    bus_from_env,
+    load_api_keys,
+    quota_defaults_from_env,
+)
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Twinkle Async: a Tinker-API training backend."
@@ -53,6 +59,19 @@ def up(
     key_file: Annotated[
         Path | None, typer.Option(help="more keys for more tenants: lines of 'tml-KEY TENANT'")
     ] = None,
+    admin_key: Annotated[
+        str | None,
+        typer.Option(envvar="TWINKLE_ADMIN_KEY", help="guards /admin/v1 (generated if absent)"),
+    ] = None,
+    session_timeout_s: Annotated[
+        float, typer.Option(help="finish a session whose heartbeats stop for this long")
+    ] = 120.0,
+    sweep_interval_s: Annotated[
+        float, typer.Option(help="how often expired sessions are looked for")
+    ] = 10.0,
+    rate_burst_s: Annotated[
+        float, typer.Option(help="seconds' worth of tokens_per_minute a tenant may burst")
+    ] = 60.0,
     max_slots: Annotated[int, typer.Option(help="adapter slots per worker")] = 8,
     max_rank: Annotated[int, typer.Option(help="largest LoRA rank a worker accepts")] = 32,
     fwdbwd_max_chunk_len: Annotated[
@@ -88,6 +107,10 @@ def up(
         port=port,
         data_dir=data_dir,
         api_key=api_key,
+        admin_key=admin_key,
+        session_timeout_s=session_timeout_s,
+        sweep_interval_s=sweep_interval_s,
+        rate_burst_s=rate_burst_s,
         extra_keys=load_api_keys(key_file, None) if key_file else {},
         ready_file=ready_file,
         worker_args=worker_args,
@@ -107,6 +130,21 @@ def gateway(
     port: Annotated[int, typer.Option()] = 8000,
     api_key: Annotated[str | None, typer.Option(help="a tml-... key for tenant 'default'")] = None,
     key_file: Annotated[Path | None, typer.Option(help="lines of 'tml-KEY TENANT'")] = None,
+    admin_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TWINKLE_ADMIN_KEY", help="guards /admin/v1 (none: the admin API is off)"
+        ),
+    ] = None,
+    session_timeout_s: Annotated[
+        float, typer.Option(help="finish a session whose heartbeats stop for this long")
+    ] = 120.0,
+    sweep_interval_s: Annotated[
+        float, typer.Option(help="how often expired sessions are looked for")
+    ] = 10.0,
+    rate_burst_s: Annotated[
+        float, typer.Option(help="seconds' worth of tokens_per_minute a tenant may burst")
+    ] = 60.0,
     base_model: Annotated[
         list[str] | None, typer.Option("--base-model", help="advertise before a worker reports in")
     ] = None,
@@ -134,6 +172,11 @@ def gateway(
         base_models=tuple(base_model or ()),
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
         max_request_elements=max_request_elements,
+        admin_key=admin_key,
+        quota_defaults=quota_defaults_from_env(),
+        session_timeout_s=session_timeout_s,
+        sweep_interval_s=sweep_interval_s,
+        rate_burst_s=rate_burst_s,
         bus=bus_from_env(nats_url)
         if nats_url or os.environ.get("TWINKLE_NATS_URL")
         else BusSettings(),

@@ -99,10 +99,31 @@ class FutureStore:
             if await self.bus.swap(subjects.BUCKET_RUNS, key, str(seq_id).encode(), revision):
                 return highest
 
+    async def next_seq(self, model_id: str) -> int:
+        """Reserve the seq after the highest one seen, for a call the server makes itself
+        (unloading a finished session's model runs after everything its client sent)."""
+        key = subjects.highest_seq_key(model_id)
+        while True:
+            entry = await self.bus.entry(subjects.BUCKET_RUNS, key)
+            seq = (int(entry[0]) if entry is not None else 0) + 1
+            revision = entry[1] if entry is not None else None
+            if await self.bus.swap(subjects.BUCKET_RUNS, key, str(seq).encode(), revision):
+                return seq
+
     async def record_pending(
-        self, request_id: str, request_type: str, model_id: str, tenant_id: str
+        self,
+        request_id: str,
+        request_type: str,
+        model_id: str,
+        tenant_id: str,
+        *,
+        not_before: float = 0.0,
+        queue_reason: str = "",
     ) -> None:
-        """Write the pending outcome, unless a result is already there (a retried submit)."""
+        """Write the pending outcome, unless a result is already there (a retried submit).
+
+        `not_before` and `queue_reason` say the request waits in its tenant's rate-limit queue.
+        """
         pending = Outcome(
             request_id=request_id,
             state="pending",
@@ -110,6 +131,8 @@ class FutureStore:
             model_id=model_id,
             created_at=now(),
             tenant_id=tenant_id,
+            not_before=not_before,
+            queue_reason=queue_reason,
         )
         await self.bus.create(
             subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(pending)

@@ -14,7 +14,14 @@ from nats.aio.subscription import Subscription
 
 from protocol import records, rules, subjects
 from protocol.errors import NotFound, UserError
-from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord, WorkerRecord
+from protocol.records import (
+    CheckpointRecord,
+    RunRecord,
+    SamplerRecord,
+    SessionRecord,
+    TenantRecord,
+    WorkerRecord,
+)
 from twinkle_async.bus import Bus
 
 log = logging.getLogger(__name__)
@@ -96,6 +103,45 @@ class Registry:
             raise NotFound(f"session {session_id!r} not found")
         return session
 
+    async def sessions(self, tenant_id: str | None) -> list[SessionRecord]:
+        """A tenant's sessions (every tenant's for None), oldest first."""
+        found = [
+            records.decode(value, SessionRecord)
+            for value in await self._bare_values(subjects.BUCKET_SESSIONS)
+        ]
+        mine = [s for s in found if tenant_id is None or s.tenant_id == tenant_id]
+        return sorted(mine, key=lambda session: session.created_at)
+
+    async def session_entry(self, session_id: str) -> tuple[SessionRecord, int] | None:
+        """A session and its KV revision, for a compare-and-set (finishing it exactly once)."""
+        entry = await self.bus.entry(subjects.BUCKET_SESSIONS, subjects.token(session_id))
+        return (records.decode(entry[0], SessionRecord), entry[1]) if entry else None
+
+    async def swap_session(self, session: SessionRecord, revision: int) -> bool:
+        return await self.bus.swap(
+            subjects.BUCKET_SESSIONS,
+            subjects.token(session.session_id),
+            records.encode(session),
+            revision,
+        )
+
+    # -- tenants -----------------------------------------------------------------------------
+
+    async def create_tenant(self, tenant: TenantRecord) -> bool:
+        """Store a new tenant; False when the name is taken."""
+        return await self.bus.create(subjects.BUCKET_TENANTS, tenant.name, records.encode(tenant))
+
+    async def tenant(self, name: str) -> TenantRecord | None:
+        data = await self.bus.get(subjects.BUCKET_TENANTS, name)
+        return records.decode(data, TenantRecord) if data else None
+
+    async def tenants(self) -> list[TenantRecord]:
+        found = [
+            records.decode(value, TenantRecord)
+            for value in await self.bus.values(subjects.BUCKET_TENANTS)
+        ]
+        return sorted(found, key=lambda tenant: tenant.created_at)
+
     # -- sampling sessions -------------------------------------------------------------------
 
     async def put_sampler(self, sampler: SamplerRecord) -> None:
@@ -130,13 +176,20 @@ class Registry:
             raise NotFound(f"model_id {model_id!r} not found")
         return run
 
-    async def runs(self, tenant_id: str) -> list[RunRecord]:
-        # run records are keyed by the bare token of their id; dotted keys hold per-run counters
-        keys = [key for key in await self.bus.keys(subjects.BUCKET_RUNS) if "." not in key]
-        values = await asyncio.gather(*(self.bus.get(subjects.BUCKET_RUNS, key) for key in keys))
-        found = [records.decode(value, RunRecord) for value in values if value]
-        mine = [run for run in found if run.tenant_id == tenant_id]
+    async def runs(self, tenant_id: str | None) -> list[RunRecord]:
+        """A tenant's runs (every tenant's for None), oldest first."""
+        found = [
+            records.decode(value, RunRecord)
+            for value in await self._bare_values(subjects.BUCKET_RUNS)
+        ]
+        mine = [run for run in found if tenant_id is None or run.tenant_id == tenant_id]
         return sorted(mine, key=lambda run: run.created_at)
+
+    async def _bare_values(self, bucket: str) -> list[bytes]:
+        """Values of a bucket's records keyed by a bare id token (dotted keys are indexes)."""
+        keys = [key for key in await self.bus.keys(bucket) if "." not in key]
+        values = await asyncio.gather(*(self.bus.get(bucket, key) for key in keys))
+        return [value for value in values if value]
 
     # -- checkpoints -------------------------------------------------------------------------
 

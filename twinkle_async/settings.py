@@ -29,6 +29,27 @@ class BusSettings:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """A tenant's quota limits (the deployment's defaults, or in force); `None` = unlimited."""
+
+    max_adapters: int | None = None
+    max_rank: int | None = None
+    max_tokens_per_request: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_samples: int | None = None
+    max_checkpoint_bytes: int | None = None
+
+
+def quota_defaults_from_env() -> Limits:
+    """Default limits from `TWINKLE_QUOTA_<LIMIT>` (e.g. `TWINKLE_QUOTA_MAX_ADAPTERS=16`)."""
+    values: dict[str, int | None] = {}
+    for name in Limits.__dataclass_fields__:
+        raw = os.environ.get(f"TWINKLE_QUOTA_{name.upper()}")
+        values[name] = int(raw) if raw else None
+    return Limits(**values)
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     """The HTTP side: listen address, keys, limits, long-poll window."""
 
@@ -54,6 +75,18 @@ class GatewaySettings:
 
     base_models: tuple[str, ...] = ()
     bus: BusSettings = field(default_factory=BusSettings)
+    # guards /admin/v1 (None: the admin API is off)
+    admin_key: str | None = None
+    quota_defaults: Limits = field(default_factory=Limits)
+    # how long the rate-limit queue of one tenant may grow before requests are refused (429)
+    max_rate_queue_s: float = 600.0
+    # a tenant may burst this many seconds' worth of its tokens_per_minute before queueing
+    rate_burst_s: float = 60.0
+    # a session whose heartbeats stop for this long is finished and its adapters unloaded
+    # (the SDK sends one every 10 s)
+    session_timeout_s: float = 120.0
+    # how often the gateway looks for expired sessions
+    sweep_interval_s: float = 10.0
 
 
 def bus_from_env(nats_url: str | None = None) -> BusSettings:

@@ -24,7 +24,7 @@ from protocol.records import WorkerRecord
 from twinkle_async.bus import Bus
 from twinkle_async.gateway.app import serve
 from twinkle_async.nats_server import NatsServer
-from twinkle_async.settings import BusSettings, GatewaySettings
+from twinkle_async.settings import BusSettings, GatewaySettings, quota_defaults_from_env
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,10 @@ class UpOptions:
     port: int = 8000
     data_dir: Path = Path("data")
     api_key: str | None = None
+    admin_key: str | None = None  # generated when absent, printed with the API key
+    session_timeout_s: float = 120.0
+    sweep_interval_s: float = 10.0
+    rate_burst_s: float = 60.0
     extra_keys: dict[str, str] = field(default_factory=dict)  # more tml- keys -> tenant ids
     ready_file: Path | None = None
     worker_args: list[str] = field(default_factory=list)
@@ -84,6 +88,7 @@ def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[
 async def run_up(options: UpOptions) -> None:
     options.data_dir.mkdir(parents=True, exist_ok=True)
     api_key = options.api_key or f"tml-{secrets.token_urlsafe(24)}"
+    admin_key = options.admin_key or f"twa-{secrets.token_urlsafe(24)}"
     nats = NatsServer(options.data_dir / "nats")
     nats_url = nats.start()
     log.info("nats-server at %s", nats_url)
@@ -91,6 +96,11 @@ async def run_up(options: UpOptions) -> None:
         host=options.host,
         port=options.port,
         api_keys={**options.extra_keys, api_key: "default"},
+        admin_key=admin_key,
+        quota_defaults=quota_defaults_from_env(),
+        session_timeout_s=options.session_timeout_s,
+        sweep_interval_s=options.sweep_interval_s,
+        rate_burst_s=options.rate_burst_s,
         base_models=tuple(options.base_models),
         fwdbwd_max_chunk_len=options.fwdbwd_max_chunk_len,
         bus=BusSettings(nats_url=nats_url),
@@ -127,10 +137,15 @@ async def run_up(options: UpOptions) -> None:
         info = {
             "base_url": base_url,
             "api_key": api_key,
+            "admin_key": admin_key,
             "nats_url": nats_url,
             "base_models": options.base_models,
         }
-        print(f"Twinkle Async is up.\n  base URL: {base_url}\n  API key:  {api_key}", flush=True)
+        print(
+            f"Twinkle Async is up.\n  base URL:  {base_url}\n  API key:   {api_key}\n"
+            f"  admin key: {admin_key}  (twinkle-admin --gateway {base_url} --admin-key ...)",
+            flush=True,
+        )
         if options.ready_file is not None:
             tmp = options.ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(info))

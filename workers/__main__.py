@@ -69,7 +69,11 @@ async def serve(settings: WorkerSettings) -> None:
         from workers.sampling_torch import TorchSampler
 
         backend = TorchBackend(TorchSampler(engine), engine, service.executor)
-        runs.append(SamplerService(bus, backend, settings.pool, settings.checkpoint_root).run())
+        runs.append(
+            SamplerService(
+                bus, backend, settings.pool, settings.checkpoint_root, usage=service.usage
+            ).run()
+        )
     task = asyncio.ensure_future(asyncio.gather(*runs))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

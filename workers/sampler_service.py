@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
 from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
+from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +119,19 @@ class SamplerService:
     """Consumes a pool's sample jobs and answers them through KV `tw_futures`."""
 
     def __init__(
-        self, bus: WorkerBus, backend: SamplerBackend, pool: str, checkpoint_root: Path
+        self,
+        bus: WorkerBus,
+        backend: SamplerBackend,
+        pool: str,
+        checkpoint_root: Path,
+        usage: UsageBook | None = None,
+        flush_s: float = 5.0,
     ) -> None:
         self.bus = bus
+        # a trainer's sampler shares (and the trainer flushes) the trainer's book
+        self._owns_usage = usage is None
+        self.usage = usage or UsageBook(f"sampler-{uuid.uuid4().hex[:8]}")
+        self.flush_s = flush_s
         self.backend = backend
         self.pool = pool
         self.checkpoint_root = checkpoint_root
@@ -135,6 +147,9 @@ class SamplerService:
             self._on_msg,
         )
         log.info("sampler (%s) serving pool %s", self.backend.name, self.pool)
+        if self._owns_usage:
+            flusher = asyncio.create_task(self._flush_loop(), name="usage")
+            self._tasks.add(flusher)
         try:
             while True:
                 first = await self._queue.get()
@@ -151,6 +166,14 @@ class SamplerService:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            try:
+                await self.usage.flush(self.bus.put)
+            except Exception:
+                log.exception("writing sample usage failed; retrying")
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -222,6 +245,11 @@ class SamplerService:
                 tenant_id=job.tenant_id,
             )
         else:
+            self.usage.add(
+                job.tenant_id,
+                samples=len(result.sequences),
+                sampled_tokens=sum(len(seq.tokens) for seq in result.sequences),
+            )
             outcome = Outcome(
                 request_id=job.request_id,
                 state="done",

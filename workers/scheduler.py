@@ -26,16 +26,22 @@ class Cycle(Generic[H]):
     optim_steps: list[Pending[H]] = field(default_factory=list)
     others: list[Pending[H]] = field(default_factory=list)
     settled: list[Pending[H]] = field(default_factory=list)  # tombstones: nothing to run
+    # the earliest time a model held back by its tenant's rate limit may go on (None: none)
+    wake_at: float | None = None
 
     def __bool__(self) -> bool:
         return bool(self.shared_pass or self.optim_steps or self.others or self.settled)
 
 
-def plan(ready: dict[str, list[Pending[H]]], token_budget: int) -> Cycle[H]:
+def plan(
+    ready: dict[str, list[Pending[H]]], token_budget: int, now: float = float("inf")
+) -> Cycle[H]:
     """Plan one cycle from each model's in-order ready run.
 
     A model's forward_backward prefix joins the pass while the budget allows (a pass always takes
-    at least one op, however large). Its optim_step joins only when its whole prefix did.
+    at least one op, however large). Its optim_step joins only when its whole prefix did. A
+    forward_backward whose tenant's rate limit holds it until `not_before` > `now` stops its
+    model's run there; `wake_at` says when to plan again.
     """
     cycle: Cycle[H] = Cycle()
     tokens = 0
@@ -47,6 +53,10 @@ def plan(ready: dict[str, list[Pending[H]]], token_budget: int) -> Cycle[H]:
             if isinstance(job, TombstoneJob):
                 cycle.settled.append(run[i])
             elif isinstance(job, ForwardBackwardJob):
+                if job.not_before > now:
+                    wake = job.not_before
+                    cycle.wake_at = wake if cycle.wake_at is None else min(cycle.wake_at, wake)
+                    break
                 if cycle.shared_pass and tokens + job.n_tokens > token_budget:
                     break
                 cycle.shared_pass.append(run[i])
@@ -59,7 +69,7 @@ def plan(ready: dict[str, list[Pending[H]]], token_budget: int) -> Cycle[H]:
             continue
         head = run[i].job
         if isinstance(head, ForwardBackwardJob):
-            continue  # over budget: the rest of this model waits for the next cycle
+            continue  # over budget or rate-limited: the rest of this model waits
         if isinstance(head, OptimStepJob):
             cycle.optim_steps.append(run[i])
         elif not ran_work:

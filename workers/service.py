@@ -28,7 +28,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from protocol import api, records, subjects
-from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.errors import Gone, ServerError, TwinkleError, UserError
 from protocol.jobs import (
     CreateModelJob,
     ForwardBackwardJob,
@@ -59,6 +59,7 @@ from workers.isolation import isolate
 from workers.scheduler import Cycle, plan
 from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
+from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class TrainerService:
         self._in_flight: list[Msg] = []
         # models per shared pass, most recent last: the measure of cross-tenant merging
         self.pass_models: deque[int] = deque(maxlen=1000)
+        # what ran for each tenant, flushed to KV with every heartbeat
+        self.usage = UsageBook(settings.worker_id)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -209,6 +212,7 @@ class TrainerService:
             key = subjects.worker_key(self.settings.pool, self.settings.worker_id)
             try:
                 await self.bus.put(subjects.BUCKET_WORKERS, key, records.encode(record))
+                await self.usage.flush(self.bus.put)
             except Exception:
                 log.exception("worker heartbeat failed")
             await asyncio.sleep(self.settings.heartbeat_s)
@@ -226,16 +230,22 @@ class TrainerService:
     # -- cycles ------------------------------------------------------------------------------
 
     async def _cycle_loop(self) -> None:
+        wake_at: float | None = None  # when a rate-limited model may go on
         while True:
+            timeout = min(5.0, self.settings.gap_timeout_s)
+            if wake_at is not None:
+                timeout = max(0.0, min(timeout, wake_at - time.time()))
             try:
-                await asyncio.wait_for(
-                    self._wake.wait(), timeout=min(5.0, self.settings.gap_timeout_s)
-                )
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             except TimeoutError:
                 pass
             self._wake.clear()
             await self._fail_stalled()
-            while cycle := plan(self.sequencer.ready(), self.settings.token_budget):
+            while True:
+                cycle = plan(self.sequencer.ready(), self.settings.token_budget, time.time())
+                wake_at = cycle.wake_at
+                if not cycle:
+                    break
                 await self._run_cycle(cycle)
 
     async def _run_cycle(self, cycle: Cycle[Msg]) -> None:
@@ -293,10 +303,26 @@ class TrainerService:
     async def _finish(self, item: Item, outcome: Outcome) -> None:
         await self._store(outcome)
         await item.handle.ack()
+        if outcome.state == "done":
+            self._count(item.job)
         self.sequencer.applied(item.job)
         if isinstance(item.job, UnloadModelJob):
             for stale in self.sequencer.forget(item.job.model_id):
-                await stale.handle.ack()
+                err = Gone(f"model_id {stale.job.model_id!r} was unloaded before this request ran")
+                await self._finish_unsequenced(stale, _failed(stale.job, err))
+
+    def _count(self, job: Job) -> None:
+        """Usage of a completed op, by its tenant."""
+        if isinstance(job, ForwardBackwardJob):
+            tokens = "tokens_forward" if job.forward_only else "tokens_trained"
+            self.usage.add(job.tenant_id, forward_backward_requests=1, **{tokens: job.n_tokens})
+        elif isinstance(job, OptimStepJob):
+            self.usage.add(job.tenant_id, optim_steps=1)
+
+    async def _finish_unsequenced(self, item: Item, outcome: Outcome) -> None:
+        """Store an outcome and ack, for an op whose model's line is gone."""
+        await self._store(outcome)
+        await item.handle.ack()
 
     async def _fail_stalled(self) -> None:
         for model_id, items in self.sequencer.stalled(
@@ -411,11 +437,7 @@ class TrainerService:
             if isinstance(job, LoadWeightsJob):
                 return [(self._load(job), None)]
             if isinstance(job, UnloadModelJob):
-                if self.engine.has(job.model_id):
-                    self.engine.release(job.model_id)
-                return [
-                    (_done(job, api.encode(api.UnloadModelResponse(model_id=job.model_id))), None)
-                ]
+                return [self._unload(job)]
             raise ServerError(f"op {type(job).__name__} cannot run here")
         except TwinkleError as err:
             return [(_failed(job, err), None)]
@@ -483,6 +505,25 @@ class TrainerService:
             )
         else:
             body = api.encode(api.SaveWeightsForSamplerResponse(path=str(path)))
+        return _done(job, body), record
+
+    def _unload(self, job: UnloadModelJob) -> tuple[Outcome, CheckpointRecord | None]:
+        """Release the model's adapter, saving it first when asked (`save_as`)."""
+        record = None
+        if self.engine.has(job.model_id):
+            if job.save_as:
+                save = SaveWeightsJob(
+                    request_id=job.request_id,
+                    model_id=job.model_id,
+                    tenant_id=job.tenant_id,
+                    seq_id=job.seq_id,
+                    name=job.save_as,
+                    kind="weights",
+                    overwrite=True,
+                )
+                _, record = self._save(save)
+            self.engine.release(job.model_id)
+        body = api.encode(api.UnloadModelResponse(model_id=job.model_id))
         return _done(job, body), record
 
     def _load(self, job: LoadWeightsJob) -> Outcome:

@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from twinkle_async.auth import KeyRing
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
+    admin_routes,
     futures_routes,
     rest_routes,
     sampling_routes,
@@ -22,7 +24,18 @@ from twinkle_async.gateway import (
     unknown_routes,
 )
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
-from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, SETTINGS
+from twinkle_async.gateway.state import (
+    BUS,
+    FUTURES,
+    KEYS,
+    LIFECYCLE,
+    QUOTAS,
+    REGISTRY,
+    SAMPLES,
+    SETTINGS,
+)
+from twinkle_async.lifecycle import Lifecycle
+from twinkle_async.quotas import InFlight, Quotas
 from twinkle_async.registry import Registry
 from twinkle_async.settings import GatewaySettings
 
@@ -37,8 +50,28 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     await futures.start()
     registry = Registry(bus, settings.base_models)
     await registry.start()
-    app[BUS], app[FUTURES], app[REGISTRY] = bus, futures, registry
+    keys = KeyRing(bus, settings.api_keys)
+    await keys.start()
+    app[BUS], app[FUTURES], app[REGISTRY], app[KEYS] = bus, futures, registry, keys
+    app[QUOTAS] = Quotas(
+        bus,
+        settings.quota_defaults,
+        max_queue_s=settings.max_rate_queue_s,
+        burst_s=settings.rate_burst_s,
+    )
+    app[SAMPLES] = InFlight()
+    lifecycle = Lifecycle(
+        registry,
+        futures,
+        bus,
+        session_timeout_s=settings.session_timeout_s,
+        sweep_interval_s=settings.sweep_interval_s,
+    )
+    await lifecycle.start()
+    app[LIFECYCLE] = lifecycle
     yield
+    await lifecycle.stop()
+    await keys.stop()
     await registry.stop()
     await futures.stop()
     await bus.close()
@@ -56,6 +89,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         sampling_routes,
         futures_routes,
         rest_routes,
+        admin_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):
         app.add_routes(module.routes)

@@ -7,13 +7,15 @@ finished forward_backward answers protobuf; other results JSON; a failure
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from protocol import api, rules
 from protocol.errors import ErrorCategory, NotFound
 from protocol.jobs import Outcome
 from twinkle_async.gateway.bodies import json_response, read_json
-from twinkle_async.gateway.state import FUTURES, REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.state import FUTURES, REGISTRY, SAMPLES, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
 
@@ -37,7 +39,17 @@ async def retrieve_future(request: web.Request) -> web.Response:
     if outcome is None or not await _owned(request, outcome):
         raise NotFound(f"request_id {body.request_id!r} not found (unknown or expired)")
     if outcome.state == "pending":
+        if outcome.not_before > time.time():
+            return json_response(
+                api.TryAgainResponse(
+                    request_id=body.request_id,
+                    queue_state="paused_rate_limit",
+                    queue_state_reason=outcome.queue_reason or None,
+                )
+            )
         return json_response(api.TryAgainResponse(request_id=body.request_id, queue_state="active"))
+    if outcome.request_type == "sample":
+        request.app[SAMPLES].done(request[TENANT], body.request_id)
     if outcome.state == "error":
         return json_response(
             api.RequestFailedResponse(

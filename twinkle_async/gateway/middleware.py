@@ -13,8 +13,16 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from protocol.errors import ErrorCategory, PayloadTooLarge, TwinkleError, Unauthorized, UserError
-from twinkle_async.gateway.state import SETTINGS, TENANT
+from protocol.errors import (
+    ErrorCategory,
+    Forbidden,
+    PayloadTooLarge,
+    TwinkleError,
+    Unauthorized,
+    UserError,
+)
+from twinkle_async.auth import same_secret
+from twinkle_async.gateway.state import KEYS, SETTINGS, TENANT
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +69,20 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path in _OPEN_PATHS or not request.path.startswith("/api/"):
+    """`/api/` needs a tenant's API key (`X-API-Key`); `/admin/` the admin key (`X-Admin-Key`)."""
+    if request.path in _OPEN_PATHS:
         return await handler(request)
-    key = request.headers.get("X-API-Key", "")
-    tenant = request.app[SETTINGS].api_keys.get(key)
+    if request.path.startswith("/admin/"):
+        admin_key = request.app[SETTINGS].admin_key
+        if admin_key is None:
+            raise Forbidden("the admin API is off: start the gateway with --admin-key")
+        if not same_secret(request.headers.get("X-Admin-Key", ""), admin_key):
+            raise Unauthorized("invalid or missing admin key (send it in X-Admin-Key)")
+        return await handler(request)
+    if not request.path.startswith("/api/"):
+        return await handler(request)
+    tenant = await request.app[KEYS].tenant_of(request.headers.get("X-API-Key", ""))
     if tenant is None:
-        raise Unauthorized("invalid or missing API key (send a tml-... key in X-API-Key)")
+        raise Unauthorized("invalid, revoked or missing API key (send a tml-... key in X-API-Key)")
     request[TENANT] = tenant
     return await handler(request)

@@ -13,14 +13,14 @@ import time
 from aiohttp import web
 
 from protocol import api, paths, rules, subjects
-from protocol.errors import UserError
+from protocol.errors import RateLimited, UserError
 from protocol.jobs import SampleJob, SeqClaim
 from protocol.records import SamplerRecord
 from protocol.sampling import sample_spec
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.sequenced import body_digest
-from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
+from twinkle_async.gateway.state import BUS, FUTURES, QUOTAS, REGISTRY, SAMPLES, TENANT
 
 routes = web.RouteTableDef()
 
@@ -100,6 +100,13 @@ async def asample(request: web.Request) -> web.Response:
         max_context=worker.max_context if worker else None,
         vocab_size=worker.vocab_size if worker else None,
     )
+    limit = (await request.app[QUOTAS].limits(tenant)).max_concurrent_samples
+    in_flight = request.app[SAMPLES]
+    if limit is not None and in_flight.count(tenant, time.time()) >= limit:
+        raise RateLimited(
+            f"quota max_concurrent_samples: {limit} sample requests in flight; retry when one"
+            " finishes"
+        )
     futures = request.app[FUTURES]
     request_id = new_request_id("sample")
     dedupe = request_id
@@ -116,6 +123,7 @@ async def asample(request: web.Request) -> web.Response:
             )
         request_id = claim.request_id
     await futures.record_pending(request_id, "sample", "", tenant)
+    in_flight.add(tenant, request_id, time.time())
     job = SampleJob(
         request_id=request_id,
         tenant_id=tenant,

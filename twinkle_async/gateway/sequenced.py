@@ -33,7 +33,9 @@ from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response
 from twinkle_async.gateway.state import BUS, FUTURES, TENANT
 
-BuildJob = Callable[[str], Awaitable[Job]]
+# build(request_id, first): the job of the call; `first` is False for a retry, which must not
+# be charged again (rate-limit tokens).
+BuildJob = Callable[[str, bool], Awaitable[Job]]
 
 
 class SeqRef(msgspec.Struct):
@@ -95,12 +97,22 @@ async def submit_sequenced(
             " seq_id"
         )
     try:
-        job = await build(claim.request_id)
+        job = await build(claim.request_id, claim == mine)
     except TwinkleError as err:
-        if err.category is ErrorCategory.USER:
+        # A retryable refusal (rate limited) is retried by the SDK with this same seq: only a
+        # final refusal settles it.
+        if err.category is ErrorCategory.USER and not err.retryable:
             await settle_refused(request, run, seq_id, claim, err)
         raise
-    await futures.record_pending(claim.request_id, request_type, model_id, request[TENANT])
+    not_before = getattr(job, "not_before", 0.0)
+    await futures.record_pending(
+        claim.request_id,
+        request_type,
+        model_id,
+        request[TENANT],
+        not_before=not_before,
+        queue_reason=getattr(job, "queue_reason", ""),
+    )
     await request.app[BUS].publish_job(subjects.pool_of(run.base_model), job)
     return json_response(api.UntypedAPIFuture(request_id=claim.request_id, model_id=model_id))
 

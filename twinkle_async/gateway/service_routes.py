@@ -8,10 +8,10 @@ import uuid
 from aiohttp import web
 
 from protocol import api, rules
-from protocol.errors import Gone, NotFound
+from protocol.errors import Gone
 from protocol.records import SessionRecord
 from twinkle_async.gateway.bodies import json_response, read_json
-from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.state import LIFECYCLE, REGISTRY, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
 
@@ -91,13 +91,10 @@ async def session_heartbeat(request: web.Request) -> web.Response:
 
 @routes.post("/api/v1/sessions/{session_id}/finish")
 async def finish_session(request: web.Request) -> web.Response:
-    registry = request.app[REGISTRY]
-    try:
-        session = await registry.session(request.match_info["session_id"], request[TENANT])
-    except NotFound:
-        raise
-    session.finished = True
-    await registry.put_session(session)
+    """The client is done: its models are unloaded, their state saved (see `lifecycle.py`)."""
+    session = await request.app[REGISTRY].session(request.match_info["session_id"], request[TENANT])
+    body = await read_json(request, api.SessionFinishRequest)
+    await request.app[LIFECYCLE].finish(session.session_id, body.reason.type[:32])
     return json_response({})
 
 

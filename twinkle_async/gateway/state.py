@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from twinkle_async.auth import KeyRing
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
+from twinkle_async.lifecycle import Lifecycle
+from twinkle_async.quotas import InFlight, Quotas
 from twinkle_async.registry import Registry
 from twinkle_async.settings import GatewaySettings
 
@@ -13,4 +16,8 @@ SETTINGS = web.AppKey("settings", GatewaySettings)
 BUS = web.AppKey("bus", Bus)
 FUTURES = web.AppKey("futures", FutureStore)
 REGISTRY = web.AppKey("registry", Registry)
+KEYS = web.AppKey("keys", KeyRing)
+QUOTAS = web.AppKey("quotas", Quotas)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
+SAMPLES = web.AppKey("samples", InFlight)
 TENANT = "tenant_id"  # request-scoped key set by the auth middleware

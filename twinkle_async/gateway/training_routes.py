@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from protocol import api, paths, rules
-from protocol.errors import UserError
+from protocol.errors import Gone, UserError
 from protocol.jobs import (
     CreateModelJob,
     ForwardBackwardJob,
@@ -25,9 +25,11 @@ from protocol.jobs import (
 )
 from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord
 from protocol.tensors import check_budget, scan_forward_backward
+from twinkle_async import quotas
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.sequenced import seq_ref, submit_sequenced
-from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.state import QUOTAS, REGISTRY, SETTINGS, TENANT
+from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
 
 routes = web.RouteTableDef()
 
@@ -63,6 +65,11 @@ async def _new_run(
     registry = request.app[REGISTRY]
     run = await registry.find_run(model_id)
     if run is None:
+        limits = await request.app[QUOTAS].limits(session.tenant_id)
+        quotas.check_limit("max_rank", lora.rank, limits.max_rank)
+        if limits.max_adapters is not None:
+            active = [r for r in await registry.runs(session.tenant_id) if r.unloaded_at is None]
+            quotas.check_cap("max_adapters", len(active), 1, limits.max_adapters)
         run = RunRecord(
             model_id=model_id,
             tenant_id=session.tenant_id,
@@ -77,13 +84,34 @@ async def _new_run(
     return run
 
 
+async def _live_run(request: web.Request, model_id: str) -> RunRecord:
+    """A run the caller owns (else 404) whose adapter is still loaded (else 410)."""
+    run = await request.app[REGISTRY].run(model_id, request[TENANT])
+    if run.unloaded_at is not None:
+        raise Gone(
+            f"model_id {model_id!r} was unloaded when its session finished; its state is in"
+            f" tinker://{model_id}/weights/{SESSION_END_CHECKPOINT}"
+        )
+    return run
+
+
 async def _owned_run(request: web.Request, body: bytes) -> tuple[RunRecord, int | None]:
-    """The run a sequenced JSON call names (404 unless the caller owns it), and its seq_id."""
+    """The live run a sequenced JSON call names (see `_live_run`), and its seq_id."""
     ref = seq_ref(body)
     if ref.model_id is None:
         raise UserError("model_id: missing")
-    run = await request.app[REGISTRY].run(ref.model_id, request[TENANT])
-    return run, ref.seq_id
+    return await _live_run(request, ref.model_id), ref.seq_id
+
+
+async def _check_storage(request: web.Request, run: RunRecord) -> None:
+    """A save is refused once the tenant's checkpoints fill its storage quota."""
+    limit = (await request.app[QUOTAS].limits(run.tenant_id)).max_checkpoint_bytes
+    if limit is not None:
+        registry = request.app[REGISTRY]
+        used = 0
+        for owned in await registry.runs(run.tenant_id):
+            used += sum(c.size_bytes for c in await registry.checkpoints(owned.model_id))
+        quotas.check_room("max_checkpoint_bytes", used, limit)
 
 
 @routes.post("/api/v1/create_model")
@@ -102,7 +130,7 @@ async def create_model(request: web.Request) -> web.Response:
     now = time.time()
     run = await _new_run(request, model_id, session, body.base_model, lora, body.user_metadata, now)
 
-    async def build(request_id: str) -> Job:
+    async def build(request_id: str, first: bool) -> Job:
         return CreateModelJob(
             request_id=request_id,
             model_id=model_id,
@@ -142,14 +170,29 @@ async def forward_backward(request: web.Request) -> web.Response:
     """Routed on a scan of the protobuf body: no tensor is built here; the worker decodes it."""
     raw = await read_body(request, protobuf=True)
     summary = scan_forward_backward(raw)
-    run = await request.app[REGISTRY].run(summary.model_id, request[TENANT])
+    run = await _live_run(request, summary.model_id)
     kind = "forward" if summary.forward_only else "forward_backward"
 
-    async def build(request_id: str) -> Job:
+    async def build(request_id: str, first: bool) -> Job:
         if not summary.n_datums:
             raise UserError("forward_backward: data is empty")
         budget = request.app[SETTINGS].request_elements_budget
         check_budget(summary, budget)
+        limits = await request.app[QUOTAS].limits(run.tenant_id)
+        quotas.check_limit(
+            "max_tokens_per_request", summary.n_tokens, limits.max_tokens_per_request
+        )
+        not_before, reason = 0.0, ""
+        if limits.tokens_per_minute is not None and first:
+            start_at = await request.app[QUOTAS].admit_tokens(
+                run.tenant_id, summary.n_tokens, limits.tokens_per_minute
+            )
+            if start_at > time.time():
+                not_before = start_at
+                reason = (
+                    f"tenant {run.tenant_id!r} is over its {limits.tokens_per_minute} training"
+                    " tokens per minute; this request is queued"
+                )
         return ForwardBackwardJob(
             request_id=request_id,
             model_id=run.model_id,
@@ -160,6 +203,8 @@ async def forward_backward(request: web.Request) -> web.Response:
             forward_only=summary.forward_only,
             n_tokens=summary.n_tokens,
             max_elements=budget,
+            not_before=not_before,
+            queue_reason=reason,
         )
 
     return await submit_sequenced(request, run, summary.seq_id, kind, raw, build)
@@ -170,7 +215,7 @@ async def optim_step(request: web.Request) -> web.Response:
     raw = await read_body(request)
     run, seq_id = await _owned_run(request, raw)
 
-    async def build(request_id: str) -> Job:
+    async def build(request_id: str, first: bool) -> Job:
         body = api.decode(raw, api.OptimStepRequest)
         if body.adam_params is None:
             given = "optimizer_params (dimuon)" if body.optimizer_params else "nothing"
@@ -203,12 +248,13 @@ async def save_weights(request: web.Request) -> web.Response:
     raw = await read_body(request)
     run, seq_id = await _owned_run(request, raw)
 
-    async def build(request_id: str) -> Job:
+    async def build(request_id: str, first: bool) -> Job:
         body = api.decode(raw, api.SaveWeightsRequest)
         name = rules.check_checkpoint_name("path", body.path or "")
         path = paths.TinkerPath(run_id=run.model_id, kind="weights", name=name)
         if not body.overwrite:
             await _refuse_existing(request, run, path)
+        await _check_storage(request, run)
         return SaveWeightsJob(
             request_id=request_id,
             model_id=run.model_id,
@@ -232,7 +278,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     raw = await read_body(request)
     run, seq_id = await _owned_run(request, raw)
 
-    async def build(request_id: str) -> Job:
+    async def build(request_id: str, first: bool) -> Job:
         body = api.decode(raw, api.SaveWeightsForSamplerRequest)
         session_sampler = ""
         if body.path is not None:
@@ -258,6 +304,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
             )
         else:
             raise UserError("save_weights_for_sampler needs path or sampling_session_seq_id")
+        await _check_storage(request, run)
         return SaveWeightsJob(
             request_id=request_id,
             model_id=run.model_id,
@@ -293,9 +340,9 @@ async def load_weights(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     ref = seq_ref(raw)
     if ref.model_id is not None:
-        run = await registry.run(ref.model_id, tenant)
+        run = await _live_run(request, ref.model_id)
 
-        async def build_load(request_id: str) -> Job:
+        async def build_load(request_id: str, first: bool) -> Job:
             body = api.decode(raw, api.LoadWeightsRequest)
             ckpt = await _loadable(request, body)
             if run.base_model != ckpt.base_model:
@@ -327,7 +374,7 @@ async def load_weights(request: web.Request) -> web.Response:
         request, model_id, session, ckpt.base_model, ckpt.lora, body.user_metadata, now
     )
 
-    async def build_create(request_id: str) -> Job:
+    async def build_create(request_id: str, first: bool) -> Job:
         return LoadWeightsJob(
             request_id=request_id,
             model_id=model_id,

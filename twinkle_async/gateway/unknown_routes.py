@@ -35,7 +35,7 @@ async def unknown_endpoint(request: web.Request) -> web.StreamResponse:
         raise refusal
     run = await request.app[REGISTRY].run(ref.model_id, request[TENANT])
 
-    async def build(request_id: str) -> Job:
+    async def build(request_id: str, first: bool) -> Job:
         raise refusal
 
     return await submit_sequenced(request, run, ref.seq_id, "unsupported", raw, build)

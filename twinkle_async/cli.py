@@ -72,6 +72,9 @@ def up(
     rate_burst_s: Annotated[
         float, typer.Option(help="seconds' worth of tokens_per_minute a tenant may burst")
     ] = 60.0,
+    long_poll_s: Annotated[
+        float, typer.Option(help="how long retrieve_future holds a poll (under the SDK's 45 s)")
+    ] = 30.0,
     max_slots: Annotated[int, typer.Option(help="adapter slots per worker")] = 8,
     max_rank: Annotated[int, typer.Option(help="largest LoRA rank a worker accepts")] = 32,
     fwdbwd_max_chunk_len: Annotated[
@@ -111,6 +114,7 @@ def up(
         session_timeout_s=session_timeout_s,
         sweep_interval_s=sweep_interval_s,
         rate_burst_s=rate_burst_s,
+        long_poll_s=long_poll_s,
         extra_keys=load_api_keys(key_file, None) if key_file else {},
         ready_file=ready_file,
         worker_args=worker_args,
@@ -145,6 +149,9 @@ def gateway(
     rate_burst_s: Annotated[
         float, typer.Option(help="seconds' worth of tokens_per_minute a tenant may burst")
     ] = 60.0,
+    long_poll_s: Annotated[
+        float, typer.Option(help="how long retrieve_future holds a poll (under the SDK's 45 s)")
+    ] = 30.0,
     base_model: Annotated[
         list[str] | None, typer.Option("--base-model", help="advertise before a worker reports in")
     ] = None,

@@ -42,6 +42,7 @@ class UpOptions:
     session_timeout_s: float = 120.0
     sweep_interval_s: float = 10.0
     rate_burst_s: float = 60.0
+    long_poll_s: float = 30.0
     extra_keys: dict[str, str] = field(default_factory=dict)  # more tml- keys -> tenant ids
     ready_file: Path | None = None
     worker_args: list[str] = field(default_factory=list)
@@ -101,6 +102,7 @@ async def run_up(options: UpOptions) -> None:
         session_timeout_s=options.session_timeout_s,
         sweep_interval_s=options.sweep_interval_s,
         rate_burst_s=options.rate_burst_s,
+        long_poll_s=options.long_poll_s,
         base_models=tuple(options.base_models),
         fwdbwd_max_chunk_len=options.fwdbwd_max_chunk_len,
         bus=BusSettings(nats_url=nats_url),

@@ -20,4 +20,4 @@ KEYS = web.AppKey("keys", KeyRing)
 QUOTAS = web.AppKey("quotas", Quotas)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 SAMPLES = web.AppKey("samples", InFlight)
-TENANT = "tenant_id"  # request-scoped key set by the auth middleware
+TENANT = web.RequestKey("tenant_id", str)  # set by the auth middleware

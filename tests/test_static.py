@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
         "uvloop",
         "numpy",
         "google",
+        "prometheus_client",
     },
     "admin_cli": {"typer", "aiohttp", "httpx", "msgspec"},
     "workers": {

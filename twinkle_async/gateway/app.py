@@ -15,14 +15,17 @@ from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
     futures_routes,
+    metrics_routes,
     rest_routes,
     sampling_routes,
     service_routes,
     training_routes,
     unknown_routes,
 )
+from twinkle_async.gateway.metrics_routes import METRICS, metrics_middleware
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, SETTINGS
+from twinkle_async.metrics import GatewayMetrics
 from twinkle_async.registry import Registry
 from twinkle_async.settings import GatewaySettings
 
@@ -33,7 +36,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     bus = Bus(settings.bus)
     await bus.connect()
-    futures = FutureStore(bus)
+    futures = FutureStore(bus, app[METRICS])
     await futures.start()
     registry = Registry(bus, settings.base_models)
     await registry.start()
@@ -46,9 +49,12 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(settings: GatewaySettings) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware, auth_middleware], client_max_size=settings.max_request_bytes
+        # metrics first: it times the whole request and sees the status errors were mapped to
+        middlewares=[metrics_middleware, errors_middleware, auth_middleware],
+        client_max_size=settings.max_request_bytes,
     )
     app[SETTINGS] = settings
+    app[METRICS] = GatewayMetrics()  # a registry per app: apps in one process never collide
     app.cleanup_ctx.append(_bus_ctx)
     for module in (
         service_routes,
@@ -56,6 +62,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         sampling_routes,
         futures_routes,
         rest_routes,
+        metrics_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):
         app.add_routes(module.routes)

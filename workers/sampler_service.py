@@ -7,6 +7,7 @@ taken once. Two backend shapes:
 - concurrent (vLLM): each job is submitted at once and the engine batches continuously.
 A sampling session names an immutable sampler checkpoint; adapters load by its path and are
 cached by it, so training never changes what a session samples.
+Every answered request, batch time and generated token is observed on `self.metrics`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
 from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
+from workers.metrics import SamplerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +119,15 @@ class SamplerService:
     """Consumes a pool's sample jobs and answers them through KV `tw_futures`."""
 
     def __init__(
-        self, bus: WorkerBus, backend: SamplerBackend, pool: str, checkpoint_root: Path
+        self,
+        bus: WorkerBus,
+        backend: SamplerBackend,
+        pool: str,
+        checkpoint_root: Path,
+        metrics: SamplerMetrics | None = None,
     ) -> None:
         self.bus = bus
+        self.metrics = metrics if metrics is not None else SamplerMetrics()
         self.backend = backend
         self.pool = pool
         self.checkpoint_root = checkpoint_root
@@ -203,12 +211,12 @@ class SamplerService:
             results = [
                 ServerError("the sampler failed on this request; see the sampler log")
             ] * len(batch)
+        elapsed_s = time.perf_counter() - started
+        self.metrics.observe_batch(elapsed_s, results)
         for item, result in zip(batch, results, strict=True):
             await self._finish(item.job, item.msg, result)
         self.served += len(batch)
-        log.debug(
-            "sampled %d requests in %.1f ms", len(batch), (time.perf_counter() - started) * 1e3
-        )
+        log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
 
     async def _finish(self, job: SampleJob, msg: Msg, result: SampleOutput | TwinkleError) -> None:
         if isinstance(result, TwinkleError):
@@ -235,3 +243,4 @@ class SamplerService:
             subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encode_outcome(outcome)
         )
         await msg.ack()
+        self.metrics.request_finished(outcome.state, outcome.category)

@@ -41,6 +41,7 @@ ALLOWED: dict[str, set[str]] = {
         "uvloop",
         "google",
         "vllm",
+        "typer",
         "prometheus_client",
     },
 }

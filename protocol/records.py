@@ -94,6 +94,7 @@ class WorkerRecord(msgspec.Struct):
     heartbeat_at: float
     role: str = "trainer"  # "trainer" or "sampler"
     sampler_backend: str = ""  # "torch", "vllm", or "" when this process does not sample
+    metrics_url: str = ""  # where this process serves Prometheus `/metrics` ("" if nowhere)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

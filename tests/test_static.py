@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
         "uvloop",
         "numpy",
         "google",
+        "prometheus_client",
     },
     "admin_cli": {"typer", "aiohttp", "httpx", "msgspec"},
     "workers": {
@@ -40,6 +41,8 @@ ALLOWED: dict[str, set[str]] = {
         "uvloop",
         "google",
         "vllm",
+        "typer",
+        "prometheus_client",
     },
 }
 

@@ -2,7 +2,7 @@
 before the worker starts are merged into one shared pass across models, outcomes land in KV,
 a model whose next seq never arrives fails loudly instead of hanging, an unload frees the
 model's adapter and answers with the SDK's response, and a request that crashes a shared pass
-fails alone while the others of its pass succeed."""
+fails alone while the others of its pass succeed; the service's metrics count what it ran."""
 
 from __future__ import annotations
 
@@ -134,6 +134,22 @@ async def test_service_merges_models_and_fails_gaps(
         gap = await wait_outcome(gateway_bus, "req-m-gap-2", timeout_s=30)
         assert gap.state == "error" and gap.category == "server" and "never arrived" in gap.error
         assert max(service.pass_models) == 3, list(service.pass_models)
+        value = service.metrics.registry.get_sample_value
+        assert value("twinkle_worker_tokens_total") == 5 + 6 + 7
+        assert (value("twinkle_worker_pass_seconds_count") or 0) >= 1
+        assert value("twinkle_worker_pass_tenants_bucket", {"le": "3.0"}) == value(
+            "twinkle_worker_pass_tenants_count"
+        )
+        assert (value("twinkle_worker_optim_step_seconds_count") or 0) >= 1
+        done = {"kind": "forward_backward", "outcome": "done"}
+        assert value("twinkle_worker_ops_total", done) == 3
+        gap_failed = {"kind": "forward_backward", "outcome": "server_error"}
+        deadline = time.monotonic() + 5  # counted just after the outcome is written
+        while value("twinkle_worker_ops_total", gap_failed) is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert value("twinkle_worker_ops_total", gap_failed) == 1
+        assert value("twinkle_worker_slots_used") == 4
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

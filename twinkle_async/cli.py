@@ -77,6 +77,10 @@ def up(
     ] = 30.0,
     max_slots: Annotated[int, typer.Option(help="adapter slots per worker")] = 8,
     max_rank: Annotated[int, typer.Option(help="largest LoRA rank a worker accepts")] = 32,
+    max_parked: Annotated[
+        int | None,
+        typer.Option(min=0, help="adapters a worker parks in host memory (default: no bound)"),
+    ] = None,
     fwdbwd_max_chunk_len: Annotated[
         int, typer.Option(help="datums per forward_backward chunk (client/config)")
     ] = 1024,
@@ -104,6 +108,8 @@ def up(
     ]
     if threads:
         worker_args += ["--threads", str(threads)]
+    if max_parked is not None:
+        worker_args += ["--max-parked", str(max_parked)]
     options = UpOptions(
         base_models=base_model,
         host=host,

@@ -6,6 +6,7 @@ Step 5 (worker): the worker overwrites `res.<request_id>` with the result.
 Step 6 (retrieve): one live subscription on the bucket resolves in-memory waiters; `wait`
 registers a waiter, reads KV (the result may already be there, e.g. after a gateway restart),
 and otherwise awaits the waiter with a timeout. No polling loops.
+Submitted futures, finished outcomes and waiting long-polls are counted on `self.metrics`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from protocol.jobs import (
     now,
 )
 from twinkle_async.bus import Bus
+from twinkle_async.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,9 @@ def new_request_id(kind: str) -> str:
 class FutureStore:
     """The gateway's view of `tw_futures`."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, metrics: GatewayMetrics | None = None) -> None:
         self.bus = bus
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
         self._waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
         self._sub: Subscription | None = None
 
@@ -63,12 +66,10 @@ class FutureStore:
         if not data:
             return
         request_id = key[len(_RES_PREFIX) :]
-        waiters = self._waiters.get(request_id)
-        if not waiters:
-            return
         outcome = decode_outcome(data)
         if outcome.state == "pending":
             return
+        self.metrics.future_resolved(outcome.request_type, outcome.state)
         for waiter in self._waiters.pop(request_id, []):
             if not waiter.done():
                 waiter.set_result(outcome)
@@ -134,9 +135,10 @@ class FutureStore:
             not_before=not_before,
             queue_reason=queue_reason,
         )
-        await self.bus.create(
+        if await self.bus.create(
             subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(pending)
-        )
+        ):
+            self.metrics.future_submitted(request_type)
 
     async def resolve(self, outcome: Outcome) -> None:
         """Write a finished outcome directly (for requests the gateway answers itself)."""
@@ -160,7 +162,8 @@ class FutureStore:
             if current is None or current.state != "pending":
                 return current
             try:
-                return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+                with self.metrics.long_polls_waiting.track_inprogress():
+                    return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
             except TimeoutError:
                 return current
         finally:

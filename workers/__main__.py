@@ -1,113 +1,175 @@
-"""`python -m workers worker ...`: run a trainer worker (the `twinkle-async worker` command).
+"""`python -m workers ...`: run a trainer worker (the `twinkle-async worker` command).
 
 Kept apart from `twinkle_async` so the gateway never imports torch; `twinkle-async worker`
-execs this module.
+execs this module. Options are declared once in `worker_options` (each also read from its
+`TWINKLE_*` variable); `main` parses them into a `WorkerSettings` and serves until SIGINT or
+SIGTERM. The process's Prometheus series are served on `--metrics-host:--metrics-port` and
+the bound URL is reported in the worker's `tw_workers` heartbeat.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
-from workers.settings import WorkerSettings, env
+import typer
+
+from workers import settings as worker_settings
+from workers.settings import WorkerSettings
+
+PROG = "twinkle-async worker"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="twinkle-async worker", description="Run a trainer worker."
+def worker_options(
+    base_model: Annotated[
+        str,
+        typer.Option(envvar="TWINKLE_BASE_MODEL", help="model id (hub) or a local model directory"),
+    ],
+    nats_url: Annotated[str, typer.Option(envvar="TWINKLE_NATS_URL")] = "nats://127.0.0.1:4222",
+    data_dir: Annotated[
+        Path,
+        typer.Option(envvar="TWINKLE_DATA_DIR", help="checkpoints live in DATA_DIR/checkpoints"),
+    ] = Path("data"),
+    max_slots: Annotated[
+        int, typer.Option(envvar="TWINKLE_MAX_SLOTS", min=1, help="adapter slots on the device")
+    ] = 8,
+    max_rank: Annotated[
+        int, typer.Option(envvar="TWINKLE_MAX_RANK", min=1, help="largest LoRA rank accepted")
+    ] = 32,
+    max_parked: Annotated[
+        int | None,
+        typer.Option(
+            envvar="TWINKLE_MAX_PARKED",
+            min=0,
+            help="adapters parked in host memory when slots run out (default: no bound)",
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(envvar="TWINKLE_DEVICE")] = "cpu",
+    threads: Annotated[
+        int, typer.Option(envvar="TWINKLE_TORCH_THREADS", min=0, help="torch threads (0: default)")
+    ] = 0,
+    shards: Annotated[int, typer.Option(envvar="TWINKLE_SHARDS", min=1)] = 16,
+    gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
+    sampler: Annotated[
+        Literal["torch", "none"],
+        typer.Option(
+            envvar="TWINKLE_SAMPLER",
+            help="serve sample requests in this process with the torch sampler",
+        ),
+    ] = "torch",
+    metrics_host: Annotated[
+        str, typer.Option(envvar="TWINKLE_METRICS_HOST", help="address /metrics binds")
+    ] = "127.0.0.1",
+    metrics_port: Annotated[
+        int,
+        typer.Option(envvar="TWINKLE_METRICS_PORT", min=0, help="/metrics port (0: a free one)"),
+    ] = 0,
+    log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
+) -> WorkerSettings:
+    """Run a trainer worker: a base model, its adapter slots, shared passes and fused steps."""
+    return WorkerSettings(
+        base_model=base_model,
+        nats_url=nats_url,
+        data_dir=data_dir,
+        n_shards=shards,
+        max_slots=max_slots,
+        max_rank=max_rank,
+        max_parked=max_parked,
+        device=device,
+        threads=threads or None,
+        gap_timeout_s=gap_timeout_s,
+        sampler="" if sampler == "none" else sampler,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        log_level=log_level,
     )
-    parser.add_argument(
-        "--base-model",
-        default=env("BASE_MODEL", "") or None,
-        required=not env("BASE_MODEL", ""),
-        help="model id (hub) or a local model directory",
-    )
-    parser.add_argument("--nats-url", default=env("NATS_URL", "nats://127.0.0.1:4222"))
-    parser.add_argument("--data-dir", type=Path, default=Path(env("DATA_DIR", "data")))
-    parser.add_argument("--max-slots", type=int, default=int(env("MAX_SLOTS", "8")))
-    parser.add_argument("--max-rank", type=int, default=int(env("MAX_RANK", "32")))
-    parser.add_argument("--device", default=env("DEVICE", "cpu"))
-    parser.add_argument("--threads", type=int, default=int(env("TORCH_THREADS", "0")) or None)
-    parser.add_argument("--shards", type=int, default=int(env("SHARDS", "16")))
-    parser.add_argument("--gap-timeout-s", type=float, default=float(env("GAP_TIMEOUT_S", "120")))
-    parser.add_argument(
-        "--sampler",
-        choices=["torch", "none"],
-        default=env("SAMPLER", "torch"),
-        help="serve sample requests in this process with the torch sampler",
-    )
-    parser.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
-    return parser.parse_args(argv)
+
+
+def parse_args(argv: list[str]) -> WorkerSettings:
+    """The settings a command line and the `TWINKLE_*` variables ask for (runs nothing)."""
+    return worker_settings.parse(worker_options, argv, PROG)
 
 
 async def serve(settings: WorkerSettings) -> None:
     import torch
+    from prometheus_client import CollectorRegistry
 
     from workers.bus import WorkerBus
     from workers.engine import Engine
+    from workers.metrics import SamplerMetrics, TrainerMetrics, serve_metrics
     from workers.service import TrainerService
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    engine = Engine(
-        settings.base_model,
-        max_slots=settings.max_slots,
-        max_rank=settings.max_rank,
-        device=settings.device,
-    )
-    bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
-    await bus.connect()
-    service = TrainerService(bus, engine, settings)
-    runs = [service.run()]
-    if settings.sampler == "torch":
-        from workers.sampler_service import SamplerService, TorchBackend
-        from workers.sampling_torch import TorchSampler
-
-        backend = TorchBackend(TorchSampler(engine), engine, service.executor)
-        runs.append(
-            SamplerService(
-                bus, backend, settings.pool, settings.checkpoint_root, usage=service.usage
-            ).run()
-        )
-    task = asyncio.ensure_future(asyncio.gather(*runs))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
+    registry = CollectorRegistry()
+    metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
     try:
-        await task
-    except asyncio.CancelledError:
-        pass
+        engine = Engine(
+            settings.base_model,
+            max_slots=settings.max_slots,
+            max_rank=settings.max_rank,
+            max_parked=settings.max_parked,
+            device=settings.device,
+        )
+        bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
+        await bus.connect()
+        service = TrainerService(
+            bus,
+            engine,
+            settings,
+            metrics=TrainerMetrics(registry),
+            metrics_url=metrics_server.url,
+        )
+        runs = [service.run()]
+        if settings.sampler == "torch":
+            from workers.sampler_service import SamplerService, TorchBackend
+            from workers.sampling_torch import TorchSampler
+
+            backend = TorchBackend(TorchSampler(engine), engine, service.executor)
+            sampler = SamplerService(
+                bus,
+                backend,
+                settings.pool,
+                settings.checkpoint_root,
+                usage=service.usage,
+                metrics=SamplerMetrics(registry),
+            )
+            runs.append(sampler.run())
+        task = asyncio.ensure_future(asyncio.gather(*runs))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await bus.close()
     finally:
-        await bus.close()
+        await asyncio.to_thread(metrics_server.close)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def _serve_forever(settings: WorkerSettings) -> None:
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    settings = WorkerSettings(
-        base_model=args.base_model,
-        nats_url=args.nats_url,
-        data_dir=args.data_dir,
-        n_shards=args.shards,
-        max_slots=args.max_slots,
-        max_rank=args.max_rank,
-        device=args.device,
-        threads=args.threads,
-        gap_timeout_s=args.gap_timeout_s,
-        sampler="" if args.sampler == "none" else args.sampler,
-    )
     import uvloop
 
     uvloop.run(serve(settings))
+
+
+def main(argv: list[str] | None = None) -> None:
+    worker_settings.run(
+        worker_options, _serve_forever, sys.argv[1:] if argv is None else argv, PROG
+    )
 
 
 if __name__ == "__main__":

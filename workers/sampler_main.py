@@ -2,12 +2,15 @@
 
 Serves one pool's sample jobs with vLLM (`--backend vllm`, the production choice) or with the
 torch sampler on its own copy of the model (`--backend torch`), and reports itself in
-`tw_workers` so the gateway knows the pool can sample.
+`tw_workers` so the gateway knows the pool can sample. Options are declared once in
+`sampler_options` (each also read from its `TWINKLE_*` variable) and become a `WorkerSettings`
+(`sampler` = the backend, `max_slots` = `--max-loras`, `max_rank` = `--max-lora-rank`). The
+process's Prometheus series are served on `--metrics-host:--metrics-port`; the bound URL is in
+its heartbeat.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -17,26 +20,62 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
 
 from protocol import records, subjects
 from protocol.records import WorkerRecord
-from workers.settings import env
+from workers import settings as worker_settings
+from workers.settings import WorkerSettings
+
+PROG = "twinkle-async sampler"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="twinkle-async sampler", description="Run a sampler.")
-    parser.add_argument(
-        "--base-model", default=env("BASE_MODEL", "") or None, required=not env("BASE_MODEL", "")
+def sampler_options(
+    base_model: Annotated[
+        str,
+        typer.Option(envvar="TWINKLE_BASE_MODEL", help="model id (hub) or a local model directory"),
+    ],
+    backend: Annotated[
+        Literal["vllm", "torch"], typer.Option(envvar="TWINKLE_SAMPLER_BACKEND")
+    ] = "vllm",
+    nats_url: Annotated[str, typer.Option(envvar="TWINKLE_NATS_URL")] = "nats://127.0.0.1:4222",
+    data_dir: Annotated[
+        Path,
+        typer.Option(envvar="TWINKLE_DATA_DIR", help="checkpoints live in DATA_DIR/checkpoints"),
+    ] = Path("data"),
+    max_lora_rank: Annotated[int, typer.Option(envvar="TWINKLE_MAX_RANK", min=1)] = 32,
+    max_loras: Annotated[
+        int, typer.Option(envvar="TWINKLE_MAX_LORAS", min=1, help="adapters kept loaded")
+    ] = 4,
+    metrics_host: Annotated[
+        str, typer.Option(envvar="TWINKLE_METRICS_HOST", help="address /metrics binds")
+    ] = "127.0.0.1",
+    metrics_port: Annotated[
+        int,
+        typer.Option(envvar="TWINKLE_METRICS_PORT", min=0, help="/metrics port (0: a free one)"),
+    ] = 0,
+    log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
+) -> WorkerSettings:
+    """Run a sampler: one pool's sample requests, with vLLM or the torch sampler."""
+    return WorkerSettings(
+        base_model=base_model,
+        nats_url=nats_url,
+        data_dir=data_dir,
+        max_slots=max_loras,
+        max_rank=max_lora_rank,
+        sampler=backend,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        log_level=log_level,
+        worker_id=f"{socket.gethostname()}-sampler-{uuid.uuid4().hex[:8]}",
     )
-    parser.add_argument(
-        "--backend", choices=["vllm", "torch"], default=env("SAMPLER_BACKEND", "vllm")
-    )
-    parser.add_argument("--nats-url", default=env("NATS_URL", "nats://127.0.0.1:4222"))
-    parser.add_argument("--data-dir", type=Path, default=Path(env("DATA_DIR", "data")))
-    parser.add_argument("--max-lora-rank", type=int, default=int(env("MAX_RANK", "32")))
-    parser.add_argument("--max-loras", type=int, default=int(env("MAX_LORAS", "4")))
-    parser.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
-    return parser.parse_args(argv)
+
+
+def parse_args(argv: list[str]) -> WorkerSettings:
+    """The settings a command line and the `TWINKLE_*` variables ask for (runs nothing)."""
+    return worker_settings.parse(sampler_options, argv, PROG)
 
 
 async def heartbeat(bus: object, record: WorkerRecord, every_s: float = 5.0) -> None:
@@ -47,77 +86,95 @@ async def heartbeat(bus: object, record: WorkerRecord, every_s: float = 5.0) -> 
         await asyncio.sleep(every_s)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(settings: WorkerSettings) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
+    from prometheus_client import CollectorRegistry
+
     from workers.bus import WorkerBus
+    from workers.metrics import SamplerMetrics, serve_metrics
     from workers.sampler_service import SamplerBackend, SamplerService, TorchBackend, VllmBackend
 
-    pool = subjects.pool_of(args.base_model)
+    registry = CollectorRegistry()
+    metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
     backend: SamplerBackend
     closer = None
-    if args.backend == "vllm":
-        from transformers import AutoConfig
-
-        from workers.sampling_vllm import VllmSampler
-
-        config = AutoConfig.from_pretrained(args.base_model)
-        text = getattr(config, "text_config", config)
-        sampler = VllmSampler(
-            args.base_model, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras
-        )
-        await sampler.start()
-        closer = sampler.close
-        backend = VllmBackend(sampler, int(text.vocab_size), int(text.max_position_embeddings))
-    else:
-        from workers.engine import Engine
-        from workers.sampling_torch import TorchSampler
-
-        engine = Engine(args.base_model, max_slots=args.max_loras, max_rank=args.max_lora_rank)
-        backend = TorchBackend(
-            TorchSampler(engine), engine, ThreadPoolExecutor(1, thread_name_prefix="engine")
-        )
-    bus = WorkerBus(args.nats_url)
-    await bus.connect()
-    record = WorkerRecord(
-        worker_id=f"{socket.gethostname()}-sampler-{uuid.uuid4().hex[:8]}",
-        pool=pool,
-        base_model=args.base_model,
-        arch="",
-        vocab_size=backend.vocab_size,
-        max_context=backend.max_context,
-        max_rank=args.max_lora_rank,
-        slots_total=args.max_loras,
-        slots_used=0,
-        heartbeat_at=time.time(),
-        role="sampler",
-        sampler_backend=backend.name,
-    )
-    service = SamplerService(bus, backend, pool, args.data_dir / "checkpoints")
-    task = asyncio.ensure_future(asyncio.gather(service.run(), heartbeat(bus, record)))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
     try:
-        await task
-    except asyncio.CancelledError:
-        pass
+        if settings.sampler == "vllm":
+            from transformers import AutoConfig
+
+            from workers.sampling_vllm import VllmSampler
+
+            config = AutoConfig.from_pretrained(settings.base_model)
+            text = getattr(config, "text_config", config)
+            sampler = VllmSampler(
+                settings.base_model, max_lora_rank=settings.max_rank, max_loras=settings.max_slots
+            )
+            await sampler.start()
+            closer = sampler.close
+            backend = VllmBackend(sampler, int(text.vocab_size), int(text.max_position_embeddings))
+        else:
+            from workers.engine import Engine
+            from workers.sampling_torch import TorchSampler
+
+            engine = Engine(
+                settings.base_model, max_slots=settings.max_slots, max_rank=settings.max_rank
+            )
+            backend = TorchBackend(
+                TorchSampler(engine), engine, ThreadPoolExecutor(1, thread_name_prefix="engine")
+            )
+        bus = WorkerBus(settings.nats_url)
+        await bus.connect()
+        record = WorkerRecord(
+            worker_id=settings.worker_id,
+            pool=settings.pool,
+            base_model=settings.base_model,
+            arch="",
+            vocab_size=backend.vocab_size,
+            max_context=backend.max_context,
+            max_rank=settings.max_rank,
+            slots_total=settings.max_slots,
+            slots_used=0,
+            heartbeat_at=time.time(),
+            role="sampler",
+            sampler_backend=backend.name,
+            metrics_url=metrics_server.url,
+        )
+        service = SamplerService(
+            bus, backend, settings.pool, settings.checkpoint_root, metrics=SamplerMetrics(registry)
+        )
+        task = asyncio.ensure_future(asyncio.gather(service.run(), heartbeat(bus, record)))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await bus.close()
     finally:
-        await bus.close()
         if closer is not None:
             await closer()
+        await asyncio.to_thread(metrics_server.close)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def _serve_forever(settings: WorkerSettings) -> None:
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     import uvloop
 
-    uvloop.run(serve(args))
+    uvloop.run(serve(settings))
+
+
+def main(argv: list[str] | None = None) -> None:
+    worker_settings.run(
+        sampler_options, _serve_forever, sys.argv[1:] if argv is None else argv, PROG
+    )
 
 
 if __name__ == "__main__":

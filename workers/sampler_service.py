@@ -7,6 +7,7 @@ taken once. Two backend shapes:
 - concurrent (vLLM): each job is submitted at once and the engine batches continuously.
 A sampling session names an immutable sampler checkpoint; adapters load by its path and are
 cached by it, so training never changes what a session samples.
+Every answered request, batch time and generated token is observed on `self.metrics`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
 from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
+from workers.metrics import SamplerMetrics
 from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,7 @@ class SamplerService:
         pool: str,
         checkpoint_root: Path,
         usage: UsageBook | None = None,
+        metrics: SamplerMetrics | None = None,
         flush_s: float = 5.0,
     ) -> None:
         self.bus = bus
@@ -132,6 +135,7 @@ class SamplerService:
         self._owns_usage = usage is None
         self.usage = usage or UsageBook(f"sampler-{uuid.uuid4().hex[:8]}")
         self.flush_s = flush_s
+        self.metrics = metrics if metrics is not None else SamplerMetrics()
         self.backend = backend
         self.pool = pool
         self.checkpoint_root = checkpoint_root
@@ -226,12 +230,12 @@ class SamplerService:
             results = [
                 ServerError("the sampler failed on this request; see the sampler log")
             ] * len(batch)
+        elapsed_s = time.perf_counter() - started
+        self.metrics.observe_batch(elapsed_s, results)
         for item, result in zip(batch, results, strict=True):
             await self._finish(item.job, item.msg, result)
         self.served += len(batch)
-        log.debug(
-            "sampled %d requests in %.1f ms", len(batch), (time.perf_counter() - started) * 1e3
-        )
+        log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
 
     async def _finish(self, job: SampleJob, msg: Msg, result: SampleOutput | TwinkleError) -> None:
         if isinstance(result, TwinkleError):
@@ -263,3 +267,4 @@ class SamplerService:
             subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encode_outcome(outcome)
         )
         await msg.ack()
+        self.metrics.request_finished(outcome.state, outcome.category)

@@ -8,6 +8,7 @@ the two only re-runs the op and rewrites the same key.
 
 A bad op fails alone with a `user` error; the rest of its pass still runs. An engine call that
 raises is re-run in halves until the ops that make it fail are alone (`workers.isolation`).
+Passes, fused steps, cycles, slots and every written outcome are observed on `self.metrics`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forw
 from workers.bus import WorkerBus
 from workers.engine import Engine
 from workers.isolation import isolate
+from workers.metrics import TrainerMetrics
 from workers.scheduler import Cycle, plan
 from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
@@ -118,10 +120,15 @@ class TrainerService:
         engine: Engine,
         settings: WorkerSettings,
         executor: ThreadPoolExecutor | None = None,
+        *,
+        metrics: TrainerMetrics | None = None,
+        metrics_url: str = "",
     ) -> None:
         self.bus = bus
         self.engine = engine
         self.settings = settings
+        self.metrics = metrics if metrics is not None else TrainerMetrics()
+        self.metrics_url = metrics_url  # reported in the heartbeat
         self.sequencer: Sequencer[Msg] = Sequencer()
         self._wake = asyncio.Event()
         # the engine is not thread-safe: every engine call (training or torch sampling) runs here
@@ -208,7 +215,9 @@ class TrainerService:
                 slots_used=self.engine.slots_used(),
                 heartbeat_at=time.time(),
                 sampler_backend=self.settings.sampler,
+                metrics_url=self.metrics_url,
             )
+            self._update_slot_gauges()
             key = subjects.worker_key(self.settings.pool, self.settings.worker_id)
             try:
                 await self.bus.put(subjects.BUCKET_WORKERS, key, records.encode(record))
@@ -260,12 +269,22 @@ class TrainerService:
             await self._finish(item, _settled(item.job))
         for item in cycle.others:
             await self._run([item], self._other)
+        elapsed_s = time.perf_counter() - started
+        self.metrics.observe_cycle(elapsed_s)
+        self._update_slot_gauges()
         log.debug(
             "cycle: %d fwd, %d optim, %d other in %.1f ms",
             len(cycle.shared_pass),
             len(cycle.optim_steps),
             len(cycle.others),
-            (time.perf_counter() - started) * 1e3,
+            elapsed_s * 1e3,
+        )
+
+    def _update_slot_gauges(self) -> None:
+        self.metrics.set_slots(
+            used=self.engine.slots_used(),
+            parked=len(self.engine.parked),
+            total=self.settings.max_slots,
         )
 
     async def _run(self, items: list[Item], fn: Callable[[list[Item]], list[Result]]) -> None:
@@ -299,6 +318,7 @@ class TrainerService:
             subjects.future_key(outcome.request_id),
             encode_outcome(outcome),
         )
+        self.metrics.op_finished(outcome.request_type, outcome.state, outcome.category)
 
     async def _finish(self, item: Item, outcome: Outcome) -> None:
         await self._store(outcome)
@@ -366,7 +386,13 @@ class TrainerService:
             batch_index.append(i)
         if batch:
             jobs = [items[i].job for i in batch_index]
+            started = time.perf_counter()
             results = self._transactions(self.engine.forward_backward, batch, jobs)
+            self.metrics.observe_pass(
+                time.perf_counter() - started,
+                tokens=sum(request.n_tokens for _, request in batch),
+                tenants=len({model_id for model_id, _ in batch}),
+            )
             for i, result in zip(batch_index, results, strict=True):
                 if isinstance(result, TwinkleError):
                     outcomes[i] = _failed(items[i].job, result)
@@ -394,7 +420,9 @@ class TrainerService:
             index.append(i)
         if steps:
             jobs = [items[i].job for i in index]
+            started = time.perf_counter()
             results = self._transactions(self.engine.optim_step, steps, jobs)
+            self.metrics.observe_optim_step(time.perf_counter() - started)
             for i, result in zip(index, results, strict=True):
                 if isinstance(result, TwinkleError):
                     outcomes[i] = _failed(items[i].job, result)

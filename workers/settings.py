@@ -1,19 +1,35 @@
-"""Worker settings, built once from flags and `TWINKLE_*` variables in `main()`."""
+"""Worker settings, built once in `main()` from flags and `TWINKLE_*` variables, then passed down.
+
+Both worker entry points (`workers/__main__.py`, the trainer; `workers/sampler_main.py`, a
+sampler process) declare their options once, as the parameters of a function that returns a
+`WorkerSettings` (Typer options with `envvar="TWINKLE_..."`: a flag wins over its variable, the
+variable over the default). `parse` turns a command line into settings and runs nothing (tests,
+the compose check); `run` parses and hands the settings to the process's serve function. Only
+this module and those option declarations read the environment.
+"""
 
 from __future__ import annotations
 
-import os
+import functools
 import socket
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import typer
 
 from protocol import subjects
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What a trainer worker serves and how it batches."""
+    """What a worker serves, how it batches, and where it publishes its metrics.
+
+    A sampler process reads the same fields: `sampler` is its backend, `max_slots` the adapters
+    it keeps loaded, `max_rank` the largest LoRA rank it accepts.
+    """
 
     base_model: str
     nats_url: str = "nats://127.0.0.1:4222"
@@ -21,6 +37,7 @@ class WorkerSettings:
     n_shards: int = subjects.DEFAULT_SHARDS
     max_slots: int = 8
     max_rank: int = 32
+    max_parked: int | None = None  # adapters parked in host memory beyond the slots (None: any)
     device: str = "cpu"
     threads: int | None = None
     token_budget: int = 16384
@@ -28,6 +45,9 @@ class WorkerSettings:
     ack_wait_s: float = 120.0
     heartbeat_s: float = 5.0
     sampler: str = "torch"  # the in-process sampler: "torch", or "" for none
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: a free port chosen by the OS (reported in the heartbeat)
+    log_level: str = "INFO"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
 
     @property
@@ -39,5 +59,33 @@ class WorkerSettings:
         return self.data_dir / "checkpoints"
 
 
-def env(name: str, default: str) -> str:
-    return os.environ.get(f"TWINKLE_{name}", default)
+Options = Callable[..., WorkerSettings]
+
+
+def _app(command: Callable[..., Any]) -> typer.Typer:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(command)
+    return app
+
+
+def parse(options: Options, argv: Sequence[str], prog: str) -> WorkerSettings:
+    """The settings a command line (and the `TWINKLE_*` variables) asks for; runs nothing.
+
+    A bad command line raises Typer's usage error; `--help` prints the help and exits.
+    """
+    result = _app(options)(args=list(argv), prog_name=prog, standalone_mode=False)
+    if not isinstance(result, WorkerSettings):
+        raise SystemExit(result)
+    return result
+
+
+def run(
+    options: Options, serve: Callable[[WorkerSettings], None], argv: Sequence[str], prog: str
+) -> None:
+    """Parse the command line like `parse`, then `serve(settings)`; usage errors exit 2."""
+
+    @functools.wraps(options)  # Typer reads the options from the wrapped signature
+    def command(*args: Any, **kwargs: Any) -> None:
+        serve(options(*args, **kwargs))
+
+    _app(command)(args=list(argv), prog_name=prog)

@@ -17,12 +17,14 @@ from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
     admin_routes,
     futures_routes,
+    metrics_routes,
     rest_routes,
     sampling_routes,
     service_routes,
     training_routes,
     unknown_routes,
 )
+from twinkle_async.gateway.metrics_routes import METRICS, metrics_middleware
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
 from twinkle_async.gateway.state import (
     BUS,
@@ -35,6 +37,7 @@ from twinkle_async.gateway.state import (
     SETTINGS,
 )
 from twinkle_async.lifecycle import Lifecycle
+from twinkle_async.metrics import GatewayMetrics
 from twinkle_async.quotas import InFlight, Quotas
 from twinkle_async.registry import Registry
 from twinkle_async.settings import GatewaySettings
@@ -46,7 +49,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     bus = Bus(settings.bus)
     await bus.connect()
-    futures = FutureStore(bus)
+    futures = FutureStore(bus, app[METRICS])
     await futures.start()
     registry = Registry(bus, settings.base_models)
     await registry.start()
@@ -79,9 +82,12 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(settings: GatewaySettings) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware, auth_middleware], client_max_size=settings.max_request_bytes
+        # metrics first: it times the whole request and sees the status errors were mapped to
+        middlewares=[metrics_middleware, errors_middleware, auth_middleware],
+        client_max_size=settings.max_request_bytes,
     )
     app[SETTINGS] = settings
+    app[METRICS] = GatewayMetrics()  # a registry per app: apps in one process never collide
     app.cleanup_ctx.append(_bus_ctx)
     for module in (
         service_routes,
@@ -90,6 +96,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         futures_routes,
         rest_routes,
         admin_routes,
+        metrics_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):
         app.add_routes(module.routes)

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_OPEN_PATHS = frozenset({"/api/v1/healthz", "/healthz"})
+_OPEN_PATHS = frozenset({"/api/v1/healthz", "/healthz", "/metrics"})
 
 
 def error_response(err: TwinkleError) -> web.Response:

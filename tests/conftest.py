@@ -31,6 +31,7 @@ from twinkle_async.nats_server import NatsServer  # noqa: E402
 
 API_KEY = "tml-test-key-0123456789"
 OTHER_TENANT_KEY = "tml-other-tenant-key-9876543210"
+ADMIN_KEY = "twa-test-admin-key"  # every test cluster's admin key (`/admin/v1`, twinkle-admin)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +128,8 @@ def start_cluster(
         str(data_dir),
         "--api-key",
         API_KEY,
+        "--admin-key",
+        ADMIN_KEY,
         "--ready-file",
         str(ready),
         "--key-file",

@@ -14,13 +14,12 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import Cluster, start_cluster, stop_cluster
+from tests.conftest import ADMIN_KEY, Cluster, start_cluster, stop_cluster
 from tests.sdk_helpers import toy_batch, train_steps
 from tests.wire import Wire
 
 pytestmark = pytest.mark.e2e
 
-ADMIN_KEY = "twa-test-admin-key"
 SESSION_TIMEOUT_S = 12.0
 
 
@@ -30,8 +29,6 @@ def ops(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
     running = start_cluster(
         tmp_path_factory.mktemp("ops") / "data",
         [tiny_model],
-        "--admin-key",
-        ADMIN_KEY,
         "--session-timeout-s",
         str(SESSION_TIMEOUT_S),
         "--sweep-interval-s",

@@ -43,6 +43,7 @@ class StreamSpec:
     name: str = subjects.STREAM_OPS
     subjects: tuple[str, ...] = (f"{subjects.OPS_PREFIX}.>",)
     max_age_s: float = 7 * 24 * 3600.0
+    max_bytes: int = 8 * 1024**3
     duplicate_window_s: float = 600.0
     max_msg_bytes: int = 8 * 1024 * 1024
 

@@ -162,7 +162,9 @@ class Bus:
 async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
     """Create the ops stream and the KV buckets if they do not exist (idempotent)."""
     stream = topology.StreamSpec(
-        duplicate_window_s=settings.duplicate_window_s, max_age_s=settings.ops_max_age_s
+        duplicate_window_s=settings.duplicate_window_s,
+        max_age_s=settings.ops_max_age_s,
+        max_bytes=settings.ops_max_bytes,
     )
     config = js_api.StreamConfig(
         name=stream.name,
@@ -170,6 +172,8 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
         retention=js_api.RetentionPolicy.LIMITS,
         storage=js_api.StorageType.FILE,
         max_age=stream.max_age_s,
+        max_bytes=stream.max_bytes,
+        discard=js_api.DiscardPolicy.OLD,
         duplicate_window=stream.duplicate_window_s,
         max_msg_size=stream.max_msg_bytes,
     )

@@ -22,8 +22,11 @@ class BusSettings:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 10.0
     n_shards: int = 16
+    # retention: a future (result or error) is kept this long after it was written
     futures_ttl_s: float = 24 * 3600.0
+    # the ops log keeps a model's ops for replay until they are this old or the log this big
     ops_max_age_s: float = 7 * 24 * 3600.0
+    ops_max_bytes: int = 8 * 1024**3
     duplicate_window_s: float = 600.0
     max_payload_bytes: int = 8 * 1024 * 1024
 
@@ -95,6 +98,8 @@ def bus_from_env(nats_url: str | None = None) -> BusSettings:
         nats_url=nats_url or _env("NATS_URL", "nats://127.0.0.1:4222"),
         n_shards=int(_env("SHARDS", "16")),
         futures_ttl_s=float(_env("FUTURES_TTL_S", str(24 * 3600))),
+        ops_max_age_s=float(_env("OPS_MAX_AGE_S", str(7 * 24 * 3600))),
+        ops_max_bytes=int(_env("OPS_MAX_BYTES", str(8 * 1024**3))),
     )
 
 

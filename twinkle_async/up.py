@@ -24,7 +24,7 @@ from protocol.records import WorkerRecord
 from twinkle_async.bus import Bus
 from twinkle_async.gateway.app import serve
 from twinkle_async.nats_server import NatsServer
-from twinkle_async.settings import BusSettings, GatewaySettings, quota_defaults_from_env
+from twinkle_async.settings import GatewaySettings, bus_from_env, quota_defaults_from_env
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ async def run_up(options: UpOptions) -> None:
         long_poll_s=options.long_poll_s,
         base_models=tuple(options.base_models),
         fwdbwd_max_chunk_len=options.fwdbwd_max_chunk_len,
-        bus=BusSettings(nats_url=nats_url),
+        bus=bus_from_env(nats_url),
     )
     procs: list[Process] = []
     stop = asyncio.Event()

@@ -46,7 +46,7 @@ class CheckpointRecord(msgspec.Struct):
     run_id: str
     tenant_id: str
     checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
-    kind: str  # "weights" | "sampler_weights"
+    kind: str  # "weights" | "sampler_weights" | "external_weights"
     path: str
     directory: str
     created_at: float

@@ -275,13 +275,8 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     return await submit_sequenced(request, run, seq_id, "save_weights_for_sampler", raw, build)
 
 
-_MAX_TTL_S = 10 * 365 * 24 * 3600
-
-
 def _ttl(ttl_seconds: int | None) -> int | None:
-    if ttl_seconds is not None and not 1 <= ttl_seconds <= _MAX_TTL_S:
-        raise UserError(f"ttl_seconds: {ttl_seconds} is out of range 1..{_MAX_TTL_S} (or null)")
-    return ttl_seconds
+    return rules.check_ttl_seconds("ttl_seconds", ttl_seconds)
 
 
 @routes.post("/api/v1/load_weights")

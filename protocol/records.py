@@ -38,6 +38,8 @@ class RunRecord(msgspec.Struct):
     last_request_time: float
     user_metadata: dict[str, str] = {}
     corrupted: bool = False
+    # set on a run made by `copy_weights`: the tinker:// path it copies (it is never trained)
+    copied_from: str = ""
 
 
 class CheckpointRecord(msgspec.Struct):

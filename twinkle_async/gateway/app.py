@@ -14,6 +14,8 @@ from aiohttp import web
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
+    checkpoint_routes,
+    download_routes,
     futures_routes,
     rest_routes,
     sampling_routes,
@@ -23,6 +25,7 @@ from twinkle_async.gateway import (
 )
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, SETTINGS
+from twinkle_async.gateway.sweeper import sweeper_ctx
 from twinkle_async.registry import Registry
 from twinkle_async.settings import GatewaySettings
 
@@ -50,12 +53,15 @@ def build_app(settings: GatewaySettings) -> web.Application:
     )
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_bus_ctx)
+    app.cleanup_ctx.append(sweeper_ctx)  # after the bus: it sweeps through the registry
     for module in (
         service_routes,
         training_routes,
         sampling_routes,
         futures_routes,
         rest_routes,
+        checkpoint_routes,
+        download_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):
         app.add_routes(module.routes)

@@ -17,6 +17,7 @@ from twinkle_async.gateway import (
     checkpoint_routes,
     download_routes,
     futures_routes,
+    model_routes,
     rest_routes,
     sampling_routes,
     service_routes,
@@ -60,6 +61,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         sampling_routes,
         futures_routes,
         rest_routes,
+        model_routes,
         checkpoint_routes,
         download_routes,
         unknown_routes,  # last: the paths nothing else matched

@@ -148,7 +148,7 @@ async def external_weights_urls(request: web.Request) -> web.Response:
 async def checkpoint_archive(request: web.Request) -> web.Response:
     """Older SDKs: a 302 to a signed tar of the checkpoint's files, `Expires` when it lapses."""
     path, ckpt = await _readable(request)
-    checkpoint_root(request)
+    checkpoint_root(request)  # no redirect to a download this gateway could not serve
     settings = request.app[SETTINGS]
     expires = int(time.time() + settings.download_url_ttl_s)
     url = signed_urls.archive_url(

@@ -593,6 +593,86 @@ class SampleRequest(_Request, frozen=True, tag_field="type", tag="sample"):
     record_stability_info: bool | None = None
 
 
+# -- REST: one checkpoint's lifecycle, exports, copies, sessions ------------------------------
+
+
+class CheckpointTtlRequest(_Request, frozen=True):
+    """Body of `PUT /training_runs/{run}/checkpoints/{checkpoint_id}/ttl`; null clears the TTL."""
+
+    ttl_seconds: int | None
+
+
+class ExternalWeightsUrlsResponse(_Response, frozen=True):
+    """A signed download URL per file of a checkpoint, keyed by file name, valid until `expires`."""
+
+    urls: dict[str, str]
+    expires: datetime
+
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(self, "expires", _aware(self.expires))
+
+
+class SaveWeightsExternalRequest(
+    _Request, frozen=True, tag_field="type", tag="save_weights_external"
+):
+    """Export the adapter as PEFT files under `tinker://<run>/external_weights/<path>`."""
+
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
+class SaveWeightsExternalResponse(
+    _Response, frozen=True, tag_field="type", tag="save_weights_external"
+):
+    """Result of a `save_weights_external` future."""
+
+    path: str
+    size_bytes: int | None = None
+
+
+class UnloadModelRequest(_Request, frozen=True, tag_field="type", tag="unload_model"):
+    """Release a training model's adapter (older SDKs); the SDK sends no `seq_id`."""
+
+    model_id: str
+    seq_id: int | None = None
+
+
+class CopyWeightsRequest(_Request, frozen=True):
+    """Copy a checkpoint into a new, untrainable run: in a session (`session_id` +
+    `model_seq_id`) or, without one, for a `destination_project_id`."""
+
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    destination_project_id: str | None = None
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+
+
+class CopyWeightsResponse(_Response, frozen=True):
+    """The answer of `copy_weights` (synchronous): where the copy is."""
+
+    tinker_path: str
+
+
+class ListSessionsResponse(_Response, frozen=True):
+    """`GET /sessions`: the caller's session ids, newest first."""
+
+    sessions: list[str]
+
+
+class GetSessionResponse(_Response, frozen=True):
+    """`GET /sessions/{session_id}`: what the session created."""
+
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
+
+
 # -- codec --------------------------------------------------------------------------------------
 
 _ENCODER = msgspec.json.Encoder()

@@ -58,10 +58,11 @@ class OptimStepJob(JobBase, frozen=True, tag="optim_step"):
 
 
 class SaveWeightsJob(JobBase, frozen=True, tag="save_weights"):
-    """Write a checkpoint: `weights` (adapter + optimizer) or `sampler_weights` (adapter only)."""
+    """Write a checkpoint: `weights` (adapter + optimizer), `sampler_weights` or
+    `external_weights` (both the PEFT adapter only; external is `save_weights_external`)."""
 
     name: str = ""
-    kind: Literal["weights", "sampler_weights"] = "weights"
+    kind: Literal["weights", "sampler_weights", "external_weights"] = "weights"
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] = {}
     # set for save_weights_and_get_sampling_client: the result names this session, not a path
@@ -138,6 +139,7 @@ RequestType = Literal[
     "save_weights_for_sampler",
     "load_weights",
     "unload_model",
+    "save_weights_external",
 ]
 
 
@@ -214,12 +216,19 @@ def decode_claim(data: bytes) -> SeqClaim:
     return _CLAIM_DECODER.decode(data)
 
 
+_SAVE_REQUEST_TYPES = {
+    "weights": "save_weights",
+    "sampler_weights": "save_weights_for_sampler",
+    "external_weights": "save_weights_external",
+}
+
+
 def request_type_of(job: Job) -> str:
     """The name of the request a job answers (the `forward` variant of fwd/bwd included)."""
     if isinstance(job, ForwardBackwardJob):
         return "forward" if job.forward_only else "forward_backward"
     if isinstance(job, SaveWeightsJob):
-        return "save_weights" if job.kind == "weights" else "save_weights_for_sampler"
+        return _SAVE_REQUEST_TYPES[job.kind]
     if isinstance(job, TombstoneJob):
         return job.request_type or "tombstone"
     return type(job).__struct_config__.tag  # type: ignore[return-value]

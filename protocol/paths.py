@@ -10,9 +10,15 @@ import msgspec
 from protocol import rules
 from protocol.errors import UserError
 
-CheckpointKind = Literal["weights", "sampler_weights"]
-_KINDS: tuple[str, ...] = ("weights", "sampler_weights")
+# `external_weights`: an adapter exported for use elsewhere (`save_weights_external`), PEFT layout
+CheckpointKind = Literal["weights", "sampler_weights", "external_weights"]
+_KINDS: tuple[str, ...] = ("weights", "sampler_weights", "external_weights")
 SCHEME = "tinker://"
+_KIND_OF: dict[str, CheckpointKind] = {
+    "weights": "weights",
+    "sampler_weights": "sampler_weights",
+    "external_weights": "external_weights",
+}
 
 
 class TinkerPath(msgspec.Struct, frozen=True):
@@ -46,11 +52,11 @@ def parse_path(path: str, field: str = "path") -> TinkerPath:
         shown = path if len(path) <= 60 else path[:60] + "..."
         raise UserError(
             f"{field}: {shown!r} is malformed: expected"
-            " tinker://<run_id>/<weights|sampler_weights>/<name>"
+            " tinker://<run_id>/<weights|sampler_weights|external_weights>/<name>"
         )
     run_id = rules.check_id(f"{field} run id", parts[0])
     name = rules.check_checkpoint_name(f"{field} name", parts[2])
-    kind: CheckpointKind = "weights" if parts[1] == "weights" else "sampler_weights"
+    kind: CheckpointKind = _KIND_OF[parts[1]]
     return TinkerPath(run_id=run_id, kind=kind, name=name)
 
 

@@ -43,6 +43,8 @@ class RunRecord(msgspec.Struct):
     user_metadata: dict[str, str] = {}
     corrupted: bool = False
     unloaded_at: float | None = None  # its adapter left the worker (session finished)
+    # set on a run made by `copy_weights`: the tinker:// path it copies (it is never trained)
+    copied_from: str = ""
 
 
 class CheckpointRecord(msgspec.Struct):
@@ -51,7 +53,7 @@ class CheckpointRecord(msgspec.Struct):
     run_id: str
     tenant_id: str
     checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
-    kind: str  # "weights" | "sampler_weights"
+    kind: str  # "weights" | "sampler_weights" | "external_weights"
     path: str
     directory: str
     created_at: float

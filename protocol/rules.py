@@ -132,6 +132,18 @@ def check_checkpoint_name(field: str, name: str) -> str:
     return name
 
 
+# -- checkpoint lifetimes -----------------------------------------------------------------------
+
+MAX_TTL_S = 10 * 365 * 24 * 3600
+
+
+def check_ttl_seconds(field: str, ttl_seconds: int | None) -> int | None:
+    """A checkpoint's time to live in seconds, up to ten years; None means it never expires."""
+    if ttl_seconds is not None and not 1 <= ttl_seconds <= MAX_TTL_S:
+        raise UserError(f"{field}: {ttl_seconds} is out of range 1..{MAX_TTL_S} (or null)")
+    return ttl_seconds
+
+
 # -- sequence numbers ---------------------------------------------------------------------------
 
 # The SDK numbers a model's calls 1, 2, 3, ... (creation is 0). A seq far ahead of the highest

@@ -93,7 +93,9 @@ def test_a_call_the_gateway_refuses_never_stalls_the_next_one(
         "negative learning rate": lambda: client.optim_step(
             types.AdamParams(learning_rate=-1.0)
         ).result(),
-        "unknown endpoint": lambda: client.save_weights_external("x").result(),
+        "unsupported option": lambda: client.save_weights_external(
+            "x", age_encryption_recipients=["age1notsupportedhere"]
+        ).result(),
     }
     for what, refuse in refusals.items():
         with pytest.raises((tinker.BadRequestError, tinker.NotFoundError)) as refused:

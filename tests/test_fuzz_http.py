@@ -472,6 +472,12 @@ PATH_ROUTES = [
     ("GET", "training_runs/{id}/checkpoints", "model"),
     ("GET", "samplers/{id}", "sampler"),
     ("POST", "sessions/{id}/finish", "spare"),
+    ("GET", "sessions/{id}", "session"),
+    ("GET", "sessions/{id}/trace_export", "session"),
+    # A's checkpoint is `weights/fuzz-weights`; unpublishing it changes nothing the others see
+    ("DELETE", "training_runs/{id}/checkpoints/weights/fuzz-weights/publish", "model"),
+    ("GET", "training_runs/{id}/checkpoints/weights/fuzz-weights/external_weights_urls", "model"),
+    ("GET", "training_runs/{id}/checkpoints/weights/fuzz-weights/archive", "model"),
 ]
 
 
@@ -485,6 +491,7 @@ def test_fuzz_path_parameters(fuzzer: Fuzzer, data: st.DataObject) -> None:
         "model": [t.model, t.other_model, t.session],
         "sampler": [t.sampler, t.other_sampler],
         "spare": [t.spare_session, t.other_session, t.model],  # never A's main session
+        "session": [t.session, t.other_session, t.model],
     }[kind]
     value = data.draw(
         st.sampled_from(real) | st.sampled_from(HOSTILE_IDS) | st.text(max_size=30), label="id"
@@ -510,30 +517,40 @@ def test_fuzz_path_parameters(fuzzer: Fuzzer, data: st.DataObject) -> None:
              "public", "\x00", str(2**64), "nan"]
         )
         | st.text(max_size=10),
-    )
+    ),
+    listing=st.sampled_from(["training_runs", "checkpoints", "sessions"]),
 )  # fmt: skip
 @fuzz_settings(300)
-def test_fuzz_query_parameters(fuzzer: Fuzzer, params: dict[str, str]) -> None:
-    """GET /training_runs with hostile paging parameters."""
+def test_fuzz_query_parameters(fuzzer: Fuzzer, params: dict[str, str], listing: str) -> None:
+    """The paged listings with hostile paging parameters."""
     query = "&".join(f"{quote(k)}={quote(v, safe='')}" for k, v in params.items())
     if len(query) > 8000:
         return  # past aiohttp's request-line limit: its HTTP parser answers, not the gateway
-    fuzzer.send("GET", f"{API}/training_runs?{query}", "GET training_runs")
+    fuzzer.send("GET", f"{API}/{listing}?{query}", f"GET {listing}")
 
 
 KNOWN_PATHS = sorted(
     {f"{API}/{r.route}" for r in JSON_ROUTES}
     | {f"{API}/forward_backward", f"{API}/get_server_capabilities", f"{API}/healthz", "/healthz"}
-)
+    | {
+        f"{API}/{name}"
+        for name in (
+            "save_weights_external", "copy_weights", "unload_model", "checkpoints", "sessions",
+            "sessions/x", "training_runs/x/checkpoints/weights/y",
+            "training_runs/x/checkpoints/weights/y/publish",
+            "training_runs/x/checkpoints/weights/y/ttl",
+        )
+    }
+    | {"/files/v1/checkpoints/x/weights/y/adapter_config.json", "/files/v1/archives/x/weights/y"}
+)  # fmt: skip
 UNKNOWN_PATHS = [
     f"{API}/{name}"
     for name in (
-        "save_weights_external", "nope", "retrieve_futures", "cancel_future", "create_custom_loss",
-        "copy_weights", "join_sampling_session", "auth/token", "forward", "unload_model",
-        "checkpoints", "sessions", "sessions/x", "training_runs/x/checkpoints/weights/y",
-        "training_runs/x/checkpoints/weights/y/publish", "", "/", "..", "healthz/x",
+        "nope", "retrieve_futures", "cancel_future", "create_custom_loss",
+        "join_sampling_session", "auth/token", "forward", "sessions/search",
+        "training_runs/x/checkpoints/weights/y/z", "", "/", "..", "healthz/x",
     )
-] + ["/", "/api", "/api/v2/create_session", "/API/V1/healthz"]  # fmt: skip
+] + ["/", "/api", "/api/v2/create_session", "/API/V1/healthz", "/files/v1/x"]  # fmt: skip
 
 
 @given(

@@ -476,6 +476,31 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
         ),
         types.GetSamplerResponse,
     ),
+    (
+        api.SaveWeightsExternalResponse(path="tinker://r/external_weights/a", size_bytes=9),
+        types.SaveWeightsExternalResponseInternal,
+    ),
+    (
+        api.SaveWeightsExternalResponse(path="tinker://r/external_weights/a"),
+        types.SaveWeightsExternalResponse,
+    ),
+    (
+        api.ExternalWeightsUrlsResponse(
+            urls={"adapter_config.json": "http://h/f?sig=1"}, expires=NOW
+        ),
+        types.ExternalWeightsUrlsResponse,
+    ),
+    (api.CopyWeightsResponse(tinker_path="tinker://copy-1/weights/a"), types.CopyWeightsResponse),
+    (api.ListSessionsResponse(sessions=["sess-1", "sess-2"]), types.ListSessionsResponse),
+    (
+        api.GetSessionResponse(
+            training_run_ids=["sess-1:train:0"],
+            sampler_ids=["sess-1:sample:0"],
+            user_metadata={"a": "b"},
+        ),
+        types.GetSessionResponse,
+    ),
+    (api.GetSessionResponse(training_run_ids=[], sampler_ids=[]), types.GetSessionResponse),
 ]
 
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -88,6 +89,9 @@ def up(
     sampler: Annotated[
         str, typer.Option(help="torch (in the trainer), vllm (own process) or none")
     ] = "torch",
+    checkpoint_sweep_s: Annotated[
+        float, typer.Option(min=0, help="seconds between sweeps of expired checkpoints (0: none)")
+    ] = 60.0,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Start NATS, the gateway and one worker per base model; stop all on Ctrl-C."""
@@ -127,6 +131,7 @@ def up(
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
         vllm_sampler=sampler == "vllm",
         sampler_args=["--max-lora-rank", str(max_rank), "--log-level", log_level],
+        checkpoint_sweep_s=checkpoint_sweep_s or None,
     )
     _run(run_up(options))
 
@@ -172,6 +177,34 @@ def gateway(
     ready_file: Annotated[
         Path | None, typer.Option(help="write the base URL here as JSON once listening")
     ] = None,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="TWINKLE_DATA_DIR",
+            help="the workers' data directory: checkpoints are under <data-dir>/checkpoints",
+        ),
+    ] = None,
+    checkpoint_root: Annotated[
+        Path | None,
+        typer.Option(
+            help="checkpoint files, to delete, copy and serve (default <data-dir>/checkpoints)"
+        ),
+    ] = None,
+    checkpoint_sweep_s: Annotated[
+        float, typer.Option(min=0, help="seconds between sweeps of expired checkpoints (0: none)")
+    ] = 60.0,
+    download_secret: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TWINKLE_DOWNLOAD_SECRET",
+            help="HMAC key of signed download URLs; gateways behind one address share it"
+            " (default: random per process)",
+        ),
+    ] = None,
+    public_url: Annotated[
+        str | None,
+        typer.Option(help="base URL clients reach this gateway at (default: the request's host)"),
+    ] = None,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Serve the Tinker HTTP API over a running NATS."""
@@ -193,7 +226,12 @@ def gateway(
         bus=bus_from_env(nats_url)
         if nats_url or os.environ.get("TWINKLE_NATS_URL")
         else BusSettings(),
+        checkpoint_root=checkpoint_root or (data_dir / "checkpoints" if data_dir else None),
+        checkpoint_sweep_s=checkpoint_sweep_s or None,
+        public_url=public_url,
     )
+    if download_secret:
+        settings = dataclasses.replace(settings, download_secret=download_secret.encode())
 
     def on_ready(base_url: str) -> None:
         print(f"gateway listening on {base_url}", flush=True)

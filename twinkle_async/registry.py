@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from nats.aio.subscription import Subscription
 
 from protocol import records, rules, subjects
-from protocol.errors import NotFound, UserError
+from protocol.errors import NotFound, Unavailable, UserError
 from protocol.records import (
     CheckpointRecord,
     RunRecord,
@@ -27,6 +28,7 @@ from twinkle_async.bus import Bus
 log = logging.getLogger(__name__)
 
 WORKER_STALE_S = 30.0
+_MAX_SWAPS = 16  # compare-and-set attempts before a contended record answers "retry"
 
 
 class Registry:
@@ -125,6 +127,13 @@ class Registry:
             revision,
         )
 
+    async def session_samplers(self, session_id: str) -> list[SamplerRecord]:
+        """The sampling sessions opened in a session, oldest first."""
+        values = await self.bus.values(subjects.BUCKET_SESSIONS, "sampler")
+        found = [records.decode(value, SamplerRecord) for value in values]
+        mine = [sampler for sampler in found if sampler.session_id == session_id]
+        return sorted(mine, key=lambda sampler: sampler.created_at)
+
     # -- tenants -----------------------------------------------------------------------------
 
     async def create_tenant(self, tenant: TenantRecord) -> bool:
@@ -210,3 +219,57 @@ class Registry:
         if ckpt is None or (ckpt.tenant_id != tenant_id and not ckpt.public):
             raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
         return ckpt
+
+    async def all_checkpoints(self) -> list[CheckpointRecord]:
+        """Every checkpoint record of every tenant (for the TTL sweeper)."""
+        values = await self.bus.values(subjects.BUCKET_CHECKPOINTS)
+        return [records.decode(value, CheckpointRecord) for value in values]
+
+    async def tenant_checkpoints(self, tenant_id: str) -> list[CheckpointRecord]:
+        """The tenant's own checkpoints across all its runs, newest first."""
+        mine = [ckpt for ckpt in await self.all_checkpoints() if ckpt.tenant_id == tenant_id]
+        return sorted(mine, key=lambda ckpt: ckpt.created_at, reverse=True)
+
+    async def owned_checkpoint(
+        self, run_id: str, checkpoint_id: str, tenant_id: str
+    ) -> CheckpointRecord:
+        """A checkpoint the tenant may change or delete: its own. A published checkpoint of
+        another tenant answers NotFound here, exactly like one that does not exist."""
+        ckpt = await self.find_checkpoint(run_id, checkpoint_id)
+        if ckpt is None or ckpt.tenant_id != tenant_id:
+            raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+        return ckpt
+
+    async def update_checkpoint(
+        self,
+        run_id: str,
+        checkpoint_id: str,
+        tenant_id: str,
+        change: Callable[[CheckpointRecord], CheckpointRecord],
+    ) -> CheckpointRecord:
+        """Apply `change` to the tenant's own checkpoint record, compare-and-set: two changes
+        at once (publish and a TTL, say) both land."""
+        key = subjects.checkpoint_key(run_id, checkpoint_id)
+        for _ in range(_MAX_SWAPS):
+            entry = await self.bus.entry(subjects.BUCKET_CHECKPOINTS, key)
+            ckpt = records.decode(entry[0], CheckpointRecord) if entry and entry[0] else None
+            if entry is None or ckpt is None or ckpt.tenant_id != tenant_id:
+                raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+            changed = change(ckpt)
+            if await self.bus.swap(
+                subjects.BUCKET_CHECKPOINTS, key, records.encode(changed), entry[1]
+            ):
+                return changed
+        raise Unavailable(f"checkpoint tinker://{run_id}/{checkpoint_id} is changing; retry")
+
+    async def put_checkpoint(self, ckpt: CheckpointRecord) -> None:
+        await self.bus.put(
+            subjects.BUCKET_CHECKPOINTS,
+            subjects.checkpoint_key(ckpt.run_id, ckpt.checkpoint_id),
+            records.encode(ckpt),
+        )
+
+    async def delete_checkpoint_record(self, run_id: str, checkpoint_id: str) -> None:
+        await self.bus.delete(
+            subjects.BUCKET_CHECKPOINTS, subjects.checkpoint_key(run_id, checkpoint_id)
+        )

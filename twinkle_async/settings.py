@@ -6,6 +6,7 @@ Only this module reads the environment. Units are in the names.
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,18 @@ class GatewaySettings:
     session_timeout_s: float = 120.0
     # how often the gateway looks for expired sessions
     sweep_interval_s: float = 10.0
+    # where checkpoint files live (`<data-dir>/checkpoints`, shared with the workers): the
+    # gateway deletes, copies and serves them. None: a checkpoint's record can still be
+    # deleted, its files stay, and copy and download answer that no store is configured.
+    checkpoint_root: Path | None = None
+    # how often checkpoints past their TTL are deleted (record and files); None: never
+    checkpoint_sweep_s: float | None = 60.0
+    # HMAC key of signed download URLs. Random per process unless given: gateways behind one
+    # address must share it, and a restart invalidates the URLs already handed out.
+    download_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    download_url_ttl_s: float = 900.0  # a signed URL's lifetime
+    # the base of signed URLs as clients reach this gateway; None: the request's scheme and Host
+    public_url: str | None = None
 
 
 def bus_from_env(nats_url: str | None = None) -> BusSettings:

@@ -50,6 +50,7 @@ class UpOptions:
     worker_ready_timeout_s: float = 300.0
     vllm_sampler: bool = False
     sampler_args: list[str] = field(default_factory=list)
+    checkpoint_sweep_s: float | None = 60.0  # None: expired checkpoints are never swept
 
 
 async def _wait_for_workers(
@@ -106,6 +107,8 @@ async def run_up(options: UpOptions) -> None:
         base_models=tuple(options.base_models),
         fwdbwd_max_chunk_len=options.fwdbwd_max_chunk_len,
         bus=bus_from_env(nats_url),
+        checkpoint_root=options.data_dir / "checkpoints",  # where the workers write them
+        checkpoint_sweep_s=options.checkpoint_sweep_s,
     )
     procs: list[Process] = []
     stop = asyncio.Event()

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -507,7 +507,11 @@ class TrainerService:
             "base_model": self.settings.base_model,
             "saved_at": now,
         }
-        size = self.engine.save(job.model_id, directory, kind=job.kind, meta=meta)
+        # an external export is the PEFT adapter alone, exactly what a sampler checkpoint holds
+        files: Literal["weights", "sampler_weights"] = (
+            "weights" if job.kind == "weights" else "sampler_weights"
+        )
+        size = self.engine.save(job.model_id, directory, kind=files, meta=meta)
         (directory / CONTENT_ID_FILE).write_text(content_id)
         record = CheckpointRecord(
             run_id=job.model_id,
@@ -527,6 +531,8 @@ class TrainerService:
         )
         if job.kind == "weights":
             body = api.encode(api.SaveWeightsResponse(path=str(path)))
+        elif job.kind == "external_weights":
+            body = api.encode(api.SaveWeightsExternalResponse(path=str(path), size_bytes=size))
         elif job.sampling_session_id:
             body = api.encode(
                 api.SaveWeightsForSamplerResponse(sampling_session_id=job.sampling_session_id)

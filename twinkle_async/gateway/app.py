@@ -16,8 +16,11 @@ from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
     admin_routes,
+    checkpoint_routes,
+    download_routes,
     futures_routes,
     metrics_routes,
+    model_routes,
     rest_routes,
     sampling_routes,
     service_routes,
@@ -36,6 +39,7 @@ from twinkle_async.gateway.state import (
     SAMPLES,
     SETTINGS,
 )
+from twinkle_async.gateway.sweeper import sweeper_ctx
 from twinkle_async.lifecycle import Lifecycle
 from twinkle_async.metrics import GatewayMetrics
 from twinkle_async.quotas import InFlight, Quotas
@@ -89,12 +93,16 @@ def build_app(settings: GatewaySettings) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()  # a registry per app: apps in one process never collide
     app.cleanup_ctx.append(_bus_ctx)
+    app.cleanup_ctx.append(sweeper_ctx)  # after the bus: it sweeps through the registry
     for module in (
         service_routes,
         training_routes,
         sampling_routes,
         futures_routes,
         rest_routes,
+        model_routes,
+        checkpoint_routes,
+        download_routes,
         admin_routes,
         metrics_routes,
         unknown_routes,  # last: the paths nothing else matched

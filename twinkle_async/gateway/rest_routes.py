@@ -1,4 +1,8 @@
-"""REST endpoints of the RestClient: training runs, their checkpoints, weights info."""
+"""REST endpoints of the RestClient: training runs, checkpoints, weights info, sessions.
+
+Listings show the caller's own objects only; one checkpoint's lifecycle (delete, publish, TTL,
+downloads) is in `checkpoint_routes`.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +23,17 @@ def iso(ts: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(ts, dt.UTC)
 
 
+_CHECKPOINT_TYPES: dict[str, api.CheckpointType] = {
+    "weights": "training",
+    "sampler_weights": "sampler",
+    "external_weights": "external",
+}
+
+
 def checkpoint_view(ckpt: CheckpointRecord) -> api.Checkpoint:
     return api.Checkpoint(
         checkpoint_id=ckpt.checkpoint_id,
-        checkpoint_type="training" if ckpt.kind == "weights" else "sampler",
+        checkpoint_type=_CHECKPOINT_TYPES.get(ckpt.kind, "sampler"),
         time=iso(ckpt.created_at),
         tinker_path=ckpt.path,
         size_bytes=ckpt.size_bytes,
@@ -98,6 +109,20 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     )
 
 
+@routes.get("/api/v1/checkpoints")
+async def list_user_checkpoints(request: web.Request) -> web.Response:
+    """Every checkpoint of the caller's runs, newest first, a page at a time."""
+    limit = _int_param(request, "limit", 100)
+    offset = _int_param(request, "offset", 0)
+    ckpts = await request.app[REGISTRY].tenant_checkpoints(request[TENANT])
+    return json_response(
+        api.CheckpointsListResponse(
+            checkpoints=[checkpoint_view(c) for c in ckpts[offset : offset + limit]],
+            cursor=api.Cursor(offset=offset, limit=limit, total_count=len(ckpts)),
+        )
+    )
+
+
 @routes.post("/api/v1/weights_info")
 async def weights_info(request: web.Request) -> web.Response:
     body = await read_json(request, api.WeightsInfoRequest)
@@ -112,4 +137,56 @@ async def weights_info(request: web.Request) -> web.Response:
             train_mlp=ckpt.lora.train_mlp,
             train_attn=ckpt.lora.train_attn,
         )
+    )
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+
+@routes.get("/api/v1/sessions")
+async def list_sessions(request: web.Request) -> web.Response:
+    """The caller's session ids, newest first (`access_scope` is accepted; every scope is the
+    caller's own here)."""
+    limit = _int_param(request, "limit", 20)
+    offset = _int_param(request, "offset", 0)
+    sessions = (await request.app[REGISTRY].sessions(request[TENANT]))[::-1]  # newest first
+    page = sessions[offset : offset + limit]
+    return json_response(api.ListSessionsResponse(sessions=[s.session_id for s in page]))
+
+
+@routes.get("/api/v1/sessions/{session_id}")
+async def get_session(request: web.Request) -> web.Response:
+    """A session's training runs (creation order) and sampling sessions."""
+    registry = request.app[REGISTRY]
+    tenant = request[TENANT]
+    session = await registry.session(request.match_info["session_id"], tenant)
+    runs = [run for run in await registry.runs(tenant) if run.session_id == session.session_id]
+    samplers = await registry.session_samplers(session.session_id)
+    return json_response(
+        api.GetSessionResponse(
+            training_run_ids=[run.model_id for run in runs],
+            sampler_ids=[sampler.sampling_session_id for sampler in samplers],
+            user_metadata=session.user_metadata or None,
+        )
+    )
+
+
+@routes.get("/api/v1/sessions/{session_id}/trace_export")
+async def export_session_trace(request: web.Request) -> web.Response:
+    """`tinker session export-trace`: refused clearly, since no per-request timeline is kept."""
+    await request.app[REGISTRY].session(request.match_info["session_id"], request[TENANT])
+    raise UserError(
+        "session trace export is not supported by this server: it keeps no per-request"
+        " timeline to build a Perfetto trace from",
+        code="unsupported",
+    )
+
+
+@routes.put("/api/v1/sessions/{session_id}/project")
+async def assign_session_project(request: web.Request) -> web.Response:
+    """Projects do not exist here: a tenant's sessions are its one project."""
+    await request.app[REGISTRY].session(request.match_info["session_id"], request[TENANT])
+    raise UserError(
+        "projects are not supported by this server: a tenant's sessions all belong to it",
+        code="unsupported",
     )

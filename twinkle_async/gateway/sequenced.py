@@ -26,12 +26,13 @@ import msgspec
 from aiohttp import web
 
 from protocol import api, rules, subjects
-from protocol.errors import ErrorCategory, TwinkleError, UserError
+from protocol.errors import ErrorCategory, Gone, TwinkleError, UserError
 from protocol.jobs import Job, Outcome, SeqClaim, TombstoneJob
 from protocol.records import RunRecord
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response
-from twinkle_async.gateway.state import BUS, FUTURES, TENANT
+from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
+from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
 
 # build(request_id, first): the job of the call; `first` is False for a retry, which must not
 # be charged again (rate-limit tokens).
@@ -65,6 +66,25 @@ def seq_ref(body: bytes) -> SeqRef:
 def body_digest(body: bytes) -> str:
     """What makes a retry a retry: the same bytes."""
     return hashlib.sha256(body).hexdigest()[:32]
+
+
+async def live_run(request: web.Request, model_id: str) -> RunRecord:
+    """A run the caller owns (else 404) whose adapter is still loaded (else 410)."""
+    run = await request.app[REGISTRY].run(model_id, request[TENANT])
+    if run.unloaded_at is not None:
+        raise Gone(
+            f"model_id {model_id!r} was unloaded when its session finished; its state is in"
+            f" tinker://{model_id}/weights/{SESSION_END_CHECKPOINT}"
+        )
+    return run
+
+
+async def owned_run(request: web.Request, body: bytes) -> tuple[RunRecord, int | None]:
+    """The live run a sequenced JSON call names (see `live_run`), and its seq_id."""
+    ref = seq_ref(body)
+    if ref.model_id is None:
+        raise UserError("model_id: missing")
+    return await live_run(request, ref.model_id), ref.seq_id
 
 
 async def submit_sequenced(

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from protocol import api, paths, rules
-from protocol.errors import Gone, UserError
+from protocol.errors import UserError
 from protocol.jobs import (
     CreateModelJob,
     ForwardBackwardJob,
@@ -27,9 +27,8 @@ from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, Session
 from protocol.tensors import check_budget, scan_forward_backward
 from twinkle_async import quotas
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
-from twinkle_async.gateway.sequenced import seq_ref, submit_sequenced
+from twinkle_async.gateway.sequenced import live_run, owned_run, seq_ref, submit_sequenced
 from twinkle_async.gateway.state import QUOTAS, REGISTRY, SETTINGS, TENANT
-from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
 
 routes = web.RouteTableDef()
 
@@ -82,25 +81,6 @@ async def _new_run(
         )
         await registry.put_run(run)
     return run
-
-
-async def _live_run(request: web.Request, model_id: str) -> RunRecord:
-    """A run the caller owns (else 404) whose adapter is still loaded (else 410)."""
-    run = await request.app[REGISTRY].run(model_id, request[TENANT])
-    if run.unloaded_at is not None:
-        raise Gone(
-            f"model_id {model_id!r} was unloaded when its session finished; its state is in"
-            f" tinker://{model_id}/weights/{SESSION_END_CHECKPOINT}"
-        )
-    return run
-
-
-async def _owned_run(request: web.Request, body: bytes) -> tuple[RunRecord, int | None]:
-    """The live run a sequenced JSON call names (see `_live_run`), and its seq_id."""
-    ref = seq_ref(body)
-    if ref.model_id is None:
-        raise UserError("model_id: missing")
-    return await _live_run(request, ref.model_id), ref.seq_id
 
 
 async def _check_storage(request: web.Request, run: RunRecord) -> None:
@@ -170,7 +150,7 @@ async def forward_backward(request: web.Request) -> web.Response:
     """Routed on a scan of the protobuf body: no tensor is built here; the worker decodes it."""
     raw = await read_body(request, protobuf=True)
     summary = scan_forward_backward(raw)
-    run = await _live_run(request, summary.model_id)
+    run = await live_run(request, summary.model_id)
     kind = "forward" if summary.forward_only else "forward_backward"
 
     async def build(request_id: str, first: bool) -> Job:
@@ -213,7 +193,7 @@ async def forward_backward(request: web.Request) -> web.Response:
 @routes.post("/api/v1/optim_step")
 async def optim_step(request: web.Request) -> web.Response:
     raw = await read_body(request)
-    run, seq_id = await _owned_run(request, raw)
+    run, seq_id = await owned_run(request, raw)
 
     async def build(request_id: str, first: bool) -> Job:
         body = api.decode(raw, api.OptimStepRequest)
@@ -234,7 +214,7 @@ async def optim_step(request: web.Request) -> web.Response:
     return await submit_sequenced(request, run, seq_id, "optim_step", raw, build)
 
 
-async def _refuse_existing(request: web.Request, run: RunRecord, path: paths.TinkerPath) -> None:
+async def refuse_existing(request: web.Request, run: RunRecord, path: paths.TinkerPath) -> None:
     """A checkpoint name is immutable content unless the call says `overwrite`."""
     if await request.app[REGISTRY].find_checkpoint(run.model_id, path.checkpoint_id) is not None:
         raise UserError(
@@ -246,14 +226,14 @@ async def _refuse_existing(request: web.Request, run: RunRecord, path: paths.Tin
 @routes.post("/api/v1/save_weights")
 async def save_weights(request: web.Request) -> web.Response:
     raw = await read_body(request)
-    run, seq_id = await _owned_run(request, raw)
+    run, seq_id = await owned_run(request, raw)
 
     async def build(request_id: str, first: bool) -> Job:
         body = api.decode(raw, api.SaveWeightsRequest)
         name = rules.check_checkpoint_name("path", body.path or "")
         path = paths.TinkerPath(run_id=run.model_id, kind="weights", name=name)
         if not body.overwrite:
-            await _refuse_existing(request, run, path)
+            await refuse_existing(request, run, path)
         await _check_storage(request, run)
         return SaveWeightsJob(
             request_id=request_id,
@@ -276,7 +256,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     """Named: a sampler checkpoint at `path`. Unnamed (`save_weights_and_get_sampling_client`):
     an immutable snapshot plus a sampling session bound to it, answered by its id."""
     raw = await read_body(request)
-    run, seq_id = await _owned_run(request, raw)
+    run, seq_id = await owned_run(request, raw)
 
     async def build(request_id: str, first: bool) -> Job:
         body = api.decode(raw, api.SaveWeightsForSamplerRequest)
@@ -284,7 +264,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         if body.path is not None:
             name = rules.check_checkpoint_name("path", body.path)
             if not body.overwrite:
-                await _refuse_existing(
+                await refuse_existing(
                     request, run, paths.TinkerPath(run.model_id, "sampler_weights", name)
                 )
         elif body.sampling_session_seq_id is not None:
@@ -322,13 +302,8 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
     return await submit_sequenced(request, run, seq_id, "save_weights_for_sampler", raw, build)
 
 
-_MAX_TTL_S = 10 * 365 * 24 * 3600
-
-
 def _ttl(ttl_seconds: int | None) -> int | None:
-    if ttl_seconds is not None and not 1 <= ttl_seconds <= _MAX_TTL_S:
-        raise UserError(f"ttl_seconds: {ttl_seconds} is out of range 1..{_MAX_TTL_S} (or null)")
-    return ttl_seconds
+    return rules.check_ttl_seconds("ttl_seconds", ttl_seconds)
 
 
 @routes.post("/api/v1/load_weights")
@@ -340,7 +315,7 @@ async def load_weights(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     ref = seq_ref(raw)
     if ref.model_id is not None:
-        run = await _live_run(request, ref.model_id)
+        run = await live_run(request, ref.model_id)
 
         async def build_load(request_id: str, first: bool) -> Job:
             body = api.decode(raw, api.LoadWeightsRequest)

@@ -20,7 +20,7 @@ from admin_cli import tables
 from admin_cli.client import AdminClient, AdminError, segment
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
-PIPE_WIDTH = 200  # columns of a table written to a pipe or a file: wide enough not to fold ids
+PIPE_WIDTH = 1000  # a table written to a pipe or a file: whole lines, no id folded
 
 app = typer.Typer(
     add_completion=False,
@@ -122,6 +122,8 @@ def root(
 ) -> None:
     if not gateway.startswith(("http://", "https://")):
         raise typer.BadParameter(f"{gateway!r} is not an http(s):// URL", param_hint="--gateway")
+    if admin_key is not None and not (admin_key.isascii() and admin_key.isprintable()):
+        raise typer.BadParameter("printable ASCII only", param_hint="--admin-key")
     admin = Admin(gateway=gateway, admin_key=admin_key, as_json=as_json)
     ctx.obj = admin
     ctx.call_on_close(admin.close)

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
         "google",
         "prometheus_client",
     },
-    "admin_cli": {"typer", "aiohttp", "httpx", "msgspec"},
+    "admin_cli": {"typer", "aiohttp", "httpx", "msgspec", "rich"},
     "workers": {
         "protocol",
         "torch",

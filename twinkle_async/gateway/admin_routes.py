@@ -207,9 +207,7 @@ async def _usage_of(request: web.Request, tenant: str) -> dict[str, Any]:
             totals[name] += getattr(usage, name)
     registry = request.app[REGISTRY]
     runs = await registry.runs(tenant)
-    stored = 0
-    for run in runs:
-        stored += sum(c.size_bytes for c in await registry.checkpoints(run.model_id))
+    stored = sum(c.size_bytes for c in await registry.tenant_checkpoints(tenant))
     return {
         "tenant": tenant,
         **totals,

@@ -16,6 +16,7 @@ from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
     admin_routes,
+    admin_store_routes,
     checkpoint_routes,
     download_routes,
     futures_routes,
@@ -104,6 +105,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         checkpoint_routes,
         download_routes,
         admin_routes,
+        admin_store_routes,
         metrics_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):

@@ -87,10 +87,8 @@ async def _check_storage(request: web.Request, run: RunRecord) -> None:
     """A save is refused once the tenant's checkpoints fill its storage quota."""
     limit = (await request.app[QUOTAS].limits(run.tenant_id)).max_checkpoint_bytes
     if limit is not None:
-        registry = request.app[REGISTRY]
-        used = 0
-        for owned in await registry.runs(run.tenant_id):
-            used += sum(c.size_bytes for c in await registry.checkpoints(owned.model_id))
+        checkpoints = await request.app[REGISTRY].tenant_checkpoints(run.tenant_id)
+        used = sum(c.size_bytes for c in checkpoints)
         quotas.check_room("max_checkpoint_bytes", used, limit)
 
 

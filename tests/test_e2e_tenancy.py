@@ -130,6 +130,7 @@ def test_another_tenant_can_touch_nothing(ops: Cluster, admin: Admin, tiny_model
     own.result(sample)
     model_id = client.model_id
 
+    checkpoint = f"/api/v1/training_runs/{model_id}/checkpoints/{state.split('/', 3)[3]}"
     other = Wire(ops.base_url, admin.tenant_key("intruder"))
     other_session = other.session()
     attempts = {
@@ -167,11 +168,20 @@ def test_another_tenant_can_touch_nothing(ops: Cluster, admin: Admin, tiny_model
         "sampler": other.http.get(f"/api/v1/samplers/{sampling}"),
         "heartbeat": other.post("session_heartbeat", {"session_id": session_id}),
         "finish": other.post(f"sessions/{session_id}/finish", {"reason": {"type": "success"}}),
+        "session": other.http.get(f"/api/v1/sessions/{session_id}"),
+        "delete checkpoint": other.http.delete(f"{checkpoint}"),
+        "publish checkpoint": other.http.post(f"{checkpoint}/publish"),
+        "checkpoint ttl": other.http.put(f"{checkpoint}/ttl", json={"ttl_seconds": 5}),
+        "download urls": other.http.get(f"{checkpoint}/external_weights_urls"),
+        "copy_weights": other.post("copy_weights", {"source_path": state}),
     }
     for what, resp in attempts.items():
         assert resp.status_code == 404, f"{what}: {resp.status_code} {resp.text}"
     runs = other.http.get("/api/v1/training_runs").json()["training_runs"]
     assert all(run["training_run_id"] != model_id for run in runs)
+    listed = other.http.get("/api/v1/checkpoints").json()["checkpoints"]
+    assert all(not c["tinker_path"].startswith(f"tinker://{model_id}/") for c in listed)
+    assert session_id not in other.http.get("/api/v1/sessions").json()["sessions"]
 
     # and ours still works, untouched
     assert own.post("session_heartbeat", {"session_id": session_id}).status_code == 200

@@ -364,7 +364,7 @@ def queues(data: dict[str, Any]) -> RenderableType:
     pools = table(
         "pools",
         ("pool", "pending"),
-        [(p["pool"], p["num_pending"]) for p in data["pools"]],
+        [(p["pool"], p["backlog"]) for p in data["pools"]],
         "no pools",
     )
     consumers = table(

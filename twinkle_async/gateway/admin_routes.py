@@ -66,7 +66,25 @@ def _key_view(record: KeyRecord) -> dict[str, Any]:
         "label": record.label,
         "created_at": record.created_at,
         "revoked_at": record.revoked_at,
+        "bootstrap": False,
     }
+
+
+def _bootstrap_keys(request: web.Request, tenant: str | None) -> list[dict[str, Any]]:
+    """The keys given on the command line (`--api-key`, `--key-file`): listed, not revocable."""
+    return [
+        {
+            "key_id": f"bootstrap-{index}",
+            "tenant": owner,
+            "prefix": key[:10],
+            "label": "from --api-key / --key-file",
+            "created_at": None,
+            "revoked_at": None,
+            "bootstrap": True,
+        }
+        for index, (key, owner) in enumerate(sorted(request.app[SETTINGS].api_keys.items()))
+        if tenant is None or owner == tenant
+    ]
 
 
 async def _known_tenant(request: web.Request, name: str) -> str:
@@ -120,12 +138,17 @@ async def show_tenant(request: web.Request) -> web.Response:
     name = await _known_tenant(request, request.match_info["name"])
     stored = await request.app[REGISTRY].tenant(name)
     keys = await request.app[KEYS].list(name)
+    view = (
+        {**_plain(stored), "bootstrap": False}
+        if stored
+        else {"name": name, "created_at": None, "display_name": "", "bootstrap": True}
+    )
     return json_response(
         {
-            "tenant": _plain(stored) if stored else {"name": name, "bootstrap": True},
+            "tenant": view,
             "quotas": await _quota_view(request, name),
             "usage": await _usage_of(request, name),
-            "keys": [_key_view(k) for k in keys],
+            "keys": [*_bootstrap_keys(request, name), *(_key_view(k) for k in keys)],
         }
     )
 
@@ -143,14 +166,19 @@ async def create_key(request: web.Request) -> web.Response:
 
 @routes.get("/admin/v1/keys")
 async def list_keys(request: web.Request) -> web.Response:
-    keys = await request.app[KEYS].list(_tenant_filter(request))
-    return json_response({"keys": [_key_view(k) for k in keys]})
+    tenant = _tenant_filter(request)
+    keys = await request.app[KEYS].list(tenant)
+    return json_response({"keys": [*_bootstrap_keys(request, tenant), *map(_key_view, keys)]})
 
 
 @routes.post("/admin/v1/keys/{key_id}/revoke")
 async def revoke_key(request: web.Request) -> web.Response:
     key_id = request.match_info["key_id"]
     rules.check_id("key_id", key_id)
+    if key_id.startswith("bootstrap-"):
+        raise UserError(
+            f"key_id: {key_id!r} comes from --api-key / --key-file; restart the gateway without it"
+        )
     return json_response(_key_view(await request.app[KEYS].revoke(key_id)))
 
 
@@ -296,13 +324,14 @@ async def list_workers(request: web.Request) -> web.Response:
     for worker in sorted(request.app[REGISTRY].workers.values(), key=lambda w: w.worker_id):
         row = _plain(worker)
         row["stale"] = now - worker.heartbeat_at > WORKER_STALE_S
-        row["queue_depth"] = depth.get(worker.pool, {}).get("num_pending", 0)
+        row["queue_depth"] = depth.get(worker.pool, {}).get("backlog", 0)
         rows.append(row)
     return json_response({"workers": rows})
 
 
 async def _consumer_depths(request: web.Request) -> list[dict[str, Any]]:
-    """Every consumer of the ops and sample streams, with its backlog; pool summed per pool."""
+    """Every consumer of the ops and sample streams, and each pool's `backlog`: the jobs its
+    consumers have not finished (pending delivery plus delivered and not yet acked)."""
     js = request.app[BUS].js
     assert js is not None
     pools: dict[str, dict[str, Any]] = {}
@@ -321,8 +350,8 @@ async def _consumer_depths(request: web.Request) -> list[dict[str, Any]]:
             )
             pool = _pool_of_consumer(name)
             if pool:
-                summed = pools.setdefault(pool, {"pool": pool, "num_pending": 0})
-                summed["num_pending"] += (info.num_pending or 0) + (info.num_ack_pending or 0)
+                summed = pools.setdefault(pool, {"pool": pool, "backlog": 0})
+                summed["backlog"] += (info.num_pending or 0) + (info.num_ack_pending or 0)
     return [*pools.values(), *({"pool": "", **row} for row in rows)]
 
 

@@ -4,6 +4,7 @@ or queue, and a finished session's adapters leave the worker."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,9 @@ import httpx
 import pytest
 import tinker
 from tinker import types
+from typer.testing import CliRunner
 
+from admin_cli.app import app as admin_app
 from tests.conftest import ADMIN_KEY, Cluster, start_cluster, stop_cluster
 from tests.sdk_helpers import toy_batch, train_steps
 from tests.wire import Wire
@@ -244,6 +247,13 @@ def test_over_its_token_rate_a_tenant_queues_then_completes(
             break
         time.sleep(0.5)
     assert usage["tokens_trained"] == 100 and usage["forward_backward_requests"] == 4
+    shown = CliRunner().invoke(
+        admin_app,
+        ["--gateway", ops.base_url, "--admin-key", ADMIN_KEY, "--json", "usage", "slow"],
+    )
+    assert shown.exit_code == 0, shown.output
+    [row] = json.loads(shown.stdout)["usage"]
+    assert row["tokens_trained"] == 100 and row["tenant"] == "slow"
     wire.close()
 
 

@@ -177,3 +177,37 @@ class RateBucket(msgspec.Struct):
 
     level: float
     updated_at: float
+
+
+# -- crash transparency ---------------------------------------------------------------------------
+
+
+class LeaseRecord(msgspec.Struct):
+    """Who owns one shard of a pool's ops (`tw_leases`, key `<pool>.<shard>`), until when.
+
+    Renewed by its owner well before `expires_at`; anyone may take an expired lease over with
+    a compare-and-set on the entry's revision.
+    """
+
+    pool: str
+    shard: int
+    worker_id: str
+    expires_at: float
+    claimed_at: float
+
+
+class SnapshotRecord(msgspec.Struct):
+    """A model's latest state snapshot (`tw_runs`, key `snap.<model_token>`).
+
+    `applied_seq` is the last op the state includes and `stream_seq` its position in `TW_OPS`:
+    a worker taking the model over restores the files and replays the model's logged ops after
+    `stream_seq`. The files are written before this record, so the record is the commit point.
+    """
+
+    model_id: str
+    applied_seq: int
+    stream_seq: int
+    directory: str
+    step: int
+    created_at: float
+    worker_id: str = ""

@@ -103,6 +103,16 @@ def highest_seq_key(model_id: str) -> str:
     return f"hiseq.{token(model_id)}"
 
 
+def snapshot_key(model_id: str) -> str:
+    """KV key (in `tw_runs`) of a model's latest state snapshot record."""
+    return f"snap.{token(model_id)}"
+
+
+def lease_key(pool: str, shard: int) -> str:
+    """KV key (in `tw_leases`) of one shard's lease."""
+    return f"{pool}.{shard}"
+
+
 def checkpoint_key(run_id: str, checkpoint_id: str) -> str:
     """KV key of a checkpoint record in `tw_checkpoints`: `<run_token>.<checkpoint_token>`."""
     return f"{token(run_id)}.{token(checkpoint_id)}"

@@ -110,7 +110,11 @@ class Cluster:
 
 
 def start_cluster(
-    data_dir: Path, base_models: list[Path], *extra: str, timeout_s: float = 240.0
+    data_dir: Path,
+    base_models: list[Path],
+    *extra: str,
+    timeout_s: float = 240.0,
+    env: dict[str, str] | None = None,
 ) -> Cluster:
     ready = data_dir / "ready.json"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +152,10 @@ def start_cluster(
         cmd += ["--base-model", str(model)]
     data_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     deadline = time.monotonic() + timeout_s
     while not ready.exists():

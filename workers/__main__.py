@@ -10,6 +10,7 @@ the bound URL is reported in the worker's `tw_workers` heartbeat.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -55,6 +56,33 @@ def worker_options(
     ] = 0,
     shards: Annotated[int, typer.Option(envvar="TWINKLE_SHARDS", min=1)] = 16,
     gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TWINKLE_WORKER_ID",
+            help="stable id (a restarted worker with the same id keeps its shard leases)",
+        ),
+    ] = None,
+    lease_s: Annotated[
+        float,
+        typer.Option(envvar="TWINKLE_LEASE_S", min=1.0, help="a dead worker's shards move after"),
+    ] = 10.0,
+    snapshot_every: Annotated[
+        int,
+        typer.Option(
+            envvar="TWINKLE_SNAPSHOT_EVERY", min=1, help="optim_steps between state snapshots"
+        ),
+    ] = 5,
+    pass_timeout_s: Annotated[
+        float,
+        typer.Option(
+            envvar="TWINKLE_PASS_TIMEOUT_S", help="an engine call longer than this stops the worker"
+        ),
+    ] = 600.0,
+    max_attempts: Annotated[
+        int,
+        typer.Option(envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times an op may stop the worker"),
+    ] = 3,
     sampler: Annotated[
         Literal["torch", "none"],
         typer.Option(
@@ -72,7 +100,7 @@ def worker_options(
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a trainer worker: a base model, its adapter slots, shared passes and fused steps."""
-    return WorkerSettings(
+    settings = WorkerSettings(
         base_model=base_model,
         nats_url=nats_url,
         data_dir=data_dir,
@@ -83,11 +111,17 @@ def worker_options(
         device=device,
         threads=threads or None,
         gap_timeout_s=gap_timeout_s,
+        lease_s=lease_s,
+        lease_renew_s=lease_s / 4,
+        snapshot_every=snapshot_every,
+        pass_timeout_s=pass_timeout_s,
+        max_attempts=max_attempts,
         sampler="" if sampler == "none" else sampler,
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         log_level=log_level,
     )
+    return dataclasses.replace(settings, worker_id=worker_id) if worker_id else settings
 
 
 def parse_args(argv: list[str]) -> WorkerSettings:
@@ -149,6 +183,7 @@ async def serve(settings: WorkerSettings) -> None:
         except asyncio.CancelledError:
             pass
         finally:
+            await service.hand_over()
             await bus.close()
     finally:
         await asyncio.to_thread(metrics_server.close)

@@ -70,25 +70,15 @@ class WorkerBus:
             # redelivered to the next worker rather than waited for here
             await self.nc.close()
 
-    async def consume_shard(
-        self, pool: str, shard: int, on_msg: Callable[[Msg], Awaitable[None]]
-    ) -> None:
-        """Start the fetch loop of one shard's durable consumer."""
-        await self.consume(
-            subjects.STREAM_OPS,
-            subjects.shard_filter(pool, shard),
-            subjects.consumer_name(pool, shard),
-            on_msg,
-        )
-
     async def consume(
         self,
         stream: str,
         filter_subject: str,
         durable: str,
         on_msg: Callable[[Msg], Awaitable[None]],
-    ) -> None:
-        """Start a long-poll fetch loop on a durable pull consumer, handing each message to `on_msg`."""
+    ) -> asyncio.Task[None]:
+        """Start a long-poll fetch loop on a durable pull consumer, handing each message to
+        `on_msg`; cancelling the returned task stops it (and unsubscribes)."""
         assert self.js is not None
         config = js_api.ConsumerConfig(
             ack_policy=js_api.AckPolicy.EXPLICIT,
@@ -101,21 +91,34 @@ class WorkerBus:
         )
 
         async def loop() -> None:
-            while True:
+            try:
+                while True:
+                    try:
+                        msgs = await sub.fetch(batch=256, timeout=5.0)
+                    except (nats.errors.TimeoutError, TimeoutError):
+                        continue  # nothing arrived within the long-poll window
+                    except (nats.errors.ConnectionClosedError, asyncio.CancelledError):
+                        raise
+                    except Exception:
+                        log.exception("fetch from %s failed; retrying", durable)
+                        await asyncio.sleep(1.0)
+                        continue
+                    for msg in msgs:
+                        await on_msg(msg)
+            finally:
                 try:
-                    msgs = await sub.fetch(batch=256, timeout=5.0)
-                except (nats.errors.TimeoutError, TimeoutError):
-                    continue  # nothing arrived within the long-poll window
-                except (nats.errors.ConnectionClosedError, asyncio.CancelledError):
-                    raise
+                    await sub.unsubscribe()
                 except Exception:
-                    log.exception("fetch from %s failed; retrying", durable)
-                    await asyncio.sleep(1.0)
-                    continue
-                for msg in msgs:
-                    await on_msg(msg)
+                    log.debug("unsubscribing %s failed", durable, exc_info=True)
 
-        self._tasks.append(asyncio.create_task(loop(), name=f"fetch-{durable}"))
+        task = asyncio.create_task(loop(), name=f"fetch-{durable}")
+        self._tasks.append(task)
+        task.add_done_callback(self._forget_task)
+        return task
+
+    def _forget_task(self, task: asyncio.Task[None]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
 
     async def put(self, bucket: str, key: str, value: bytes) -> None:
         await self.kv[bucket].put(key, value)
@@ -125,3 +128,57 @@ class WorkerBus:
             return (await self.kv[bucket].get(key)).value
         except nats.js.errors.KeyNotFoundError:
             return None
+
+    # -- KV compare-and-set, listings, and the ops log (leases, snapshots, replay) ---------------
+
+    async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        """A key's value and revision (for a compare-and-set), None when absent or deleted."""
+        try:
+            entry = await self.kv[bucket].get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value or b"", int(entry.revision or 0)
+
+    async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
+        """Write `key` only if its revision is still `revision` (None: only if absent)."""
+        try:
+            if revision is None:
+                await self.kv[bucket].create(key, value)
+            else:
+                await self.kv[bucket].update(key, value, last=revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+            return False
+        return True
+
+    async def delete(self, bucket: str, key: str) -> None:
+        await self.kv[bucket].delete(key)
+
+    async def values(self, bucket: str, prefix: str) -> list[bytes]:
+        """Current values of the keys under `prefix.`: one stream-info request lists the keys
+        (no consumer is created), then one read each."""
+        assert self.js is not None
+        subject_prefix = f"$KV.{bucket}."
+        info = await self.js.stream_info(
+            f"KV_{bucket}", subjects_filter=f"{subject_prefix}{prefix}.>"
+        )
+        keys = sorted(subject[len(subject_prefix) :] for subject in info.state.subjects or {})
+        found = await asyncio.gather(*(self.get(bucket, key) for key in keys))
+        return [value for value in found if value]
+
+    async def reset_consumer(self, stream: str, durable: str) -> None:
+        """Restart a durable consumer's delivery at its ack floor, in stream order (ADR-60).
+
+        A new owner of a shard calls it before fetching: the previous owner's un-acked ops come
+        first, at once, instead of after `ack_wait` and out of order. A consumer that does not
+        exist yet has nothing to reset.
+        """
+        assert self.nc is not None and self.js is not None
+        try:
+            await self.js.consumer_info(stream, durable)
+        except NotFoundError:
+            return
+        reply = await self.nc.request(
+            f"$JS.API.CONSUMER.RESET.{stream}.{durable}", b"", timeout=self.timeout_s
+        )
+        if b'"error"' in reply.data:
+            log.warning("resetting consumer %s failed: %s", durable, reply.data[:200])

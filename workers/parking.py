@@ -43,7 +43,7 @@ class Tenant:
 
 
 @dataclass
-class _HostRow:
+class HostRow:
     """One `[S, P]` buffer's part of a parked slot, on the CPU."""
 
     values: torch.Tensor
@@ -51,14 +51,14 @@ class _HostRow:
 
 
 @dataclass
-class _ParkedAdapter:
+class SlotState:
     """Everything a slot held for one tenant."""
 
     spec: LoraConfig
     lora_alpha: float
     step: int
     scales: dict[LayerGroup, float]
-    rows: dict[str, _HostRow]  # by buffer name; a buffer whose row was all zero is left out
+    rows: dict[str, HostRow]  # by buffer name; a buffer whose row was all zero is left out
 
 
 class ParkedAdapters:
@@ -75,7 +75,7 @@ class ParkedAdapters:
         self.bank = bank
         self.optimizer = optimizer
         self.max_parked = max_parked
-        self._adapters: OrderedDict[str, _ParkedAdapter] = OrderedDict()
+        self._adapters: OrderedDict[str, SlotState] = OrderedDict()
 
     def __contains__(self, model_id: object) -> bool:
         return model_id in self._adapters
@@ -87,30 +87,43 @@ class ParkedAdapters:
         """Parked model_ids, oldest parked first."""
         return iter(self._adapters)
 
-    def get(self, model_id: str) -> _ParkedAdapter | None:
+    def get(self, model_id: str) -> SlotState | None:
         return self._adapters.get(model_id)
 
-    def pop(self, model_id: str) -> _ParkedAdapter | None:
+    def pop(self, model_id: str) -> SlotState | None:
         """Take an adapter out of parking (to restore it, or to forget it)."""
         return self._adapters.pop(model_id, None)
 
-    def park(self, model_id: str, tenant: Tenant) -> None:
-        """Copy the tenant's slot to host memory, then clear the slot and its optimizer state."""
+    def copy(self, tenant: Tenant) -> SlotState:
+        """A host copy of the tenant's whole slot state; the slot is left as it is."""
         slot, rank, groups = tenant.slot, tenant.spec.rank, trained_groups(tenant.spec)
-        rows: dict[str, _HostRow] = {}
+        rows: dict[str, HostRow] = {}
         for name, buffer in self._buffers():
             row = self._copy_out(buffer, slot, rank, groups)
             if row is not None:
                 rows[name] = row
-        self._adapters[model_id] = _ParkedAdapter(
+        return SlotState(
             spec=tenant.spec,
             lora_alpha=tenant.lora_alpha,
             step=self.optimizer.steps[slot],
             scales={group: self.bank.scales[group][slot] for group in LAYER_GROUPS},
             rows=rows,
         )
-        self.bank.clear_slot(slot)
-        self.optimizer.reset_slot(slot)
+
+    def put(self, model_id: str, state: SlotState) -> None:
+        """Park a state that came from elsewhere (a snapshot), to be restored on demand."""
+        self._adapters[model_id] = state
+        self._adapters.move_to_end(model_id)
+        self._bound()
+
+    def park(self, model_id: str, tenant: Tenant) -> None:
+        """Copy the tenant's slot to host memory, then clear the slot and its optimizer state."""
+        self._adapters[model_id] = self.copy(tenant)
+        self.bank.clear_slot(tenant.slot)
+        self.optimizer.reset_slot(tenant.slot)
+        self._bound()
+
+    def _bound(self) -> None:
         while self.max_parked is not None and len(self._adapters) > self.max_parked:
             dropped, _ = self._adapters.popitem(last=False)
             log.warning(
@@ -119,7 +132,7 @@ class ParkedAdapters:
                 self.max_parked,
             )
 
-    def restore(self, parked: _ParkedAdapter, slot: int) -> Tenant:
+    def restore(self, parked: SlotState, slot: int) -> Tenant:
         """Write a popped adapter into `slot` exactly as it was parked; the slot's old content goes."""
         self.bank.clear_slot(slot)
         self.optimizer.reset_slot(slot)
@@ -149,7 +162,7 @@ class ParkedAdapters:
 
     def _copy_out(
         self, buffer: torch.Tensor, slot: int, rank: int, groups: frozenset[LayerGroup]
-    ) -> _HostRow | None:
+    ) -> HostRow | None:
         row = buffer[slot]
         packed = torch.cat([view.reshape(-1) for view in self._views(buffer, slot, rank, groups)])
         # One device sync: non-zeros (NaN included) in the adapter's part and in the whole row.
@@ -157,12 +170,12 @@ class ParkedAdapters:
         if in_row == 0:
             return None
         if in_packed == in_row:
-            return _HostRow(packed.to("cpu"), whole_row=False)  # `cat` made a copy already
-        return _HostRow(row.to("cpu", copy=True), whole_row=True)
+            return HostRow(packed.to("cpu"), whole_row=False)  # `cat` made a copy already
+        return HostRow(row.to("cpu", copy=True), whole_row=True)
 
     def _copy_in(
         self,
-        host: _HostRow,
+        host: HostRow,
         buffer: torch.Tensor,
         slot: int,
         rank: int,

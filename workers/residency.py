@@ -40,7 +40,7 @@ from protocol.errors import NotFound, ServerError, UserError
 from protocol.rules import check_lora_config
 from workers.lora import LoraBank
 from workers.optimizer import SlotAdamW
-from workers.parking import ParkedAdapters, Tenant, trained_groups
+from workers.parking import ParkedAdapters, SlotState, Tenant, trained_groups
 from workers.slot_checkpoints import SlotCheckpoints
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,22 @@ class Residency:
             self.optimizer.reset_slot(tenant.slot)
         else:
             self.parked.pop(model_id)
+
+    def capture(self, model_id: str) -> SlotState:
+        """A host copy of the adapter's whole state (weights, moments, gradients, step), for a
+        snapshot; resident or parked, nothing moves."""
+        tenant = self._tenants.get(model_id)
+        if tenant is not None:
+            return self.parked.copy(tenant)
+        parked = self.parked.get(model_id)
+        if parked is None:
+            raise NotFound(f"model_id {model_id!r} has no adapter on this worker")
+        return parked
+
+    def adopt(self, model_id: str, state: SlotState) -> None:
+        """Take a state from elsewhere (a snapshot) as this model's adapter, replacing any."""
+        self.release(model_id)
+        self.parked.put(model_id, state)
 
     # -- checkpoints -------------------------------------------------------------------------
 

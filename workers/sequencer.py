@@ -22,11 +22,18 @@ H = TypeVar("H")  # the transport's message handle (acked after the outcome is w
 
 @dataclass
 class Pending(Generic[H]):
-    """A received op and the handle to ack once its outcome is stored."""
+    """A received op and the handle to ack once its outcome is stored.
+
+    `stream_seq` is the op's position in the ops log (a snapshot records it); `replay` says how
+    an op read back from the log while taking a model over is run (see `workers.recovery`; ""
+    for an op delivered live).
+    """
 
     job: Job
     handle: H
     received_at: float
+    stream_seq: int = 0
+    replay: str = ""
 
 
 @dataclass
@@ -73,15 +80,35 @@ class Sequencer(Generic[H]):
         line.applied_seq = max(line.applied_seq, job.seq_id)
         line.stalled_since = None
 
+    def known(self, model_id: str) -> bool:
+        """Whether the model has a line here (it was created, or taken over, on this worker)."""
+        return model_id in self.lines
+
+    def start(self, model_id: str, applied_seq: int) -> None:
+        """Open a model's line at `applied_seq` (its state was restored up to there)."""
+        self.lines[model_id] = ModelLine(applied_seq=applied_seq)
+
     def buffered(self, job: Job) -> bool:
         """Whether this op (same seq) is waiting in its model's line."""
         line = self.lines.get(job.model_id)
         return line is not None and job.seq_id in line.buffer
 
     def forget(self, model_id: str) -> list[Pending[H]]:
-        """Drop a model's line (unloaded); returns what was still buffered."""
+        """Drop a model's line (its shard moved to another worker); returns what was buffered."""
         line = self.lines.pop(model_id, None)
         return list(line.buffer.values()) if line else []
+
+    def close(self, model_id: str) -> list[Pending[H]]:
+        """End a model's line (unloaded) but keep its position, so a late copy of an op it
+        already ran is a duplicate rather than a reason to take the model over again; returns
+        what was still buffered."""
+        line = self.lines.get(model_id)
+        if line is None:
+            return []
+        stale = list(line.buffer.values())
+        line.buffer.clear()
+        line.stalled_since = None
+        return stale
 
     def stalled(self, now: float, gap_timeout_s: float) -> dict[str, list[Pending[H]]]:
         """Models whose next seq has been missing for longer than `gap_timeout_s`.
@@ -105,8 +132,14 @@ class Sequencer(Generic[H]):
         return out
 
     def held(self) -> list[Any]:
-        """Handles of every buffered op (to keep them from being redelivered while they wait)."""
-        return [p.handle for line in self.lines.values() for p in line.buffer.values()]
+        """Handles of every buffered op (to keep them from being redelivered while they wait);
+        replayed ops have none."""
+        return [
+            p.handle
+            for line in self.lines.values()
+            for p in line.buffer.values()
+            if p.handle is not None
+        ]
 
     def missing_seq(self, model_id: str) -> int:
         return self.lines[model_id].applied_seq + 1 if model_id in self.lines else 0

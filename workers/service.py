@@ -52,20 +52,23 @@ from protocol.paths import (
     parse_path,
     version_dir,
 )
-from protocol.records import CheckpointRecord, WorkerRecord
+from protocol.records import CheckpointRecord, SnapshotRecord, WorkerRecord
 from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
 from workers.bus import WorkerBus
 from workers.engine import Engine
 from workers.isolation import isolate
+from workers.leases import LeaseKeeper
 from workers.metrics import TrainerMetrics
+from workers.recovery import ModelLog
 from workers.scheduler import Cycle, plan
 from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
+from workers.snapshots import prune, read_state, state_dir, write_state
 from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
-Item = Pending[Msg]
+Item = Pending[Msg | None]
 Result = tuple[Outcome, CheckpointRecord | None]
 C = TypeVar("C")  # one engine call's item: (model_id, request) or (model_id, AdamParams)
 R = TypeVar("R")
@@ -111,6 +114,11 @@ def _settled(job: TombstoneJob) -> Outcome:
     )
 
 
+def _creates(job: Job) -> bool:
+    """Whether the op creates its model (seq 0): no state exists to take over before it."""
+    return isinstance(job, CreateModelJob) or (isinstance(job, LoadWeightsJob) and job.create)
+
+
 class TrainerService:
     """One trainer worker: owns every shard of its pool (leases come with more workers)."""
 
@@ -129,7 +137,7 @@ class TrainerService:
         self.settings = settings
         self.metrics = metrics if metrics is not None else TrainerMetrics()
         self.metrics_url = metrics_url  # reported in the heartbeat
-        self.sequencer: Sequencer[Msg] = Sequencer()
+        self.sequencer: Sequencer[Msg | None] = Sequencer()
         self._wake = asyncio.Event()
         # the engine is not thread-safe: every engine call (training or torch sampling) runs here
         self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -138,17 +146,30 @@ class TrainerService:
         self.pass_models: deque[int] = deque(maxlen=1000)
         # what ran for each tenant, flushed to KV with every heartbeat
         self.usage = UsageBook(settings.worker_id)
+        self.log_reader = ModelLog(bus, settings.pool, settings.n_shards)
+        self.leases = LeaseKeeper(
+            bus,
+            settings.pool,
+            settings.worker_id,
+            settings.n_shards,
+            lease_s=settings.lease_s,
+            renew_s=settings.lease_renew_s,
+            live_workers=self._live_workers,
+            on_gain=self._gain_shard,
+            on_lose=self._lose_shard,
+        )
+        self._shard_tasks: dict[int, asyncio.Task[None]] = {}
+        self._steps_since_snapshot: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve until cancelled."""
-        for shard in range(self.settings.n_shards):
-            await self.bus.consume_shard(self.settings.pool, shard, self._on_msg)
+        """Serve until cancelled: the shards this worker holds leases on (`workers.leases`)."""
         tasks = [
             asyncio.create_task(self._cycle_loop(), name="cycles"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._keepalive_loop(), name="keepalive"),
+            asyncio.create_task(self.leases.run(), name="leases"),
         ]
         log.info(
             "worker %s serving %s (pool %s)",
@@ -162,7 +183,58 @@ class TrainerService:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def hand_over(self) -> None:
+        """On a clean stop, before the bus closes: release every shard at once (a crashed
+        worker's leases expire instead), then stop the engine thread."""
+        await self.leases.release_all()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- shards ------------------------------------------------------------------------------
+
+    async def _live_workers(self) -> dict[str, float]:
+        """The pool's trainers with a fresh heartbeat, and when it was."""
+        fresh = time.time() - 3 * self.settings.heartbeat_s
+        live = {}
+        for value in await self.bus.values(subjects.BUCKET_WORKERS, self.settings.pool):
+            record = records.decode(value, WorkerRecord)
+            if record.role == "trainer" and record.heartbeat_at >= fresh:
+                live[record.worker_id] = record.heartbeat_at
+        return live
+
+    async def _gain_shard(self, shard: int) -> None:
+        """Consume a shard just leased: from its oldest unfinished op, in stream order."""
+        durable = subjects.consumer_name(self.settings.pool, shard)
+        await self.bus.reset_consumer(subjects.STREAM_OPS, durable)
+        self._shard_tasks[shard] = await self.bus.consume(
+            subjects.STREAM_OPS,
+            subjects.shard_filter(self.settings.pool, shard),
+            durable,
+            self._on_msg,
+        )
+
+    async def _lose_shard(self, shard: int) -> None:
+        """Stop consuming a shard and forget its models; their new owner takes them over.
+
+        Ops still waiting here are not acked: the new owner's consumer delivers them again.
+        """
+        task = self._shard_tasks.pop(shard, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        gone = [
+            model_id
+            for model_id in list(self.sequencer.lines)
+            if subjects.shard_of(model_id, self.settings.n_shards) == shard
+        ]
+        for model_id in gone:
+            self.sequencer.forget(model_id)
+            self._steps_since_snapshot.pop(model_id, None)
+        loop = asyncio.get_running_loop()
+        for model_id in gone:
+            await loop.run_in_executor(self.executor, self.engine.release, model_id)
+        if gone:
+            log.info("shard %d: handed %d models over", shard, len(gone))
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -171,11 +243,64 @@ class TrainerService:
             log.error("dropping undecodable op on %s", msg.subject)
             await msg.term()
             return
-        if not self.sequencer.offer(Pending(job=job, handle=msg, received_at=time.monotonic())):
+        if not self.sequencer.known(job.model_id) and not _creates(job):
+            await self._take_over(job.model_id)
+        stream_seq = msg.metadata.sequence.stream if msg.metadata.sequence else 0
+        pending: Item = Pending(
+            job=job, handle=msg, received_at=time.monotonic(), stream_seq=stream_seq
+        )
+        if not self.sequencer.offer(pending):
             await self._answer_late(job)
             await msg.ack()
             return
         self._wake.set()
+
+    async def _take_over(self, model_id: str) -> None:
+        """A model this worker has no line for: restore its snapshot, queue its logged ops.
+
+        See `workers.recovery`. The ops are offered in log order; the sequencer runs them in
+        seq order and drops what it already has.
+        """
+        started = time.perf_counter()
+        snapshot = await self.log_reader.snapshot(model_id)
+        after = 0
+        if snapshot is not None:
+            state = await asyncio.to_thread(read_state, Path(snapshot.directory))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, self.engine.slots.adopt, model_id, state)
+            self.sequencer.start(model_id, applied_seq=snapshot.applied_seq)
+            after = snapshot.stream_seq
+        else:
+            self.sequencer.start(model_id, applied_seq=-1)
+        replayed = 0
+        async for job, stream_seq in self.log_reader.ops_after(model_id, after):
+            mode = await self.log_reader.mode(job)
+            if mode == "skip":
+                job = TombstoneJob(
+                    request_id=job.request_id,
+                    model_id=job.model_id,
+                    tenant_id=job.tenant_id,
+                    seq_id=job.seq_id,
+                    request_type=request_type_of(job),
+                )
+            elif mode == "quiet" and isinstance(job, UnloadModelJob):
+                job = msgspec.structs.replace(job, save_as="")  # its checkpoint exists
+            item: Item = Pending(
+                job=job,
+                handle=None,
+                received_at=time.monotonic(),
+                stream_seq=stream_seq,
+                replay=mode,
+            )
+            replayed += self.sequencer.offer(item)
+        self._wake.set()
+        log.info(
+            "took model %s over: snapshot at seq %s, %d logged ops to replay (%.0f ms)",
+            model_id,
+            snapshot.applied_seq if snapshot else "none",
+            replayed,
+            (time.perf_counter() - started) * 1e3,
+        )
 
     async def _answer_late(self, job: Job) -> None:
         """An op at or below its model's applied seq: a redelivery, or one the line moved past.
@@ -240,6 +365,7 @@ class TrainerService:
 
     async def _cycle_loop(self) -> None:
         wake_at: float | None = None  # when a rate-limited model may go on
+        await self.leases.settled.wait()  # the first cycle sees every shard's waiting ops
         while True:
             timeout = min(5.0, self.settings.gap_timeout_s)
             if wake_at is not None:
@@ -257,7 +383,7 @@ class TrainerService:
                     break
                 await self._run_cycle(cycle)
 
-    async def _run_cycle(self, cycle: Cycle[Msg]) -> None:
+    async def _run_cycle(self, cycle: Cycle[Msg | None]) -> None:
         started = time.perf_counter()
         if cycle.shared_pass:
             self.pass_models.append(len({item.job.model_id for item in cycle.shared_pass}))
@@ -289,7 +415,7 @@ class TrainerService:
 
     async def _run(self, items: list[Item], fn: Callable[[list[Item]], list[Result]]) -> None:
         """Run `fn(items)` on the engine thread, then store each outcome and ack its op."""
-        self._in_flight = [item.handle for item in items]
+        self._in_flight = [item.handle for item in items if item.handle is not None]
         loop = asyncio.get_running_loop()
         try:
             results: list[Result] = await loop.run_in_executor(self.executor, fn, items)
@@ -307,7 +433,7 @@ class TrainerService:
         finally:
             self._in_flight = []
         for item, (outcome, ckpt) in zip(items, results, strict=True):
-            if ckpt is not None:
+            if ckpt is not None and item.replay in ("", "publish"):
                 key = subjects.checkpoint_key(ckpt.run_id, ckpt.checkpoint_id)
                 await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
             await self._finish(item, outcome)
@@ -321,13 +447,19 @@ class TrainerService:
         self.metrics.op_finished(outcome.request_type, outcome.state, outcome.category)
 
     async def _finish(self, item: Item, outcome: Outcome) -> None:
-        await self._store(outcome)
-        await item.handle.ack()
-        if outcome.state == "done":
+        """Store the outcome (not for a replayed op whose client has it), ack, move the line."""
+        publish = item.replay in ("", "publish")
+        if publish:
+            await self._store(outcome)
+        if item.handle is not None:
+            await item.handle.ack()
+        if outcome.state == "done" and publish:
             self._count(item.job)
         self.sequencer.applied(item.job)
+        if outcome.state == "done":
+            await self._after(item)
         if isinstance(item.job, UnloadModelJob):
-            for stale in self.sequencer.forget(item.job.model_id):
+            for stale in self.sequencer.close(item.job.model_id):
                 err = Gone(f"model_id {stale.job.model_id!r} was unloaded before this request ran")
                 await self._finish_unsequenced(stale, _failed(stale.job, err))
 
@@ -341,8 +473,51 @@ class TrainerService:
 
     async def _finish_unsequenced(self, item: Item, outcome: Outcome) -> None:
         """Store an outcome and ack, for an op whose model's line is gone."""
-        await self._store(outcome)
-        await item.handle.ack()
+        if item.replay in ("", "publish"):
+            await self._store(outcome)
+        if item.handle is not None:
+            await item.handle.ack()
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    async def _after(self, item: Item) -> None:
+        """Snapshot a model after every `snapshot_every`-th optim_step and every save_state."""
+        job = item.job
+        if isinstance(job, OptimStepJob):
+            count = self._steps_since_snapshot.get(job.model_id, 0) + 1
+            self._steps_since_snapshot[job.model_id] = count
+            if count >= self.settings.snapshot_every:
+                await self._snapshot(item)
+        elif isinstance(job, SaveWeightsJob) and job.kind == "weights":
+            await self._snapshot(item)
+        elif isinstance(job, UnloadModelJob):
+            self._steps_since_snapshot.pop(job.model_id, None)
+            await self.bus.delete(subjects.BUCKET_RUNS, subjects.snapshot_key(job.model_id))
+
+    async def _snapshot(self, item: Item) -> None:
+        """Write the model's state as of this op, then point its snapshot record at it."""
+        model_id = item.job.model_id
+        if not item.stream_seq or not self.engine.has(model_id):
+            return
+        loop = asyncio.get_running_loop()
+        state = await loop.run_in_executor(self.executor, self.engine.slots.capture, model_id)
+        directory = state_dir(self.settings.checkpoint_root, model_id)
+        meta = {"model_id": model_id, "seq_id": item.job.seq_id, "stream_seq": item.stream_seq}
+        written = await asyncio.to_thread(write_state, directory, item.job.seq_id, state, meta)
+        record = SnapshotRecord(
+            model_id=model_id,
+            applied_seq=item.job.seq_id,
+            stream_seq=item.stream_seq,
+            directory=str(written),
+            step=state.step,
+            created_at=time.time(),
+            worker_id=self.settings.worker_id,
+        )
+        await self.bus.put(
+            subjects.BUCKET_RUNS, subjects.snapshot_key(model_id), records.encode(record)
+        )
+        await asyncio.to_thread(prune, directory, written)
+        self._steps_since_snapshot[model_id] = 0
 
     async def _fail_stalled(self) -> None:
         for model_id, items in self.sequencer.stalled(
@@ -357,8 +532,7 @@ class TrainerService:
                     f"request seq_id {item.job.seq_id} of {model_id} waited {self.settings.gap_timeout_s:.0f} s "
                     f"for an earlier request that never arrived; restore from your last checkpoint"
                 )
-                await self._store(_failed(item.job, err))
-                await item.handle.ack()
+                await self._finish_unsequenced(item, _failed(item.job, err))
 
     # -- engine-thread work (synchronous) ----------------------------------------------------
 

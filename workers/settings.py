@@ -45,6 +45,12 @@ class WorkerSettings:
     ack_wait_s: float = 120.0
     heartbeat_s: float = 5.0
     sampler: str = "torch"  # the in-process sampler: "torch", or "" for none
+    # crash transparency: shard leases, state snapshots, the pass watchdog, poison ops
+    lease_s: float = 10.0  # a dead worker's shards are taken over after this long
+    lease_renew_s: float = 2.5
+    snapshot_every: int = 5  # optim_steps between a model's state snapshots (and every save_state)
+    pass_timeout_s: float = 600.0  # an engine call running longer stops the worker (restarted)
+    max_attempts: int = 3  # an op that stopped the worker this often fails instead of running
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port chosen by the OS (reported in the heartbeat)
     log_level: str = "INFO"

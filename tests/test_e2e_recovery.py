@@ -1,0 +1,187 @@
+"""Crash transparency with real processes: two trainer workers share a pool through shard
+leases; one is SIGKILLed mid-run and the other takes its models over from their state snapshots
+and the ops log, so every future resolves and every adapter ends where an uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import numpy as np
+import pytest
+import safetensors.numpy
+import tinker
+from tinker import types
+
+from protocol import records, subjects
+from protocol.records import LeaseRecord
+from tests.conftest import Cluster, start_cluster, stop_cluster
+from tests.sdk_helpers import toy_batch
+
+pytestmark = pytest.mark.e2e
+
+FAST_TAKEOVER = {"TWINKLE_LEASE_S": "3", "TWINKLE_SNAPSHOT_EVERY": "3"}
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def pool_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Cluster]:
+    running = start_cluster(
+        tmp_path_factory.mktemp("recovery") / "data", [tiny_model], env=FAST_TAKEOVER
+    )
+    try:
+        yield running
+    finally:
+        stop_cluster(running)
+
+
+def _second_worker(cluster: Cluster, tiny_model: Path, log: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "workers", "--base-model", str(tiny_model),
+        "--nats-url", cluster.nats_url, "--data-dir", str(cluster.data_dir),
+        "--max-slots", "48", "--max-rank", "16", "--threads", "1",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **FAST_TAKEOVER}
+    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+async def _leases(nats_url: str, pool: str) -> dict[int, str]:
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.BUCKET_LEASES)
+        owners = {}
+        for shard in range(subjects.DEFAULT_SHARDS):
+            try:
+                entry = await kv.get(subjects.lease_key(pool, shard))
+            except Exception:
+                continue
+            if entry.value:
+                lease = records.decode(entry.value, LeaseRecord)
+                if lease.expires_at > time.time():
+                    owners[shard] = lease.worker_id
+        return owners
+    finally:
+        await nc.close()
+
+
+def _train(
+    client: tinker.TrainingClient,
+    seed: int,
+    steps: int,
+    name: str,
+    progress: dict[int, int] | None = None,
+) -> str:
+    """Steps on the tenant's own data, each submitted before the last one's results are read
+    (as the cookbook pipelines), paced so a run lasts a few seconds; then the adapter is saved
+    under `name`. `progress[seed]` counts the steps whose results came back."""
+    batch = toy_batch(n=3, seed=seed)
+    previous = None
+    for step in range(steps):
+        current = (
+            client.forward_backward(batch, "cross_entropy"),
+            client.optim_step(types.AdamParams(learning_rate=2e-2)),
+        )
+        if previous is not None:
+            previous[0].result()
+            previous[1].result()
+            if progress is not None:
+                progress[seed] = step
+        previous = current
+        time.sleep(0.25)
+    assert previous is not None
+    previous[0].result()
+    previous[1].result()
+    return str(client.save_state(name).result().path)
+
+
+def _adapter(cluster: Cluster, path: str) -> dict[str, np.ndarray]:
+    run_id, kind, name = path.removeprefix("tinker://").split("/")
+    directory = cluster.data_dir / "checkpoints" / run_id / kind / name
+    return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
+
+
+def test_a_killed_worker_loses_nothing(
+    pool_cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    cluster = pool_cluster
+    pool = subjects.pool_of(str(tiny_model))
+    service = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
+    [first_id] = set(asyncio.run(_leases(cluster.nats_url, pool)).values())
+    second = _second_worker(cluster, tiny_model, tmp_path / "worker2.log")
+    try:
+        deadline = time.monotonic() + 120
+        while len(set(asyncio.run(_leases(cluster.nats_url, pool)).values())) < 2:
+            assert second.poll() is None, (tmp_path / "worker2.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the second worker never got shards"
+            time.sleep(0.5)
+        owners = asyncio.run(_leases(cluster.nats_url, pool))
+        [second_id] = set(owners.values()) - {first_id}
+
+        # four tenants, at least one trained by the worker about to die
+        clients: dict[int, tinker.TrainingClient] = {}
+        for seed in range(11, 60):
+            client = service.create_lora_training_client(
+                base_model=str(tiny_model), rank=4, seed=seed
+            ).result()
+            on_victim = owners.get(subjects.shard_of(client.model_id)) == second_id
+            victims = sum(
+                owners.get(subjects.shard_of(c.model_id)) == second_id for c in clients.values()
+            )
+            if len(clients) < 3 or on_victim or victims:
+                clients[seed] = client
+            if len(clients) == 4 and victims + on_victim >= 1:
+                break
+        assert len(clients) == 4
+
+        # the uninterrupted runs of the same seeds and data
+        reference = {}
+        for seed in clients:
+            client = service.create_lora_training_client(
+                base_model=str(tiny_model), rank=4, seed=seed
+            ).result()
+            reference[seed] = _adapter(cluster, _train(client, seed, STEPS, "reference"))
+
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+        progress: dict[int, int] = {}
+
+        def run(seed: int) -> None:
+            try:
+                results[seed] = _train(clients[seed], seed, STEPS, "after-crash", progress)
+            except BaseException as err:  # reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in clients]
+        for thread in threads:
+            thread.start()
+        # kill mid-run: every tenant some steps in (snapshots taken), steps in flight
+        while min(progress.get(seed, 0) for seed in clients) < STEPS // 2:
+            assert not errors, errors
+            time.sleep(0.05)
+        assert max(progress.values()) < STEPS - 1
+        os.kill(second.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for thread in threads:
+            thread.join(timeout=240)
+        assert all(not thread.is_alive() for thread in threads), "a training loop hung"
+        assert not errors, errors
+        assert time.monotonic() - killed_at < 180
+        for seed, path in results.items():
+            got, want = _adapter(cluster, path), reference[seed]
+            assert got.keys() == want.keys()
+            for key in want:
+                np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
+    finally:
+        if second.poll() is None:
+            second.kill()
+        second.wait()
+        service.close("success").result()

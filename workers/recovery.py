@@ -1,0 +1,96 @@
+"""Taking a model over: its latest state snapshot, then its logged ops after it, replayed.
+
+A worker that gains a shard (its owner died, or handed it over) meets models it has no state
+for. Before the first op of such a model runs, the worker restores the model's latest snapshot
+(`workers.snapshots`, pointer in KV `tw_runs`, `snap.<model>`), or starts from nothing when
+there is none, and reads the model's ops after the snapshot straight from the `TW_OPS` log
+(one message-get per op, by subject: no consumer is created). Each logged op is replayed in its
+`seq_id` order through the ordinary cycle, in one of three modes, chosen by the outcome already
+stored for it:
+
+- `publish`: no final outcome yet (it never finished): run it and store its outcome;
+- `quiet`: a final `done` outcome of an op that changes state (create, load, a training
+  forward_backward, optim_step, unload): run it to rebuild the state, store nothing (the client
+  has its result);
+- `skip`: a final outcome of an op that changed nothing (an error: refused, invalid, or failed
+  as a transaction; a forward-only pass; a save, which only wrote files): settle it, run nothing.
+
+Where recovery is impossible (the log no longer reaches back to the snapshot, or a load's
+checkpoint is gone), the replayed op fails and its model's next ops fail with it, clearly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from nats.js.errors import NotFoundError
+
+from protocol import records, subjects
+from protocol.jobs import (
+    CreateModelJob,
+    ForwardBackwardJob,
+    Job,
+    LoadWeightsJob,
+    OptimStepJob,
+    UnloadModelJob,
+    decode_job,
+    decode_outcome,
+)
+from protocol.records import SnapshotRecord
+from workers.bus import WorkerBus
+
+log = logging.getLogger(__name__)
+
+Replay = Literal["", "publish", "quiet", "skip"]  # "": a live op from the shard consumer
+
+
+def changes_state(job: Job) -> bool:
+    """Whether running the op changes the model's adapter or optimizer state."""
+    if isinstance(job, ForwardBackwardJob):
+        return not job.forward_only
+    return isinstance(job, CreateModelJob | LoadWeightsJob | OptimStepJob | UnloadModelJob)
+
+
+def replay_mode(job: Job, outcome_state: str | None) -> Replay:
+    """How a logged op is replayed, from the state of its stored outcome (None: none stored)."""
+    if outcome_state in (None, "pending"):
+        return "publish"
+    if outcome_state == "done" and changes_state(job):
+        return "quiet"
+    return "skip"
+
+
+class ModelLog:
+    """Reads a model's snapshot pointer and its logged ops."""
+
+    def __init__(self, bus: WorkerBus, pool: str, n_shards: int) -> None:
+        self.bus = bus
+        self.pool = pool
+        self.n_shards = n_shards
+
+    async def snapshot(self, model_id: str) -> SnapshotRecord | None:
+        data = await self.bus.get(subjects.BUCKET_RUNS, subjects.snapshot_key(model_id))
+        return records.decode(data, SnapshotRecord) if data else None
+
+    async def ops_after(self, model_id: str, stream_seq: int) -> AsyncIterator[tuple[Job, int]]:
+        """The model's logged ops after `stream_seq`, in log order, with their positions."""
+        assert self.bus.js is not None
+        subject = subjects.ops_subject(self.pool, model_id, self.n_shards)
+        position = stream_seq + 1
+        while True:
+            try:
+                msg = await self.bus.js.get_msg(
+                    subjects.STREAM_OPS, seq=position, subject=subject, next=True
+                )
+            except NotFoundError:
+                return
+            if msg.data is None or msg.seq is None:
+                return
+            yield decode_job(msg.data), msg.seq
+            position = msg.seq + 1
+
+    async def mode(self, job: Job) -> Replay:
+        data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
+        return replay_mode(job, decode_outcome(data).state if data else None)

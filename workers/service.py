@@ -114,6 +114,9 @@ def _settled(job: TombstoneJob) -> Outcome:
     )
 
 
+_STARTUP_GATHER_S = 0.2
+
+
 def _creates(job: Job) -> bool:
     """Whether the op creates its model (seq 0): no state exists to take over before it."""
     return isinstance(job, CreateModelJob) or (isinstance(job, LoadWeightsJob) and job.create)
@@ -365,7 +368,11 @@ class TrainerService:
 
     async def _cycle_loop(self) -> None:
         wake_at: float | None = None  # when a rate-limited model may go on
-        await self.leases.settled.wait()  # the first cycle sees every shard's waiting ops
+        # The first cycle waits for the first lease round and then, briefly, for every claimed
+        # shard's first fetch: a backlog waiting at start-up shares passes instead of running
+        # shard by shard as the fetches come back.
+        await self.leases.settled.wait()
+        await asyncio.sleep(_STARTUP_GATHER_S)
         while True:
             timeout = min(5.0, self.settings.gap_timeout_s)
             if wake_at is not None:

@@ -69,7 +69,8 @@ def plan(
     return LeasePlan(claim=tuple(claim), release=tuple(release))
 
 
-Callback = Callable[[int], Awaitable[None]]
+Gain = Callable[[int, str | None], Awaitable[None]]  # (shard, the owner whose lease ran out)
+Loss = Callable[[int], Awaitable[None]]
 
 
 class LeaseKeeper:
@@ -85,8 +86,8 @@ class LeaseKeeper:
         lease_s: float = 10.0,
         renew_s: float = 2.5,
         live_workers: Callable[[], Awaitable[dict[str, float]]],
-        on_gain: Callback,
-        on_lose: Callback,
+        on_gain: Gain,
+        on_lose: Loss,
     ) -> None:
         self.bus = bus
         self.pool = pool
@@ -132,7 +133,8 @@ class LeaseKeeper:
         plan_now = plan(self.n_shards, self.worker_id, leases, live, now)
         gained = [shard for shard in plan_now.claim if await self._claim(shard, now)]
         for shard in gained:
-            await self.on_gain(shard)
+            before = leases.get(shard)
+            await self.on_gain(shard, before.worker_id if before is not None else None)
         for shard in plan_now.release:
             await self.release(shard)
 

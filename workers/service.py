@@ -65,6 +65,7 @@ from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
 from workers.snapshots import prune, read_state, state_dir, write_state
 from workers.usage import UsageBook
+from workers.watchdog import CrashJournal
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +163,14 @@ class TrainerService:
             on_lose=self._lose_shard,
         )
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
+        self.journal = CrashJournal(bus, settings.worker_id)
         self._steps_since_snapshot: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve until cancelled: the shards this worker holds leases on (`workers.leases`)."""
+        await self.journal.inherit(self.settings.worker_id)  # restarted after a crash?
         tasks = [
             asyncio.create_task(self._cycle_loop(), name="cycles"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
@@ -205,8 +208,11 @@ class TrainerService:
                 live[record.worker_id] = record.heartbeat_at
         return live
 
-    async def _gain_shard(self, shard: int) -> None:
-        """Consume a shard just leased: from its oldest unfinished op, in stream order."""
+    async def _gain_shard(self, shard: int, previous_owner: str | None) -> None:
+        """Consume a shard just leased: from its oldest unfinished op, in stream order. What
+        its previous owner was running when it stopped becomes suspect (`workers.watchdog`)."""
+        if previous_owner is not None and previous_owner != self.settings.worker_id:
+            await self.journal.inherit(previous_owner)
         durable = subjects.consumer_name(self.settings.pool, shard)
         await self.bus.reset_consumer(subjects.STREAM_OPS, durable)
         self._shard_tasks[shard] = await self.bus.consume(
@@ -421,11 +427,46 @@ class TrainerService:
         )
 
     async def _run(self, items: list[Item], fn: Callable[[list[Item]], list[Result]]) -> None:
-        """Run `fn(items)` on the engine thread, then store each outcome and ack its op."""
+        """Run `fn(items)` on the engine thread, then store each outcome and ack its op.
+
+        A request that was running when a worker stopped runs alone; one that did so
+        `max_attempts` times fails without running (`workers.watchdog`). An engine call that
+        runs past `pass_timeout_s` stops this process: the thread cannot be interrupted, and
+        the supervisor or another worker carries on, with these requests as suspects.
+        """
+        suspects = [item for item in items if self._strikes(item)]
+        if suspects and len(items) > 1:
+            for item in suspects:
+                await self._run([item], fn)
+            rest = [item for item in items if not self._strikes(item)]
+            if rest:
+                await self._run(rest, fn)
+            return
+        if suspects and self._strikes(suspects[0]) >= self.settings.max_attempts:
+            [item] = suspects
+            err = ServerError(
+                f"request {item.job.request_id} was running each of the"
+                f" {self._strikes(item)} times a worker stopped (past the"
+                f" {self.settings.pass_timeout_s:.0f} s limit of one pass, or a crash); it was"
+                " not applied, and the model's later requests run without it"
+            )
+            await self._finish(item, _failed(item.job, err))
+            return
         self._in_flight = [item.handle for item in items if item.handle is not None]
         loop = asyncio.get_running_loop()
+        await self.journal.running([item.job.request_id for item in items])
         try:
-            results: list[Result] = await loop.run_in_executor(self.executor, fn, items)
+            results: list[Result] = await asyncio.wait_for(
+                loop.run_in_executor(self.executor, fn, items), self.settings.pass_timeout_s
+            )
+        except TimeoutError:
+            log.critical(
+                "an engine call ran past %.0f s (%s); stopping this worker",
+                self.settings.pass_timeout_s,
+                ", ".join(item.job.request_id for item in items),
+            )
+            logging.shutdown()
+            os._exit(70)
         except Exception:
             # A pass or a fused step isolates engine faults per request inside `fn`
             # (`_transactions`); what gets here is a lone op of `_other` that crashed, or a
@@ -439,11 +480,19 @@ class TrainerService:
             results = [(_failed(item.job, err), None) for item in items]
         finally:
             self._in_flight = []
+        await self.journal.idle()
         for item, (outcome, ckpt) in zip(items, results, strict=True):
             if ckpt is not None and item.replay in ("", "publish"):
                 key = subjects.checkpoint_key(ckpt.run_id, ckpt.checkpoint_id)
                 await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
             await self._finish(item, outcome)
+
+    def _strikes(self, item: Item) -> int:
+        """Times this unfinished request was running when a worker stopped (replays of
+        finished ones never count: they ran through before)."""
+        if item.replay not in ("", "publish"):
+            return 0
+        return self.journal.strikes.get(item.job.request_id, 0)
 
     async def _store(self, outcome: Outcome) -> None:
         await self.bus.put(

@@ -1,0 +1,71 @@
+"""What was running when a worker stopped: the journal that turns a crash into a suspect.
+
+Before each engine call the worker writes the request ids it is about to run to KV
+(`tw_futures`, `running.<worker_id>`), and clears them after. A worker that stops in between
+(killed by the pass watchdog for running past `pass_timeout_s`, crashed, out of memory) leaves
+them there. Whoever carries on — the same worker restarted under its id, or the worker that
+takes its shards over — inherits that list: each request on it gets one more strike
+(`strikes.<request_id>`). A request with strikes runs alone, so it cannot take other tenants
+down with it again; one with `max_attempts` strikes is not run at all: it fails with a `server`
+error that says why, and its model carries on with its next requests in order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from workers.bus import WorkerBus
+
+log = logging.getLogger(__name__)
+
+_BUCKET = "tw_futures"
+_IDS = msgspec.msgpack.Encoder()
+_IDS_DECODER = msgspec.msgpack.Decoder(list[str])
+
+
+def running_key(worker_id: str) -> str:
+    return f"running.{worker_id}"
+
+
+def strikes_key(request_id: str) -> str:
+    return f"strikes.{request_id}"
+
+
+class CrashJournal:
+    """This worker's running list, and the strikes of the requests it inherited."""
+
+    def __init__(self, bus: WorkerBus, worker_id: str) -> None:
+        self.bus = bus
+        self.worker_id = worker_id
+        self.strikes: dict[str, int] = {}
+
+    async def running(self, request_ids: list[str]) -> None:
+        await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode(request_ids))
+
+    async def idle(self) -> None:
+        await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode([]))
+
+    async def inherit(self, worker_id: str) -> list[str]:
+        """Take over what `worker_id` was running when it stopped: one strike each."""
+        data = await self.bus.get(_BUCKET, running_key(worker_id))
+        request_ids = _IDS_DECODER.decode(data) if data else []
+        for request_id in request_ids:
+            self.strikes[request_id] = await self._strike(request_id)
+        if request_ids:
+            log.warning(
+                "worker %s stopped while running %s; they run alone from now on",
+                worker_id,
+                ", ".join(request_ids),
+            )
+            await self.bus.put(_BUCKET, running_key(worker_id), _IDS.encode([]))
+        return request_ids
+
+    async def _strike(self, request_id: str) -> int:
+        key = strikes_key(request_id)
+        while True:
+            entry = await self.bus.entry(_BUCKET, key)
+            count = int(entry[0]) + 1 if entry is not None and entry[0] else 1
+            if await self.bus.swap(_BUCKET, key, str(count).encode(), entry[1] if entry else None):
+                return count

@@ -70,6 +70,7 @@ class Bus:
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._dropped = asyncio.Event()  # set from a disconnect until the reconnect
 
     async def connect(self) -> None:
         """Connect (waiting up to `connect_wait_s` for NATS) and ensure the topology."""
@@ -114,6 +115,7 @@ class Bus:
             log.warning("nats: %r", exc)
 
     async def _on_disconnected(self) -> None:
+        self._dropped.set()
         if not self._closing:
             log.warning(
                 "lost the connection to NATS; reconnecting (calls retry for %.0f s)",
@@ -122,6 +124,7 @@ class Bus:
 
     async def _on_reconnected(self) -> None:
         assert self.nc is not None
+        self._dropped.clear()
         log.info(
             "reconnected to NATS at %s",
             self.nc.connected_url.netloc if self.nc.connected_url else "?",
@@ -147,7 +150,7 @@ class Bus:
             failure = "not connected"
             if self.nc.is_connected:  # else a request would only wait in the reconnect buffer
                 try:
-                    return await asyncio.wait_for(call(), timeout=max(0.01, deadline - loop.time()))
+                    return await self._attempt(call, max(0.01, deadline - loop.time()))
                 except TRANSIENT_ERRORS as exc:
                     failure = type(exc).__name__
                     if self.nc.is_closed:
@@ -161,6 +164,24 @@ class Bus:
                 )
             log.debug("%s: %s; trying again in %.1f s", what, failure, delay)
             await asyncio.sleep(min(delay, remaining))
+
+    async def _attempt(self, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+        """One try of `call()`; a `TimeoutError` after `timeout_s`, or at once if the connection
+        drops meanwhile: a request in flight then is lost with the socket, and would otherwise
+        hold its caller for the whole request timeout."""
+        attempt = asyncio.ensure_future(call())
+        dropped = asyncio.ensure_future(self._dropped.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {attempt, dropped}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            dropped.cancel()
+            if not attempt.done():
+                attempt.cancel()
+        if attempt in done:
+            return attempt.result()
+        raise TimeoutError("the connection dropped" if dropped in done else "timed out")
 
     def bucket(self, name: str) -> KeyValue:
         return self.kv[name]

@@ -2,6 +2,17 @@
 
 Wraps nats-py once (its `connect()` takes dozens of parameters) so the rest of the gateway sees
 a small typed surface. Every call has a timeout.
+
+Riding out a NATS outage: nats-py reconnects by itself (`max_reconnect_attempts=-1`), and core
+subscriptions (the KV updates the gateway listens to) are re-sent on reconnect. What fails are
+the calls made meanwhile: every KV read or write, stream info, JetStream publish raises
+`nats.errors.TimeoutError` after its timeout while the server is away, and a publish larger
+than the reconnect buffer (2 MiB) raises `OutboundBufferLimitError` at once (measured with
+nats-py 2.16). So each call goes through `_retrying`: while the connection is down it is not
+even sent (it would only sit in the reconnect buffer), and on a transient error it is tried
+again with `protocol.backoff.BUS_RETRY` until `BusSettings.retry_s` (10 s) has passed; then it
+raises `Unavailable`, which answers HTTP 503 with `x-should-retry: true`, and the SDK retries.
+Writes are safe to repeat: a job carries `Nats-Msg-Id`, KV puts write the same value again.
 """
 
 from __future__ import annotations
@@ -9,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats
 from nats.aio.client import Client
@@ -16,15 +28,35 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import (
+    BadRequestError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 
 from protocol import subjects, topology
+from protocol.backoff import BUS_RETRY
 from protocol.errors import Unavailable
 from protocol.jobs import Job, SampleJob, encode_job, encode_sample_job
 from twinkle_async.settings import BusSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a call raises while NATS is away or coming back; worth another attempt. (Builtin
+# `TimeoutError` is asyncio's; nats' own derives from it.) The workers' wrapper retries the same.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoRespondersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    ServiceUnavailableError,
+)
 
 
 class Bus:
@@ -35,14 +67,25 @@ class Bus:
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         self.kv: dict[str, KeyValue] = {}
+        self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._hook_tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._dropped = asyncio.Event()  # set from a disconnect until the reconnect
 
     async def connect(self) -> None:
-        self.nc = await nats.connect(
-            self.settings.nats_url,
-            connect_timeout=self.settings.connect_timeout_s,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            name="twinkle-gateway",
+        """Connect (waiting up to `connect_wait_s` for NATS) and ensure the topology."""
+        self.nc = await asyncio.wait_for(
+            nats.connect(
+                self.settings.nats_url,
+                connect_timeout=self.settings.connect_timeout_s,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                name="twinkle-gateway",
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
+            ),
+            timeout=self.settings.connect_wait_s,
         )
         self.js = self.nc.jetstream(timeout=self.settings.request_timeout_s)
         await ensure_topology(self.js, self.settings)
@@ -50,8 +93,95 @@ class Bus:
             self.kv[spec.name] = await self.js.key_value(spec.name)
 
     async def close(self) -> None:
+        self._closing = True
+        for task in self._hook_tasks:
+            task.cancel()
+        await asyncio.gather(*self._hook_tasks, return_exceptions=True)
         if self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=self.settings.connect_timeout_s)
+            except (TimeoutError, nats.errors.Error):
+                await self.nc.close()  # NATS is away: nothing left to drain into
+
+    def on_reconnect(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook()` after every reconnect (e.g. to re-read what a subscription missed)."""
+        self._reconnect_hooks.append(hook)
+
+    async def _on_error(self, exc: Exception) -> None:
+        # every failed reconnect attempt lands here; the disconnect was logged once already
+        if isinstance(exc, OSError | nats.errors.StaleConnectionError):
+            log.debug("nats: %s", exc)
+        else:
+            log.warning("nats: %r", exc)
+
+    async def _on_disconnected(self) -> None:
+        self._dropped.set()
+        if not self._closing:
+            log.warning(
+                "lost the connection to NATS; reconnecting (calls retry for %.0f s)",
+                self.settings.retry_s,
+            )
+
+    async def _on_reconnected(self) -> None:
+        assert self.nc is not None
+        self._dropped.clear()
+        log.info(
+            "reconnected to NATS at %s",
+            self.nc.connected_url.netloc if self.nc.connected_url else "?",
+        )
+        for hook in self._reconnect_hooks:
+            task = asyncio.create_task(self._run_hook(hook), name="bus-reconnect-hook")
+            self._hook_tasks.add(task)
+            task.add_done_callback(self._hook_tasks.discard)
+
+    async def _run_hook(self, hook: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await hook()
+        except Exception:  # a task boundary: a failed hook must not go unnoticed
+            log.exception("a reconnect hook failed")
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, tried again while NATS is away, for up to `retry_s`; then `Unavailable`."""
+        assert self.nc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.retry_s
+        delay: float | None = None
+        while True:
+            failure = "not connected"
+            if self.nc.is_connected:  # else a request would only wait in the reconnect buffer
+                try:
+                    return await self._attempt(call, max(0.01, deadline - loop.time()))
+                except TRANSIENT_ERRORS as exc:
+                    failure = type(exc).__name__
+                    if self.nc.is_closed:
+                        raise Unavailable(f"the bus is closed; {what} failed") from exc
+            delay = BUS_RETRY.after(delay)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise Unavailable(
+                    f"the job bus did not answer ({what}) within"
+                    f" {self.settings.retry_s:.0f} s: {failure}"
+                )
+            log.debug("%s: %s; trying again in %.1f s", what, failure, delay)
+            await asyncio.sleep(min(delay, remaining))
+
+    async def _attempt(self, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+        """One try of `call()`; a `TimeoutError` after `timeout_s`, or at once if the connection
+        drops meanwhile: a request in flight then is lost with the socket, and would otherwise
+        hold its caller for the whole request timeout."""
+        attempt = asyncio.ensure_future(call())
+        dropped = asyncio.ensure_future(self._dropped.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {attempt, dropped}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            dropped.cancel()
+            if not attempt.done():
+                attempt.cancel()
+        if attempt in done:
+            return attempt.result()
+        raise TimeoutError("the connection dropped" if dropped in done else "timed out")
 
     def bucket(self, name: str) -> KeyValue:
         return self.kv[name]
@@ -69,62 +199,90 @@ class Bus:
         )
 
     async def _publish(self, subject: str, data: bytes, dedupe_id: str, request_id: str) -> None:
-        """A JetStream publish with `Nats-Msg-Id`; a bus that does not answer is `Unavailable`."""
-        assert self.js is not None
-        try:
-            await self.js.publish(
-                subject,
-                data,
-                headers={"Nats-Msg-Id": dedupe_id, "Tw-Request-Id": request_id},
-                timeout=self.settings.request_timeout_s,
-            )
-        except (
-            nats.errors.TimeoutError,
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoRespondersError,
-        ) as exc:
-            raise Unavailable(
-                f"the job bus did not accept {request_id}: {type(exc).__name__}"
-            ) from exc
+        """A JetStream publish with `Nats-Msg-Id`, so a retried publish is stored once."""
+        js = self.js
+        assert js is not None
+        headers = {"Nats-Msg-Id": dedupe_id, "Tw-Request-Id": request_id}
+        timeout_s = self.settings.request_timeout_s
+
+        async def attempt() -> None:
+            await js.publish(subject, data, headers=headers, timeout=timeout_s)
+
+        await self._retrying(f"publish {request_id}", attempt)
 
     async def get(self, bucket: str, key: str) -> bytes | None:
-        try:
-            entry = await self.kv[bucket].get(key)
-        except KeyNotFoundError:
-            return None
-        return entry.value
+        kv = self.kv[bucket]
+
+        async def attempt() -> bytes | None:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                return None
+            return entry.value
+
+        return await self._retrying(f"read {bucket}/{key}", attempt)
 
     async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
         """A key's value and revision (for a compare-and-set), None when absent."""
-        try:
-            entry = await self.kv[bucket].get(key)
-        except KeyNotFoundError:
-            return None
-        return entry.value or b"", int(entry.revision or 0)
+        kv = self.kv[bucket]
+
+        async def attempt() -> tuple[bytes, int] | None:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                return None
+            return entry.value or b"", int(entry.revision or 0)
+
+        return await self._retrying(f"read {bucket}/{key}", attempt)
 
     async def put(self, bucket: str, key: str, value: bytes) -> None:
-        await self.kv[bucket].put(key, value)
+        kv = self.kv[bucket]
+
+        async def attempt() -> None:
+            await kv.put(key, value)
+
+        await self._retrying(f"write {bucket}/{key}", attempt)
 
     async def create(self, bucket: str, key: str, value: bytes) -> bool:
-        """Write `key` only if absent; False when it already exists."""
-        try:
-            await self.kv[bucket].create(key, value)
-        except (KeyWrongLastSequenceError, BadRequestError):
-            return False
-        return True
+        """Write `key` only if absent; False when it already exists.
+
+        A retried create whose first attempt did land (its answer was lost) answers False too:
+        callers read the key back (`FutureStore.claim`) rather than trust the write was theirs.
+        """
+        kv = self.kv[bucket]
+
+        async def attempt() -> bool:
+            try:
+                await kv.create(key, value)
+            except (KeyWrongLastSequenceError, BadRequestError):
+                return False
+            return True
+
+        return await self._retrying(f"create {bucket}/{key}", attempt)
 
     async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
         """Write `key` only if its revision is still `revision` (None: only if absent)."""
         if revision is None:
             return await self.create(bucket, key, value)
-        try:
-            await self.kv[bucket].update(key, value, last=revision)
-        except (KeyWrongLastSequenceError, BadRequestError):
-            return False
-        return True
+        kv = self.kv[bucket]
+        last = revision
+
+        async def attempt() -> bool:
+            try:
+                await kv.update(key, value, last=last)
+            except (KeyWrongLastSequenceError, BadRequestError):
+                return False
+            return True
+
+        return await self._retrying(f"update {bucket}/{key}", attempt)
 
     async def delete(self, bucket: str, key: str) -> None:
-        await self.kv[bucket].delete(key)
+        kv = self.kv[bucket]
+
+        async def attempt() -> None:
+            await kv.delete(key)
+
+        await self._retrying(f"delete {bucket}/{key}", attempt)
 
     async def keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Keys under `prefix.` (deleted ones included: a read of one answers None).
@@ -132,12 +290,17 @@ class Bus:
         One stream-info request with a subject filter: no consumer is created, so a burst of
         listings leaves nothing behind on the server (a KV watcher would leave a consumer each).
         """
-        assert self.js is not None
+        js = self.js
+        assert js is not None
         subject_prefix = f"$KV.{bucket}."
         pattern = f"{subject_prefix}{prefix}.>" if prefix else f"{subject_prefix}>"
-        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=pattern)
-        subjects_found = info.state.subjects or {}
-        return sorted(subject[len(subject_prefix) :] for subject in subjects_found)
+
+        async def attempt() -> list[str]:
+            info = await js.stream_info(f"KV_{bucket}", subjects_filter=pattern)
+            subjects_found = info.state.subjects or {}
+            return sorted(subject[len(subject_prefix) :] for subject in subjects_found)
+
+        return await self._retrying(f"list {bucket}", attempt)
 
     async def values(self, bucket: str, prefix: str = "") -> list[bytes]:
         """Current values of the keys under `prefix.`, in key order (direct reads, no consumer)."""
@@ -149,7 +312,11 @@ class Bus:
     async def subscribe_kv(
         self, bucket: str, pattern: str, callback: Callable[[str, bytes], Awaitable[None]]
     ) -> Subscription:
-        """Live updates of a bucket's keys (no replay of what is already stored)."""
+        """Live updates of a bucket's keys (no replay of what is already stored).
+
+        A core subscription: nats-py re-sends it after a reconnect, but updates written while
+        the connection was down are not delivered; `on_reconnect` is the place to catch up.
+        """
         assert self.nc is not None
         prefix = f"$KV.{bucket}."
 

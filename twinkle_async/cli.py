@@ -5,13 +5,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -32,6 +35,18 @@ def _logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` until it returns or SIGINT/SIGTERM cancels it (its clean-up runs)."""
+    task = asyncio.ensure_future(main)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def _run(coro: object) -> None:
@@ -92,9 +107,20 @@ def up(
     checkpoint_sweep_s: Annotated[
         float, typer.Option(min=0, help="seconds between sweeps of expired checkpoints (0: none)")
     ] = 60.0,
+    workers: Annotated[
+        int, typer.Option("--workers", min=1, help="trainer worker processes per base model")
+    ] = 1,
+    nats_url: Annotated[
+        str | None,
+        typer.Option(help="use this NATS (JetStream on) instead of starting one under --data-dir"),
+    ] = None,
+    bus_retry_s: Annotated[
+        float,
+        typer.Option(min=0, help="how long the gateway retries a bus call while NATS is away"),
+    ] = 10.0,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
-    """Start NATS, the gateway and one worker per base model; stop all on Ctrl-C."""
+    """Start NATS, the gateway and the workers, restart any that dies; stop all on Ctrl-C."""
     from twinkle_async.up import UpOptions, run_up
 
     _logging(log_level)
@@ -114,6 +140,8 @@ def up(
         worker_args += ["--threads", str(threads)]
     if max_parked is not None:
         worker_args += ["--max-parked", str(max_parked)]
+    if key_file is not None:
+        load_api_keys(key_file, None)  # a bad key file fails here, not in the gateway child
     options = UpOptions(
         base_models=base_model,
         host=host,
@@ -125,13 +153,17 @@ def up(
         sweep_interval_s=sweep_interval_s,
         rate_burst_s=rate_burst_s,
         long_poll_s=long_poll_s,
-        extra_keys=load_api_keys(key_file, None) if key_file else {},
+        key_file=key_file,
         ready_file=ready_file,
         worker_args=worker_args,
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
         vllm_sampler=sampler == "vllm",
         sampler_args=["--max-lora-rank", str(max_rank), "--log-level", log_level],
         checkpoint_sweep_s=checkpoint_sweep_s or None,
+        workers_per_model=workers,
+        nats_url=nats_url,
+        bus_retry_s=bus_retry_s,
+        log_level=log_level,
     )
     _run(run_up(options))
 
@@ -205,6 +237,14 @@ def gateway(
         str | None,
         typer.Option(help="base URL clients reach this gateway at (default: the request's host)"),
     ] = None,
+    bus_retry_s: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            envvar="TWINKLE_BUS_RETRY_S",
+            help="how long a bus call is retried while NATS is away before answering 503",
+        ),
+    ] = 10.0,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Serve the Tinker HTTP API over a running NATS."""
@@ -223,9 +263,13 @@ def gateway(
         session_timeout_s=session_timeout_s,
         sweep_interval_s=sweep_interval_s,
         rate_burst_s=rate_burst_s,
-        bus=bus_from_env(nats_url)
-        if nats_url or os.environ.get("TWINKLE_NATS_URL")
-        else BusSettings(),
+        long_poll_s=long_poll_s,
+        bus=dataclasses.replace(
+            bus_from_env(nats_url)
+            if nats_url or os.environ.get("TWINKLE_NATS_URL")
+            else BusSettings(),
+            retry_s=bus_retry_s,
+        ),
         checkpoint_root=checkpoint_root or (data_dir / "checkpoints" if data_dir else None),
         checkpoint_sweep_s=checkpoint_sweep_s or None,
         public_url=public_url,
@@ -235,10 +279,12 @@ def gateway(
 
     def on_ready(base_url: str) -> None:
         print(f"gateway listening on {base_url}", flush=True)
-        if ready_file is not None:
-            ready_file.write_text(json.dumps({"base_url": base_url}))
+        if ready_file is not None:  # atomically: `up` reads it as soon as it appears
+            tmp = ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"base_url": base_url}))
+            tmp.replace(ready_file)
 
-    _run(serve(settings, on_ready=on_ready))
+    _run(_until_signal(serve(settings, on_ready=on_ready)))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -5,7 +5,8 @@ one) and `record_pending` writes the pending outcome to KV `tw_futures`.
 Step 5 (worker): the worker overwrites `res.<request_id>` with the result.
 Step 6 (retrieve): one live subscription on the bucket resolves in-memory waiters; `wait`
 registers a waiter, reads KV (the result may already be there, e.g. after a gateway restart),
-and otherwise awaits the waiter with a timeout. No polling loops.
+and otherwise awaits the waiter with a timeout. No polling loops. The subscription misses what
+is written while NATS is away, so after a reconnect every waiting request is read once more.
 Submitted futures, finished outcomes and waiting long-polls are counted on `self.metrics`.
 """
 
@@ -53,6 +54,7 @@ class FutureStore:
         self._sub = await self.bus.subscribe_kv(
             subjects.BUCKET_FUTURES, f"{_RES_PREFIX}>", self._on_update
         )
+        self.bus.on_reconnect(self._recheck_waiters)
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -70,9 +72,19 @@ class FutureStore:
         if outcome.state == "pending":
             return
         self.metrics.future_resolved(outcome.request_type, outcome.state)
+        self._wake(request_id, outcome)
+
+    def _wake(self, request_id: str, outcome: Outcome) -> None:
         for waiter in self._waiters.pop(request_id, []):
             if not waiter.done():
                 waiter.set_result(outcome)
+
+    async def _recheck_waiters(self) -> None:
+        """After a reconnect: wake the waiters whose result was written while NATS was away."""
+        for request_id in list(self._waiters):
+            outcome = await self.read(request_id)
+            if outcome is not None and outcome.state != "pending":
+                self._wake(request_id, outcome)
 
     async def claim(self, model_id: str, seq_id: int, claim: SeqClaim) -> SeqClaim:
         """The claim owning `(model_id, seq_id)`: `claim` if it is the first, else the earlier one."""

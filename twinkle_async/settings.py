@@ -22,6 +22,12 @@ class BusSettings:
     nats_url: str = "nats://127.0.0.1:4222"
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 10.0
+    # a starting gateway waits this long for NATS, then exits (its supervisor restarts it)
+    connect_wait_s: float = 60.0
+    # a KV read or write or a job publish that fails because NATS is away is tried again for
+    # this long, then answers 503 with x-should-retry (the SDK retries); well under the SDK's
+    # 60 s request timeout
+    retry_s: float = 10.0
     n_shards: int = 16
     # retention: a future (result or error) is kept this long after it was written
     futures_ttl_s: float = 24 * 3600.0

@@ -1,9 +1,22 @@
-"""`twinkle-async up`: the one-command local cluster.
+"""`twinkle-async up`: the one-command local cluster, and its supervisor.
 
-Starts nats-server (loopback, a port it picks), the gateway in this process, and one trainer
-worker per base model as child processes; waits until every worker has reported in; prints the
-base URL and the API key (and writes them to `--ready-file`); stops everything on Ctrl-C or
-SIGTERM, or when a child dies.
+Step 1: start nats-server (loopback, a port it picks, store under `<data-dir>/nats`), unless
+`--nats-url` names one to use instead.
+Step 2: start the gateway as a child (`python -m twinkle_async gateway ...`, the settings `up`
+was given; the keys travel in its environment, not on its command line) and read the port it
+bound from its `--ready-file`; every later start of the gateway asks for that same port, so the
+base URL clients hold stays valid.
+Step 3: start `--workers` trainer workers per base model (and a vLLM sampler if asked) and wait
+until each has put a fresh heartbeat in `tw_workers`.
+Step 4: print the base URL and the keys, and write them to `--ready-file`.
+Step 5: supervise until SIGINT or SIGTERM: a child that exits is logged and restarted with
+backoff (`supervisor.Child`), nats-server likewise on the same store and port. Nothing that
+dies after step 4 stops the cluster. A child that dies while starting (steps 2-3) does: that
+is a configuration to fix, not a crash to ride out.
+Step 6: stop every child (SIGTERM, then SIGKILL), then nats-server; remove the ready file.
+
+Every child, nats-server included, leads its own process group and dies with `up` (a
+parent-death signal), so even a SIGKILLed `up` leaves nothing running.
 """
 
 from __future__ import annotations
@@ -11,20 +24,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import signal
+import socket
 import sys
 import time
-from asyncio.subprocess import Process
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 from protocol import records, subjects
+from protocol.backoff import restart_delay
 from protocol.records import WorkerRecord
 from twinkle_async.bus import Bus
-from twinkle_async.gateway.app import serve
 from twinkle_async.nats_server import NatsServer
-from twinkle_async.settings import GatewaySettings, bus_from_env, quota_defaults_from_env
+from twinkle_async.settings import bus_from_env
+from twinkle_async.supervisor import Child, describe_exit, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -43,35 +60,25 @@ class UpOptions:
     sweep_interval_s: float = 10.0
     rate_burst_s: float = 60.0
     long_poll_s: float = 30.0
-    extra_keys: dict[str, str] = field(default_factory=dict)  # more tml- keys -> tenant ids
+    key_file: Path | None = None  # more tml- keys for more tenants, passed to the gateway
     ready_file: Path | None = None
     worker_args: list[str] = field(default_factory=list)
     fwdbwd_max_chunk_len: int = 1024
     worker_ready_timeout_s: float = 300.0
+    gateway_ready_timeout_s: float = 90.0
     vllm_sampler: bool = False
     sampler_args: list[str] = field(default_factory=list)
     checkpoint_sweep_s: float | None = 60.0  # None: expired checkpoints are never swept
-
-
-async def _wait_for_workers(
-    bus: Bus, expected: set[tuple[str, str]], procs: list[Process], timeout_s: float
-) -> None:
-    """Until every (base model, role) expected has a heartbeat in `tw_workers`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = [records.decode(v, WorkerRecord) for v in await bus.values(subjects.BUCKET_WORKERS)]
-        if expected <= {(record.base_model, record.role) for record in found}:
-            return
-        for proc in procs:
-            if proc.returncode is not None:
-                raise RuntimeError(f"a worker exited with code {proc.returncode} while starting")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"workers did not report in within {timeout_s} s")
-        await asyncio.sleep(0.2)
+    workers_per_model: int = 1  # trainer worker processes per base model
+    nats_url: str | None = None  # an external NATS; None: start one under data_dir
+    bus_retry_s: float = 10.0  # the gateway's `BusSettings.retry_s`
+    stop_timeout_s: float = 15.0  # SIGTERM to SIGKILL when stopping a child
+    log_level: str = "INFO"
 
 
 def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[str, list[str]]]:
-    """(role, argv) of each process a base model needs: a trainer, and a vLLM sampler if asked."""
+    """(role, argv) of each process a base model needs: `--workers` trainers, and a vLLM
+    sampler if asked."""
     common = [
         "--base-model",
         base_model,
@@ -80,106 +87,279 @@ def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[
         "--data-dir",
         str(options.data_dir),
     ]
-    commands = [("trainer", [sys.executable, "-m", "workers", *common, *options.worker_args])]
+    trainer = [sys.executable, "-m", "workers", *common, *options.worker_args]
+    # A stable id per trainer: restarted after a crash, it finds its own shard leases and the
+    # journal of what it was running (workers/leases.py, workers/watchdog.py).
+    host = socket.gethostname().split(".")[0] or "host"
+    commands = [
+        ("trainer", [*trainer, "--worker-id", f"{host}-{subjects.pool_of(base_model)}-{index}"])
+        for index in range(options.workers_per_model)
+    ]
     if options.vllm_sampler:
         sampler = [sys.executable, "-m", "workers.sampler_main", *common, "--backend", "vllm"]
         commands.append(("sampler", [*sampler, *options.sampler_args]))
     return commands
 
 
+def gateway_command(options: UpOptions, nats_url: str, port: int, ready_file: Path) -> list[str]:
+    """The gateway's command line: every setting `up` was given except the keys (environment)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "twinkle_async",
+        "gateway",
+        "--nats-url",
+        nats_url,
+        "--host",
+        options.host,
+        "--port",
+        str(port),
+        "--ready-file",
+        str(ready_file),
+        "--data-dir",
+        str(options.data_dir),
+        "--session-timeout-s",
+        str(options.session_timeout_s),
+        "--sweep-interval-s",
+        str(options.sweep_interval_s),
+        "--rate-burst-s",
+        str(options.rate_burst_s),
+        "--long-poll-s",
+        str(options.long_poll_s),
+        "--fwdbwd-max-chunk-len",
+        str(options.fwdbwd_max_chunk_len),
+        "--checkpoint-sweep-s",
+        str(options.checkpoint_sweep_s or 0),
+        "--bus-retry-s",
+        str(options.bus_retry_s),
+        "--log-level",
+        options.log_level,
+    ]
+    for base_model in options.base_models:
+        argv += ["--base-model", base_model]
+    if options.key_file is not None:
+        argv += ["--key-file", str(options.key_file)]
+    return argv
+
+
+def gateway_env(api_key: str, admin_key: str, key_file: Path | None) -> dict[str, str]:
+    """The gateway's environment: ours, plus its keys and a download secret that outlives a
+    restart (signed URLs handed out stay valid)."""
+    env = dict(os.environ)
+    env["TWINKLE_API_KEY"] = api_key
+    env["TWINKLE_ADMIN_KEY"] = admin_key
+    env.setdefault("TWINKLE_DOWNLOAD_SECRET", secrets.token_urlsafe(32))
+    if key_file is None:
+        env.pop("TWINKLE_KEY_FILE", None)  # only the keys `up` was given
+    return env
+
+
+class Cluster:
+    """The processes `up` runs, started in order and supervised."""
+
+    def __init__(self, options: UpOptions, api_key: str, admin_key: str) -> None:
+        self.options = options
+        self.api_key = api_key
+        self.admin_key = admin_key
+        self.nats: NatsServer | None = None
+        self.nats_url = options.nats_url or ""
+        self.gateway: Child | None = None
+        self.workers: list[tuple[str, str, Child]] = []  # (base model, role, child)
+
+    @property
+    def children(self) -> list[Child]:
+        gateway = [self.gateway] if self.gateway is not None else []
+        return gateway + [child for _, _, child in self.workers]
+
+    async def start(self) -> dict[str, Any]:
+        """Steps 1-3; returns what the ready file holds."""
+        options = self.options
+        if options.nats_url is None:
+            self.nats = NatsServer(options.data_dir / "nats", preexec_fn=die_with_parent())
+            self.nats_url = await self.nats.start_async()
+            log.info("nats-server at %s (pid %d)", self.nats_url, self._nats_pid())
+        base_url = await self._start_gateway()
+        started_at = time.time()
+        for base_model in options.base_models:
+            roles: list[str] = []
+            for role, argv in _commands(base_model, self.nats_url, options):
+                name = f"{role} {roles.count(role)} of {base_model}"
+                roles.append(role)
+                child = Child(name, argv, stop_timeout_s=options.stop_timeout_s)
+                self.workers.append((base_model, role, child))
+                await child.start()
+        await self._wait_for_workers(started_at)
+        return {
+            "base_url": base_url,
+            "api_key": self.api_key,
+            "admin_key": self.admin_key,
+            "nats_url": self.nats_url,
+            "base_models": options.base_models,
+        }
+
+    async def _start_gateway(self) -> str:
+        options = self.options
+        ready_file = options.data_dir / "gateway-ready.json"
+        ready_file.unlink(missing_ok=True)
+        self.gateway = Child(
+            "gateway",
+            gateway_command(options, self.nats_url, options.port, ready_file),
+            env=gateway_env(self.api_key, self.admin_key, options.key_file),
+            stop_timeout_s=options.stop_timeout_s,
+        )
+        process = await self.gateway.start()
+        deadline = time.monotonic() + options.gateway_ready_timeout_s
+        # the gateway's only signal is its ready file (written atomically once it listens)
+        while not ready_file.exists():
+            if process.returncode is not None:
+                raise RuntimeError(
+                    f"the gateway {describe_exit(process.returncode)} while starting"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the gateway did not listen within {options.gateway_ready_timeout_s} s"
+                )
+            await asyncio.sleep(0.05)
+        base_url = str(json.loads(ready_file.read_text())["base_url"])
+        port = urlsplit(base_url).port
+        assert port is not None
+        # a restarted gateway listens where clients already point
+        self.gateway.argv = gateway_command(options, self.nats_url, port, ready_file)
+        return base_url
+
+    async def _wait_for_workers(self, started_at: float) -> None:
+        """Until each trainer and sampler started has put a fresh heartbeat in `tw_workers`."""
+        expected: dict[tuple[str, str], int] = {}
+        for base_model, role, _ in self.workers:
+            expected[(base_model, role)] = expected.get((base_model, role), 0) + 1
+        timeout_s = self.options.worker_ready_timeout_s
+        deadline = time.monotonic() + timeout_s
+        bus = Bus(bus_from_env(self.nats_url))
+        await bus.connect()
+        try:
+            while True:
+                seen: dict[tuple[str, str], set[str]] = {}
+                for value in await bus.values(subjects.BUCKET_WORKERS):
+                    record = records.decode(value, WorkerRecord)
+                    if record.heartbeat_at >= started_at - 1.0:  # not an earlier run's
+                        key = (record.base_model, record.role)
+                        seen.setdefault(key, set()).add(record.worker_id)
+                if all(len(seen.get(key, ())) >= n for key, n in expected.items()):
+                    return
+                for _, _, child in self.workers:
+                    if child.process is not None and child.process.returncode is not None:
+                        raise RuntimeError(
+                            f"the {child.name} {describe_exit(child.process.returncode)}"
+                            " while starting"
+                        )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers did not report in within {timeout_s} s")
+                await asyncio.sleep(0.2)
+        finally:
+            await bus.close()
+
+    def _nats_pid(self) -> int:
+        assert self.nats is not None and self.nats.process is not None
+        return self.nats.process.pid
+
+    async def supervise(self) -> None:
+        """Step 5: runs until cancelled."""
+        tasks = [asyncio.create_task(child.supervise(), name=child.name) for child in self.children]
+        if self.nats is not None:
+            tasks.append(asyncio.create_task(self._supervise_nats(), name="nats-server"))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _supervise_nats(self) -> None:
+        """Restart nats-server on the same store and port whenever it exits."""
+        nats = self.nats
+        assert nats is not None
+        delay_s: float | None = None
+        started_at = time.monotonic()
+        while True:
+            process = nats.process
+            assert process is not None
+            # a thread waits for the exit (the server is a plain Popen child); it returns once
+            # the server exits, at the latest when `stop` ends it
+            returncode = await asyncio.to_thread(process.wait)
+            uptime_s = time.monotonic() - started_at
+            delay_s = restart_delay(delay_s, uptime_s)
+            log.error(
+                "nats-server (pid %d) %s after %.1f s; restarting it on the same store and port"
+                " in %.1f s",
+                process.pid,
+                describe_exit(returncode),
+                uptime_s,
+                delay_s,
+            )
+            await asyncio.sleep(delay_s)
+            started_at = time.monotonic()
+            try:
+                await nats.start_async()
+            except (OSError, RuntimeError, TimeoutError):
+                log.exception("nats-server did not start; trying again")
+                continue
+            log.info("nats-server back at %s (pid %d)", nats.url, self._nats_pid())
+
+    async def stop(self) -> None:
+        """Step 6."""
+        await asyncio.gather(*(child.stop() for child in self.children))
+        if self.nats is not None:
+            await asyncio.to_thread(self.nats.stop)
+
+
+def _announce(info: dict[str, Any], ready_file: Path | None) -> None:
+    base_url = info["base_url"]
+    print(
+        f"Twinkle Async is up.\n  base URL:  {base_url}\n  API key:   {info['api_key']}\n"
+        f"  admin key: {info['admin_key']}  (twinkle-admin --gateway {base_url} --admin-key ...)",
+        flush=True,
+    )
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(ready_file)
+
+
 async def run_up(options: UpOptions) -> None:
     options.data_dir.mkdir(parents=True, exist_ok=True)
     api_key = options.api_key or f"tml-{secrets.token_urlsafe(24)}"
     admin_key = options.admin_key or f"twa-{secrets.token_urlsafe(24)}"
-    nats = NatsServer(options.data_dir / "nats")
-    nats_url = nats.start()
-    log.info("nats-server at %s", nats_url)
-    settings = GatewaySettings(
-        host=options.host,
-        port=options.port,
-        api_keys={**options.extra_keys, api_key: "default"},
-        admin_key=admin_key,
-        quota_defaults=quota_defaults_from_env(),
-        session_timeout_s=options.session_timeout_s,
-        sweep_interval_s=options.sweep_interval_s,
-        rate_burst_s=options.rate_burst_s,
-        long_poll_s=options.long_poll_s,
-        base_models=tuple(options.base_models),
-        fwdbwd_max_chunk_len=options.fwdbwd_max_chunk_len,
-        bus=bus_from_env(nats_url),
-        checkpoint_root=options.data_dir / "checkpoints",  # where the workers write them
-        checkpoint_sweep_s=options.checkpoint_sweep_s,
-    )
-    procs: list[Process] = []
+    cluster = Cluster(options, api_key, admin_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    base_url_box: list[str] = []
-    gateway = asyncio.create_task(serve(settings, on_ready=base_url_box.append), name="gateway")
-    bus = Bus(settings.bus)
+    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
+    starting = asyncio.create_task(cluster.start(), name="start")
+    supervising: asyncio.Task[None] | None = None
     try:
-        while not base_url_box:
-            if gateway.done():
-                gateway.result()
-            await asyncio.sleep(0.01)
-        await bus.connect()
-        expected: set[tuple[str, str]] = set()
-        for base_model in options.base_models:
-            for role, argv in _commands(base_model, nats_url, options):
-                procs.append(await asyncio.create_subprocess_exec(*argv))
-                expected.add((base_model, role))
-        ready = asyncio.create_task(
-            _wait_for_workers(bus, expected, procs, options.worker_ready_timeout_s)
-        )
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({ready, stopper, gateway}, return_when=asyncio.FIRST_COMPLETED)
-        if ready not in done:
-            ready.cancel()
-            return
-        ready.result()
-        base_url = base_url_box[0]
-        info = {
-            "base_url": base_url,
-            "api_key": api_key,
-            "admin_key": admin_key,
-            "nats_url": nats_url,
-            "base_models": options.base_models,
-        }
-        print(
-            f"Twinkle Async is up.\n  base URL:  {base_url}\n  API key:   {api_key}\n"
-            f"  admin key: {admin_key}  (twinkle-admin --gateway {base_url} --admin-key ...)",
-            flush=True,
-        )
-        if options.ready_file is not None:
-            tmp = options.ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info))
-            tmp.replace(options.ready_file)
-        while not stop.is_set():
-            for proc in procs:
-                if proc.returncode is not None:
-                    log.error("worker %d exited with code %s; stopping", proc.pid, proc.returncode)
-                    stop.set()
-            if gateway.done():
-                stop.set()
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            return  # stopped while starting
+        try:
+            info = starting.result()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            log.error("the cluster did not start: %s", exc)
+            raise SystemExit(1) from exc
+        _announce(info, options.ready_file)
+        supervising = asyncio.create_task(cluster.supervise(), name="supervise")
+        await asyncio.wait({supervising, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if supervising.done():
+            supervising.result()  # only a bug ends supervision
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                await asyncio.wait_for(proc.wait(), timeout=10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        gateway.cancel()
-        await asyncio.gather(gateway, return_exceptions=True)
-        await bus.close()
-        nats.stop()
-        if options.ready_file is not None and options.ready_file.exists():
-            options.ready_file.unlink()
+        for task in (starting, stopper, supervising):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *(t for t in (starting, stopper, supervising) if t is not None), return_exceptions=True
+        )
+        log.info("stopping")
+        await cluster.stop()
+        if options.ready_file is not None:
+            options.ready_file.unlink(missing_ok=True)
         log.info("stopped")

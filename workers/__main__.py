@@ -16,12 +16,17 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from workers import settings as worker_settings
 from workers.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from workers.bus import WorkerBus
+
+log = logging.getLogger(__name__)
 
 PROG = "twinkle-async worker"
 
@@ -182,11 +187,24 @@ async def serve(settings: WorkerSettings) -> None:
             await task
         except asyncio.CancelledError:
             pass
+        except Exception:
+            # a loop of the service died (e.g. NATS stayed away past the bus's retry deadline):
+            # exit non-zero so the supervisor starts a fresh worker
+            log.critical("worker %s failed; exiting (traceback below)", settings.worker_id)
+            raise
         finally:
             await service.hand_over()
-            await bus.close()
+            await _close_bus(bus)
     finally:
         await asyncio.to_thread(metrics_server.close)
+
+
+async def _close_bus(bus: WorkerBus, timeout_s: float = 10.0) -> None:
+    """Close the connection without hanging on a NATS that is away."""
+    try:
+        await asyncio.wait_for(bus.close(), timeout=timeout_s)
+    except TimeoutError:
+        log.warning("closing the NATS connection timed out after %.0f s", timeout_s)
 
 
 def _serve_forever(settings: WorkerSettings) -> None:

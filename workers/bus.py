@@ -3,6 +3,14 @@
 The gateway creates the topology (protocol/topology.py); a worker waits for it, so the two never
 race to configure it differently. Each owned shard is read by its durable pull consumer
 `ops-<pool>-<shard>` through a long-poll fetch loop that hands messages to a callback.
+
+A NATS outage: nats-py reconnects by itself and the durable consumers live on the server, so a
+fetch loop only has to keep fetching (a fetch while NATS is away raises a timeout). A KV read or
+write goes through `retrying`: tried again with `protocol.backoff.BUS_RETRY` until
+`WORKER_RETRY_S` (5 minutes) has passed, because a worker must not lose an outcome it computed;
+only then does it raise `Unavailable`, the worker exits non-zero, and its supervisor restarts it.
+A fetch loop that dies for any other reason ends the process the same way (`SystemExit`), so a
+shard is never left unread by a process that still looks alive.
 """
 
 from __future__ import annotations
@@ -10,18 +18,69 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from protocol import subjects, topology
+from protocol.backoff import BUS_RETRY
+from protocol.errors import Unavailable
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+WORKER_RETRY_S = 300.0  # how long a worker's bus call keeps trying while NATS is away
+
+# What a call raises while NATS is away or coming back (nats-py 2.16: a timeout for every
+# request while disconnected; OutboundBufferLimitError for a publish bigger than the reconnect
+# buffer; NoResponders / ServiceUnavailable while the server's JetStream starts). The same set
+# as the gateway's `twinkle_async.bus.TRANSIENT_ERRORS` (workers never import twinkle_async).
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.NoRespondersError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    ServiceUnavailableError,
+)
+
+
+async def retrying(nc: Client, what: str, call: Callable[[], Awaitable[T]], retry_s: float) -> T:
+    """`call()`, tried again while NATS is away, for up to `retry_s`; then `Unavailable`.
+
+    While the connection is down nothing is sent (a request would only wait in the reconnect
+    buffer). Only for idempotent calls: a KV put of the same value, a publish with a msg id.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_s
+    delay: float | None = None
+    warned = False
+    while True:
+        failure = "not connected"
+        if nc.is_connected:
+            try:
+                return await call()
+            except TRANSIENT_ERRORS as exc:
+                failure = type(exc).__name__
+                if nc.is_closed:
+                    raise Unavailable(f"the bus is closed; {what} failed") from exc
+        delay = BUS_RETRY.after(delay)
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            log.error("giving up on %s after %.0f s: %s", what, retry_s, failure)
+            raise Unavailable(f"the bus did not answer ({what}) within {retry_s:.0f} s: {failure}")
+        if not warned:
+            log.warning("%s: %s; trying again for up to %.0f s", what, failure, remaining)
+            warned = True
+        await asyncio.sleep(min(delay, remaining))
 
 
 class WorkerBus:
@@ -38,13 +97,46 @@ class WorkerBus:
         self.kv: dict[str, KeyValue] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def connect(self, wait_topology_s: float = 60.0) -> None:
-        self.nc = await nats.connect(
-            self.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, name="twinkle-worker"
+    async def connect(
+        self, wait_topology_s: float = 60.0, *, retry_s: float = WORKER_RETRY_S
+    ) -> None:
+        """Connect and wait for the gateway's topology; waits up to `retry_s` for NATS itself.
+
+        `retry_s` is also how long `put` and `get` keep trying while NATS is away.
+        """
+        self.retry_s = retry_s
+
+        async def on_error(exc: Exception) -> None:
+            # every failed reconnect attempt lands here; the disconnect was logged once already
+            if isinstance(exc, OSError | nats.errors.StaleConnectionError):
+                log.debug("nats: %s", exc)
+            else:
+                log.warning("nats: %r", exc)
+
+        async def on_disconnected() -> None:
+            if self.nc is not None and not self.nc.is_closed:
+                log.warning("lost the connection to NATS; reconnecting")
+
+        async def on_reconnected() -> None:
+            log.info("reconnected to NATS")
+
+        self.nc = await asyncio.wait_for(
+            nats.connect(
+                self.nats_url,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                name="twinkle-worker",
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+            ),
+            timeout=retry_s,
         )
         self.js = self.nc.jetstream(timeout=self.timeout_s)
         deadline = asyncio.get_running_loop().time() + wait_topology_s
         names = [spec.name for spec in topology.buckets(0.0)]
+        # not there yet (BucketNotFound is a NotFound), or NATS blinked meanwhile
+        not_yet: tuple[type[Exception], ...] = (NotFoundError, *TRANSIENT_ERRORS)
         while True:
             try:
                 await self.js.stream_info(subjects.STREAM_OPS)
@@ -52,11 +144,11 @@ class WorkerBus:
                 for name in names:
                     self.kv[name] = await self.js.key_value(name)
                 return
-            except (NotFoundError, BucketNotFoundError):
+            except not_yet as exc:
                 if asyncio.get_running_loop().time() > deadline:
                     raise TimeoutError(
-                        f"the gateway did not create the bus topology within {wait_topology_s} s"
-                    ) from None
+                        f"the bus topology was not there within {wait_topology_s} s"
+                    ) from exc
                 log.info("waiting for the gateway to create the bus topology")
                 await asyncio.sleep(0.2)
 
@@ -95,16 +187,31 @@ class WorkerBus:
                 while True:
                     try:
                         msgs = await sub.fetch(batch=256, timeout=5.0)
-                    except (nats.errors.TimeoutError, TimeoutError):
-                        continue  # nothing arrived within the long-poll window
-                    except (nats.errors.ConnectionClosedError, asyncio.CancelledError):
-                        raise
+                    except TRANSIENT_ERRORS as exc:
+                        # nothing arrived within the long-poll window, or NATS is away: the
+                        # client reconnects by itself and the durable consumer waits on the
+                        # server
+                        assert self.nc is not None
+                        if self.nc.is_closed:  # `close` cancels this loop first: not ours
+                            raise SystemExit(f"the NATS connection of {durable} closed") from exc
+                        if not self.nc.is_connected:
+                            await asyncio.sleep(0.5)  # no pull requests piling up meanwhile
+                        continue
                     except Exception:
                         log.exception("fetch from %s failed; retrying", durable)
                         await asyncio.sleep(1.0)
                         continue
-                    for msg in msgs:
-                        await on_msg(msg)
+                    try:
+                        for msg in msgs:
+                            await on_msg(msg)
+                    except Exception as exc:
+                        # the message's state is unknown (its outcome unwritten or its ack
+                        # unsent): exit, and let the supervisor start a worker that reads the
+                        # shard afresh
+                        log.critical(
+                            "handling a message of %s failed; exiting", durable, exc_info=True
+                        )
+                        raise SystemExit(f"the fetch loop of {durable} failed: {exc!r}") from exc
             finally:
                 try:
                     await sub.unsubscribe()
@@ -121,37 +228,67 @@ class WorkerBus:
             self._tasks.remove(task)
 
     async def put(self, bucket: str, key: str, value: bytes) -> None:
-        await self.kv[bucket].put(key, value)
+        assert self.nc is not None
+        kv = self.kv[bucket]
+
+        async def attempt() -> None:
+            await kv.put(key, value)
+
+        await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s)
 
     async def get(self, bucket: str, key: str) -> bytes | None:
-        try:
-            return (await self.kv[bucket].get(key)).value
-        except nats.js.errors.KeyNotFoundError:
-            return None
+        assert self.nc is not None
+        kv = self.kv[bucket]
+
+        async def attempt() -> bytes | None:
+            try:
+                return (await kv.get(key)).value
+            except nats.js.errors.KeyNotFoundError:
+                return None
+
+        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s)
 
     # -- KV compare-and-set, listings, and the ops log (leases, snapshots, replay) ---------------
 
     async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
         """A key's value and revision (for a compare-and-set), None when absent or deleted."""
-        try:
-            entry = await self.kv[bucket].get(key)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return entry.value or b"", int(entry.revision or 0)
+        assert self.nc is not None
+        kv = self.kv[bucket]
+
+        async def attempt() -> tuple[bytes, int] | None:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                return None
+            return entry.value or b"", int(entry.revision or 0)
+
+        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s)
 
     async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
         """Write `key` only if its revision is still `revision` (None: only if absent)."""
-        try:
-            if revision is None:
-                await self.kv[bucket].create(key, value)
-            else:
-                await self.kv[bucket].update(key, value, last=revision)
-        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
-            return False
-        return True
+        assert self.nc is not None
+        kv = self.kv[bucket]
+
+        async def attempt() -> bool:
+            try:
+                if revision is None:
+                    await kv.create(key, value)
+                else:
+                    await kv.update(key, value, last=revision)
+            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
+                return False
+            return True
+
+        return await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s)
 
     async def delete(self, bucket: str, key: str) -> None:
-        await self.kv[bucket].delete(key)
+        assert self.nc is not None
+        kv = self.kv[bucket]
+
+        async def attempt() -> None:
+            await kv.delete(key)
+
+        await retrying(self.nc, f"delete {bucket}/{key}", attempt, self.retry_s)
 
     async def values(self, bucket: str, prefix: str) -> list[bytes]:
         """Current values of the keys under `prefix.`: one stream-info request lists the keys

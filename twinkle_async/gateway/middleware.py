@@ -1,8 +1,10 @@
 """Request middleware: API-key auth, and the one place errors become responses.
 
 A `TwinkleError` becomes its HTTP status with a JSON body (`detail`, `category`, `code`) and an
-`x-should-retry` header the SDK honours. Anything else is logged with the request id and answered
-as a server error with no traceback.
+`x-should-retry` header the SDK honours. The bus wrapper turns a NATS outage that outlasts its
+retries into `Unavailable` (503, retry); a transient NATS error that reaches here by another path
+is answered the same way. Anything else is logged with the request id and answered as a server
+error with no traceback.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from protocol.errors import (
     PayloadTooLarge,
     TwinkleError,
     Unauthorized,
+    Unavailable,
     UserError,
 )
 from twinkle_async.auth import same_secret
+from twinkle_async.bus import TRANSIENT_ERRORS
 from twinkle_async.gateway.state import KEYS, SETTINGS, TENANT
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(
             UserError(reason, code=exc.reason.lower().replace(" ", "_"), status=exc.status)
         )
+    except TRANSIENT_ERRORS as exc:
+        log.warning("%s %s: the bus is away: %r", request.method, request.path, exc)
+        return error_response(Unavailable(f"the job bus is unavailable ({type(exc).__name__})"))
     except Exception:
         incident = uuid.uuid4().hex[:12]
         log.exception("%s %s crashed (incident %s)", request.method, request.path, incident)

@@ -117,6 +117,13 @@ class LeaseKeeper:
 
     async def round(self, now: float) -> None:
         leases = await self._leases()
+        for shard, ours in sorted(leases.items()):
+            # a previous run of this worker (same id, restarted after a crash) held it
+            if ours.worker_id == self.worker_id and shard not in self.held:
+                if await self._renew(shard, now):
+                    self.held.add(shard)
+                    log.info("resumed shard %d of %s", shard, self.pool)
+                    await self.on_gain(shard, None)
         for shard in list(self.held):
             lease = leases.get(shard)
             if (

@@ -80,6 +80,16 @@ class Sequencer(Generic[H]):
         line.applied_seq = max(line.applied_seq, job.seq_id)
         line.stalled_since = None
 
+    def attach(self, job: Job, handle: H) -> bool:
+        """Give a buffered op read back from the log the handle of its live copy, so the live
+        message is acked only once the op has run (a crash before then redelivers it)."""
+        line = self.lines.get(job.model_id)
+        waiting = line.buffer.get(job.seq_id) if line is not None else None
+        if waiting is None or waiting.handle is not None:
+            return False
+        waiting.handle = handle
+        return True
+
     def known(self, model_id: str) -> bool:
         """Whether the model has a line here (it was created, or taken over, on this worker)."""
         return model_id in self.lines

@@ -259,6 +259,8 @@ class TrainerService:
             job=job, handle=msg, received_at=time.monotonic(), stream_seq=stream_seq
         )
         if not self.sequencer.offer(pending):
+            if self.sequencer.attach(job, msg):
+                return  # its replayed copy acks it when it has run
             await self._answer_late(job)
             await msg.ack()
             return

@@ -164,6 +164,7 @@ class TrainerService:
         )
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         self.journal = CrashJournal(bus, settings.worker_id)
+        self._lost: set[str] = set()  # models whose state could not be recovered
         self._steps_since_snapshot: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -276,15 +277,32 @@ class TrainerService:
         snapshot = await self.log_reader.snapshot(model_id)
         after = 0
         if snapshot is not None:
-            state = await asyncio.to_thread(read_state, Path(snapshot.directory))
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self.executor, self.engine.slots.adopt, model_id, state)
-            self.sequencer.start(model_id, applied_seq=snapshot.applied_seq)
-            after = snapshot.stream_seq
-        else:
+            try:
+                state = await asyncio.to_thread(read_state, Path(snapshot.directory))
+            except ServerError:
+                log.exception("model %s: its snapshot is unreadable; replaying its log", model_id)
+                snapshot = None
+            else:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self.executor, self.engine.slots.adopt, model_id, state)
+                self.sequencer.start(model_id, applied_seq=snapshot.applied_seq)
+                after = snapshot.stream_seq
+        if snapshot is None:
             self.sequencer.start(model_id, applied_seq=-1)
         replayed = 0
+        first = True
         async for job, stream_seq in self.log_reader.ops_after(model_id, after):
+            if first and snapshot is None and job.seq_id != 0:
+                # The log no longer reaches back to the model's creation and no snapshot
+                # covers it: its state is gone. Its ops fail at once, saying so.
+                self._lost.add(model_id)
+                self.sequencer.start(model_id, applied_seq=job.seq_id - 1)
+                log.error(
+                    "model %s cannot be recovered: no snapshot, log starts at seq %d",
+                    model_id,
+                    job.seq_id,
+                )
+            first = False
             mode = await self.log_reader.mode(job)
             if mode == "skip":
                 job = TombstoneJob(
@@ -595,6 +613,12 @@ class TrainerService:
     # -- engine-thread work (synchronous) ----------------------------------------------------
 
     def _require_model(self, job: Job) -> None:
+        if job.model_id in self._lost:
+            raise ServerError(
+                f"model_id {job.model_id!r} could not be recovered after its worker stopped (its"
+                " ops log no longer reaches back to its last snapshot); load your last"
+                " checkpoint (list_checkpoints) into a new training client"
+            )
         if not self.engine.has(job.model_id):
             raise UserError(
                 f"model_id {job.model_id!r} is not loaded (its create_model or load failed)"

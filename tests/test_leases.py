@@ -61,3 +61,27 @@ def test_rounds_settle_every_shard_with_one_owner_and_an_even_spread(
     share = -(-n_shards // n_workers)
     counts = [sum(lease.worker_id == w for lease in leases.values()) for w in workers]
     assert max(counts) <= share + 1
+
+
+# -- how a logged op is replayed when a model is taken over --------------------------------------
+
+
+def test_replay_modes_follow_the_stored_outcome() -> None:
+    from protocol.api import AdamParams
+    from protocol.jobs import ForwardBackwardJob, OptimStepJob, SaveWeightsJob
+    from workers.recovery import replay_mode
+
+    train = ForwardBackwardJob(request_id="r", model_id="m", tenant_id="t", seq_id=3)
+    forward = ForwardBackwardJob(
+        request_id="r", model_id="m", tenant_id="t", seq_id=3, forward_only=True
+    )
+    step = OptimStepJob(request_id="r", model_id="m", tenant_id="t", seq_id=4, adam=AdamParams())
+    save = SaveWeightsJob(request_id="r", model_id="m", tenant_id="t", seq_id=5, name="x")
+    for job in (train, forward, step, save):
+        assert replay_mode(job, None) == "publish"  # never finished: run and answer
+        assert replay_mode(job, "pending") == "publish"
+        assert replay_mode(job, "error") == "skip"  # a failed request changed nothing
+    assert replay_mode(train, "done") == "quiet"  # rebuild the state, answer nothing
+    assert replay_mode(step, "done") == "quiet"
+    assert replay_mode(forward, "done") == "skip"  # changed nothing
+    assert replay_mode(save, "done") == "skip"  # its files exist

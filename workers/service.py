@@ -289,20 +289,8 @@ class TrainerService:
                 after = snapshot.stream_seq
         if snapshot is None:
             self.sequencer.start(model_id, applied_seq=-1)
-        replayed = 0
-        first = True
+        logged: list[Item] = []
         async for job, stream_seq in self.log_reader.ops_after(model_id, after):
-            if first and snapshot is None and job.seq_id != 0:
-                # The log no longer reaches back to the model's creation and no snapshot
-                # covers it: its state is gone. Its ops fail at once, saying so.
-                self._lost.add(model_id)
-                self.sequencer.start(model_id, applied_seq=job.seq_id - 1)
-                log.error(
-                    "model %s cannot be recovered: no snapshot, log starts at seq %d",
-                    model_id,
-                    job.seq_id,
-                )
-            first = False
             mode = await self.log_reader.mode(job)
             if mode == "skip":
                 job = TombstoneJob(
@@ -314,14 +302,27 @@ class TrainerService:
                 )
             elif mode == "quiet" and isinstance(job, UnloadModelJob):
                 job = msgspec.structs.replace(job, save_as="")  # its checkpoint exists
-            item: Item = Pending(
-                job=job,
-                handle=None,
-                received_at=time.monotonic(),
-                stream_seq=stream_seq,
-                replay=mode,
+            logged.append(
+                Pending(
+                    job=job,
+                    handle=None,
+                    received_at=time.monotonic(),
+                    stream_seq=stream_seq,
+                    replay=mode,
+                )
             )
-            replayed += self.sequencer.offer(item)
+        first_seq = min((item.job.seq_id for item in logged), default=0)
+        if snapshot is None and first_seq > 0:
+            # The log no longer reaches back to the model's creation and no snapshot covers
+            # it: its state is gone. Its ops fail at once, saying so.
+            self._lost.add(model_id)
+            self.sequencer.start(model_id, applied_seq=first_seq - 1)
+            log.error(
+                "model %s cannot be recovered: no snapshot, its log starts at seq %d",
+                model_id,
+                first_seq,
+            )
+        replayed = sum(self.sequencer.offer(item) for item in logged)
         self._wake.set()
         log.info(
             "took model %s over: snapshot at seq %s, %d logged ops to replay (%.0f ms)",

@@ -4,7 +4,7 @@ Starts a local cluster (`twinkle-async up`) on a tiny model built offline, then 
 the official SDK and raw HTTP:
 
 1. the next call's latency after each call the gateway refuses (bad name, negative learning
-   rate, unknown endpoint): it must not wait for the refused call's seq;
+   rate, an option this server refuses): it must not wait for the refused call's seq;
 2. a 379-byte `forward_backward` declaring six [1, 2**26] sparse tensors: answer time and the
    gateway's resident-memory growth over repeated tries;
 3. a burst of run listings (15 runs, 300 calls, 20 at a time): statuses and the NATS consumer
@@ -73,10 +73,13 @@ def refused_calls(service: tinker.ServiceClient, model: Path) -> None:
         "optim_step(lr=-1)": lambda: client.optim_step(
             types.AdamParams(learning_rate=-1.0)
         ).result(),
-        "save_weights_external": lambda: client.save_weights_external("x").result(),
+        "save_weights_external(encrypted)": lambda: client.save_weights_external(
+            "x", age_encryption_recipients=["age1qqqq"]
+        ).result(),
     }
     for what, refuse in refusals.items():
         started = time.perf_counter()
+        status = 200
         try:
             refuse()
         except tinker.APIStatusError as err:

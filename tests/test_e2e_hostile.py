@@ -134,8 +134,11 @@ def test_bad_sequence_numbers_are_refused_and_leave_nothing_pending(
     load = wire.post("load_weights", {"model_id": model_id, "path": "tinker://x/weights/y"})
     assert load.status_code == 400 and "seq_id" in load.json()["detail"], load.text
 
-    # nothing was spent by the refusals: seq 2 runs at once, and no future is left pending
-    step = _optim(wire, model_id, 2)
+    # an endpoint this server lacks settles the seq it was given
+    unknown = wire.post("not_a_tinker_call", {"model_id": model_id, "seq_id": 2})
+    assert unknown.status_code == 404 and "not supported" in unknown.json()["detail"]
+    # nothing else was spent by the refusals: seq 3 runs at once, no future is left pending
+    step = _optim(wire, model_id, 3)
     assert step.status_code == 200, step.text
     started = time.monotonic()
     _final(wire, first_id)

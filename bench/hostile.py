@@ -41,6 +41,16 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def gateway_pid(up_pid: int) -> int:
+    """The gateway `up` runs as a child process."""
+    for children in Path(f"/proc/{up_pid}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"twinkle_async" in argv and b"gateway" in argv:
+                return int(pid)
+    raise SystemExit("no gateway process found")
+
+
 def sparse_bomb(model_id: str, seq_id: int) -> bytes:
     msg = public_pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="ppo")
     datum = msg.data.add()
@@ -193,7 +203,7 @@ def main() -> None:
         service = tinker.ServiceClient(base_url=info["base_url"], api_key=info["api_key"])
         refused_calls(service, model)
         service.close("success").result()
-        sparse_bombs(info, proc.pid, model)
+        sparse_bombs(info, gateway_pid(proc.pid), model)
         listing_burst(info, model)
         poisoned_step(info, model)
     finally:

@@ -31,6 +31,19 @@ app = typer.Typer(
 )
 
 
+# Gateway options `up` passes on as they are: declared once, used by both commands.
+SessionTimeoutS = Annotated[
+    float, typer.Option(help="finish a session whose heartbeats stop for this long")
+]
+SweepIntervalS = Annotated[float, typer.Option(help="how often expired sessions are looked for")]
+RateBurstS = Annotated[
+    float, typer.Option(help="seconds' worth of tokens_per_minute a tenant may burst")
+]
+LongPollS = Annotated[
+    float, typer.Option(help="how long retrieve_future holds a poll (under the SDK's 45 s)")
+]
+
+
 def _logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -79,18 +92,10 @@ def up(
         str | None,
         typer.Option(envvar="TWINKLE_ADMIN_KEY", help="guards /admin/v1 (generated if absent)"),
     ] = None,
-    session_timeout_s: Annotated[
-        float, typer.Option(help="finish a session whose heartbeats stop for this long")
-    ] = 120.0,
-    sweep_interval_s: Annotated[
-        float, typer.Option(help="how often expired sessions are looked for")
-    ] = 10.0,
-    rate_burst_s: Annotated[
-        float, typer.Option(help="seconds' worth of tokens_per_minute a tenant may burst")
-    ] = 60.0,
-    long_poll_s: Annotated[
-        float, typer.Option(help="how long retrieve_future holds a poll (under the SDK's 45 s)")
-    ] = 30.0,
+    session_timeout_s: SessionTimeoutS = 120.0,
+    sweep_interval_s: SweepIntervalS = 10.0,
+    rate_burst_s: RateBurstS = 60.0,
+    long_poll_s: LongPollS = 30.0,
     max_slots: Annotated[int, typer.Option(help="adapter slots per worker")] = 8,
     max_rank: Annotated[int, typer.Option(help="largest LoRA rank a worker accepts")] = 32,
     max_parked: Annotated[
@@ -183,18 +188,10 @@ def gateway(
             envvar="TWINKLE_ADMIN_KEY", help="guards /admin/v1 (none: the admin API is off)"
         ),
     ] = None,
-    session_timeout_s: Annotated[
-        float, typer.Option(help="finish a session whose heartbeats stop for this long")
-    ] = 120.0,
-    sweep_interval_s: Annotated[
-        float, typer.Option(help="how often expired sessions are looked for")
-    ] = 10.0,
-    rate_burst_s: Annotated[
-        float, typer.Option(help="seconds' worth of tokens_per_minute a tenant may burst")
-    ] = 60.0,
-    long_poll_s: Annotated[
-        float, typer.Option(help="how long retrieve_future holds a poll (under the SDK's 45 s)")
-    ] = 30.0,
+    session_timeout_s: SessionTimeoutS = 120.0,
+    sweep_interval_s: SweepIntervalS = 10.0,
+    rate_burst_s: RateBurstS = 60.0,
+    long_poll_s: LongPollS = 30.0,
     base_model: Annotated[
         list[str] | None, typer.Option("--base-model", help="advertise before a worker reports in")
     ] = None,

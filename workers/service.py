@@ -6,9 +6,12 @@ step, then saves/loads (`workers/scheduler.py`), and runs them on the engine's s
 Step 5: each op's outcome is written to KV `tw_futures`, then the op is acked; a crash between
 the two only re-runs the op and rewrites the same key.
 
-A bad op fails alone with a `user` error; the rest of its pass still runs. An engine call that
-raises is re-run in halves until the ops that make it fail are alone (`workers.isolation`).
-Passes, fused steps, cycles, slots and every written outcome are observed on `self.metrics`.
+The engine-thread work itself is `workers.operations`. This module is the transport and the
+order around it: which shards this worker consumes (`workers.leases`), taking over a model it
+has no state for (a snapshot, then the model's logged ops: `workers.recovery`), snapshots after
+optimizer steps and saves (`workers.snapshots`), the pass watchdog and the journal that turns a
+crash into strikes (`workers.watchdog`). Passes, fused steps, cycles, slots and every written
+outcome are observed on `self.metrics`.
 """
 
 from __future__ import annotations
@@ -16,20 +19,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import time
-import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
 
-from protocol import api, records, subjects
-from protocol.errors import Gone, ServerError, TwinkleError, UserError
+from protocol import records, subjects
+from protocol.errors import Gone, ServerError
 from protocol.jobs import (
     CreateModelJob,
     ForwardBackwardJob,
@@ -45,20 +45,17 @@ from protocol.jobs import (
     encode_outcome,
     request_type_of,
 )
-from protocol.paths import (
-    CONTENT_ID_FILE,
-    TinkerPath,
-    checkpoint_dir,
-    parse_path,
-    version_dir,
-)
-from protocol.records import CheckpointRecord, SnapshotRecord, WorkerRecord
-from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
+from protocol.records import SnapshotRecord, WorkerRecord
 from workers.bus import WorkerBus
 from workers.engine import Engine
-from workers.isolation import isolate
 from workers.leases import LeaseKeeper
 from workers.metrics import TrainerMetrics
+from workers.operations import (
+    EngineOps,
+    Result,
+    failed_outcome,
+    settled_outcome,
+)
 from workers.recovery import ModelLog
 from workers.scheduler import Cycle, plan
 from workers.sequencer import Pending, Sequencer
@@ -70,49 +67,6 @@ from workers.watchdog import CrashJournal
 log = logging.getLogger(__name__)
 
 Item = Pending[Msg | None]
-Result = tuple[Outcome, CheckpointRecord | None]
-C = TypeVar("C")  # one engine call's item: (model_id, request) or (model_id, AdamParams)
-R = TypeVar("R")
-
-
-def _done(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
-    return Outcome(
-        request_id=job.request_id,
-        state="done",
-        request_type=request_type_of(job),
-        model_id=job.model_id,
-        payload=payload,
-        payload_type=payload_type,  # type: ignore[arg-type]
-        finished_at=time.time(),
-        tenant_id=job.tenant_id,
-    )
-
-
-def _failed(job: Job, err: TwinkleError) -> Outcome:
-    return Outcome(
-        request_id=job.request_id,
-        state="error",
-        request_type=request_type_of(job),
-        model_id=job.model_id,
-        error=err.message,
-        category=err.category,
-        finished_at=time.time(),
-        tenant_id=job.tenant_id,
-    )
-
-
-def _settled(job: TombstoneJob) -> Outcome:
-    """The outcome the gateway already stored for a refused call (written again: idempotent)."""
-    return Outcome(
-        request_id=job.request_id,
-        state="error",
-        request_type=request_type_of(job),
-        model_id=job.model_id,
-        error=job.error,
-        category=job.category,
-        finished_at=time.time(),
-        tenant_id=job.tenant_id,
-    )
 
 
 _STARTUP_GATHER_S = 0.2
@@ -140,6 +94,7 @@ class TrainerService:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics if metrics is not None else TrainerMetrics()
+        self.ops = EngineOps(engine, settings, self.metrics)
         self.metrics_url = metrics_url  # reported in the heartbeat
         self.sequencer: Sequencer[Msg | None] = Sequencer()
         self._wake = asyncio.Event()
@@ -164,7 +119,6 @@ class TrainerService:
         )
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         self.journal = CrashJournal(bus, settings.worker_id)
-        self._lost: set[str] = set()  # models whose state could not be recovered
         self._steps_since_snapshot: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -315,7 +269,7 @@ class TrainerService:
         if snapshot is None and first_seq > 0:
             # The log no longer reaches back to the model's creation and no snapshot covers
             # it: its state is gone. Its ops fail at once, saying so.
-            self._lost.add(model_id)
+            self.ops.lost.add(model_id)
             self.sequencer.start(model_id, applied_seq=first_seq - 1)
             log.error(
                 "model %s cannot be recovered: no snapshot, its log starts at seq %d",
@@ -354,7 +308,7 @@ class TrainerService:
             f"request seq_id {job.seq_id} of {job.model_id} arrived after the model's later"
             " requests had run, so it was not applied; restore from your last checkpoint"
         )
-        await self._store(_failed(job, err))
+        await self._store(failed_outcome(job, err))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -421,14 +375,14 @@ class TrainerService:
         started = time.perf_counter()
         if cycle.shared_pass:
             self.pass_models.append(len({item.job.model_id for item in cycle.shared_pass}))
-            await self._run(cycle.shared_pass, self._shared_pass)
+            await self._run(cycle.shared_pass, self.ops.shared_pass)
         if cycle.optim_steps:
-            await self._run(cycle.optim_steps, self._optim_steps)
+            await self._run(cycle.optim_steps, self.ops.optim_steps)
         for item in cycle.settled:
             assert isinstance(item.job, TombstoneJob)
-            await self._finish(item, _settled(item.job))
+            await self._finish(item, settled_outcome(item.job))
         for item in cycle.others:
-            await self._run([item], self._other)
+            await self._run([item], self.ops.other)
         elapsed_s = time.perf_counter() - started
         self.metrics.observe_cycle(elapsed_s)
         self._update_slot_gauges()
@@ -447,7 +401,7 @@ class TrainerService:
             total=self.settings.max_slots,
         )
 
-    async def _run(self, items: list[Item], fn: Callable[[list[Item]], list[Result]]) -> None:
+    async def _run(self, items: list[Item], fn: Callable[[list[Job]], list[Result]]) -> None:
         """Run `fn(items)` on the engine thread, then store each outcome and ack its op.
 
         A request that was running when a worker stopped runs alone; one that did so
@@ -471,14 +425,15 @@ class TrainerService:
                 f" {self.settings.pass_timeout_s:.0f} s limit of one pass, or a crash); it was"
                 " not applied, and the model's later requests run without it"
             )
-            await self._finish(item, _failed(item.job, err))
+            await self._finish(item, failed_outcome(item.job, err))
             return
         self._in_flight = [item.handle for item in items if item.handle is not None]
         loop = asyncio.get_running_loop()
         await self.journal.running([item.job.request_id for item in items])
         try:
             results: list[Result] = await asyncio.wait_for(
-                loop.run_in_executor(self.executor, fn, items), self.settings.pass_timeout_s
+                loop.run_in_executor(self.executor, fn, [item.job for item in items]),
+                self.settings.pass_timeout_s,
             )
         except TimeoutError:
             log.critical(
@@ -498,7 +453,7 @@ class TrainerService:
                 ", ".join(item.job.request_id for item in items),
             )
             err = ServerError("the worker failed while running this request; see the worker log")
-            results = [(_failed(item.job, err), None) for item in items]
+            results = [(failed_outcome(item.job, err), None) for item in items]
         finally:
             self._in_flight = []
         await self.journal.idle()
@@ -538,7 +493,7 @@ class TrainerService:
         if isinstance(item.job, UnloadModelJob):
             for stale in self.sequencer.close(item.job.model_id):
                 err = Gone(f"model_id {stale.job.model_id!r} was unloaded before this request ran")
-                await self._finish_unsequenced(stale, _failed(stale.job, err))
+                await self._finish_unsequenced(stale, failed_outcome(stale.job, err))
 
     def _count(self, job: Job) -> None:
         """Usage of a completed op, by its tenant."""
@@ -609,220 +564,4 @@ class TrainerService:
                     f"request seq_id {item.job.seq_id} of {model_id} waited {self.settings.gap_timeout_s:.0f} s "
                     f"for an earlier request that never arrived; restore from your last checkpoint"
                 )
-                await self._finish_unsequenced(item, _failed(item.job, err))
-
-    # -- engine-thread work (synchronous) ----------------------------------------------------
-
-    def _require_model(self, job: Job) -> None:
-        if job.model_id in self._lost:
-            raise ServerError(
-                f"model_id {job.model_id!r} could not be recovered after its worker stopped (its"
-                " ops log no longer reaches back to its last snapshot); load your last"
-                " checkpoint (list_checkpoints) into a new training client"
-            )
-        if not self.engine.has(job.model_id):
-            raise UserError(
-                f"model_id {job.model_id!r} is not loaded (its create_model or load failed)"
-            )
-
-    def _shared_pass(self, items: list[Item]) -> list[Result]:
-        outcomes: dict[int, Outcome] = {}
-        batch: list[tuple[str, FwdBwdRequest]] = []
-        batch_index: list[int] = []
-        for i, item in enumerate(items):
-            job = item.job
-            assert isinstance(job, ForwardBackwardJob)
-            try:
-                self._require_model(job)
-                request = decode_forward_backward(job.body, job.max_elements)
-                self.engine.validate(job.model_id, request)
-            except TwinkleError as err:
-                outcomes[i] = _failed(job, err)
-                continue
-            batch.append((job.model_id, request))
-            batch_index.append(i)
-        if batch:
-            jobs = [items[i].job for i in batch_index]
-            started = time.perf_counter()
-            results = self._transactions(self.engine.forward_backward, batch, jobs)
-            self.metrics.observe_pass(
-                time.perf_counter() - started,
-                tokens=sum(request.n_tokens for _, request in batch),
-                tenants=len({model_id for model_id, _ in batch}),
-            )
-            for i, result in zip(batch_index, results, strict=True):
-                if isinstance(result, TwinkleError):
-                    outcomes[i] = _failed(items[i].job, result)
-                    continue
-                payload = encode_forward_backward_output(
-                    result.loss_fn_outputs, result.metrics, result.loss_fn_output_type
-                )
-                outcomes[i] = _done(items[i].job, payload, "proto")
-        return [(outcomes[i], None) for i in range(len(items))]
-
-    def _optim_steps(self, items: list[Item]) -> list[Result]:
-        outcomes: dict[int, Outcome] = {}
-        steps: list[tuple[str, api.AdamParams]] = []
-        index: list[int] = []
-        for i, item in enumerate(items):
-            job = item.job
-            assert isinstance(job, OptimStepJob)
-            try:
-                self._require_model(job)
-                self.engine.validate_optim_step(job.model_id, job.adam)
-            except TwinkleError as err:
-                outcomes[i] = _failed(job, err)
-                continue
-            steps.append((job.model_id, job.adam))
-            index.append(i)
-        if steps:
-            jobs = [items[i].job for i in index]
-            started = time.perf_counter()
-            results = self._transactions(self.engine.optim_step, steps, jobs)
-            self.metrics.observe_optim_step(time.perf_counter() - started)
-            for i, result in zip(index, results, strict=True):
-                if isinstance(result, TwinkleError):
-                    outcomes[i] = _failed(items[i].job, result)
-                else:
-                    outcomes[i] = _done(
-                        items[i].job, api.encode(api.OptimStepResponse(metrics=result))
-                    )
-        return [(outcomes[i], None) for i in range(len(items))]
-
-    def _transactions(
-        self, run: Callable[[list[C]], Sequence[R]], calls: list[C], jobs: list[Job]
-    ) -> list[R | TwinkleError]:
-        """`run(calls)` one engine transaction at a time (`Engine.sub_calls`); a transaction
-        that raises has changed nothing and is re-run in halves until the requests that make it
-        fail are alone (`workers.isolation`), so only those fail."""
-        results: dict[int, R | TwinkleError] = {}
-        for group in self.engine.sub_calls([job.model_id for job in jobs]):
-            outputs = isolate(
-                lambda indices: run([calls[i] for i in indices]),
-                group,
-                describe=lambda i: jobs[i].request_id,
-            )
-            results.update(zip(group, outputs, strict=True))
-        return [results[i] for i in range(len(calls))]
-
-    def _other(self, items: list[Item]) -> list[Result]:
-        (item,) = items
-        job = item.job
-        try:
-            if isinstance(job, CreateModelJob):
-                if not self.engine.has(job.model_id):
-                    self.engine.create(job.model_id, job.lora)
-                return [
-                    (_done(job, api.encode(api.CreateModelResponse(model_id=job.model_id))), None)
-                ]
-            if isinstance(job, SaveWeightsJob):
-                return [self._save(job)]
-            if isinstance(job, TombstoneJob):
-                return [(_settled(job), None)]
-            if isinstance(job, LoadWeightsJob):
-                return [(self._load(job), None)]
-            if isinstance(job, UnloadModelJob):
-                return [self._unload(job)]
-            raise ServerError(f"op {type(job).__name__} cannot run here")
-        except TwinkleError as err:
-            return [(_failed(job, err), None)]
-
-    def _checkpoint_dir(self, path: TinkerPath) -> Path:
-        return checkpoint_dir(self.settings.checkpoint_root, path)
-
-    def _retire(self, path: TinkerPath, directory: Path) -> None:
-        """Move a checkpoint's current content aside before an overwrite replaces it.
-
-        Sampling sessions bound to that content keep reading it from its version directory.
-        """
-        id_file = directory / CONTENT_ID_FILE
-        old_id = id_file.read_text().strip() if id_file.exists() else ""
-        target = version_dir(self.settings.checkpoint_root, path, old_id or "unversioned")
-        if target.exists():
-            shutil.rmtree(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(directory, target)
-
-    def _save(self, job: SaveWeightsJob) -> tuple[Outcome, CheckpointRecord | None]:
-        self._require_model(job)
-        path = TinkerPath(run_id=job.model_id, kind=job.kind, name=job.name)
-        directory = self._checkpoint_dir(path)
-        if directory.exists():
-            if not job.overwrite:
-                # Checked again here, in seq order: two pipelined saves of one name both pass
-                # the gateway's check before either has run.
-                raise UserError(
-                    f"path: checkpoint {str(path)!r} already exists; choose another name or"
-                    " pass overwrite=True"
-                )
-            self._retire(path, directory)
-        content_id = uuid.uuid4().hex[:16]
-        now = time.time()
-        meta = {
-            "model_id": job.model_id,
-            "seq_id": job.seq_id,
-            "base_model": self.settings.base_model,
-            "saved_at": now,
-        }
-        # an external export is the PEFT adapter alone, exactly what a sampler checkpoint holds
-        files: Literal["weights", "sampler_weights"] = (
-            "weights" if job.kind == "weights" else "sampler_weights"
-        )
-        size = self.engine.save(job.model_id, directory, kind=files, meta=meta)
-        (directory / CONTENT_ID_FILE).write_text(content_id)
-        record = CheckpointRecord(
-            run_id=job.model_id,
-            tenant_id=job.tenant_id,
-            checkpoint_id=path.checkpoint_id,
-            kind=job.kind,
-            path=str(path),
-            directory=str(directory),
-            created_at=now,
-            size_bytes=size,
-            base_model=self.settings.base_model,
-            lora=self.engine.spec(job.model_id),
-            with_optimizer=job.kind == "weights",
-            expires_at=now + job.ttl_seconds if job.ttl_seconds else None,
-            user_metadata=dict(job.user_metadata),
-            content_id=content_id,
-        )
-        if job.kind == "weights":
-            body = api.encode(api.SaveWeightsResponse(path=str(path)))
-        elif job.kind == "external_weights":
-            body = api.encode(api.SaveWeightsExternalResponse(path=str(path), size_bytes=size))
-        elif job.sampling_session_id:
-            body = api.encode(
-                api.SaveWeightsForSamplerResponse(sampling_session_id=job.sampling_session_id)
-            )
-        else:
-            body = api.encode(api.SaveWeightsForSamplerResponse(path=str(path)))
-        return _done(job, body), record
-
-    def _unload(self, job: UnloadModelJob) -> tuple[Outcome, CheckpointRecord | None]:
-        """Release the model's adapter, saving it first when asked (`save_as`)."""
-        record = None
-        if self.engine.has(job.model_id):
-            if job.save_as:
-                save = SaveWeightsJob(
-                    request_id=job.request_id,
-                    model_id=job.model_id,
-                    tenant_id=job.tenant_id,
-                    seq_id=job.seq_id,
-                    name=job.save_as,
-                    kind="weights",
-                    overwrite=True,
-                )
-                _, record = self._save(save)
-            self.engine.release(job.model_id)
-        body = api.encode(api.UnloadModelResponse(model_id=job.model_id))
-        return _done(job, body), record
-
-    def _load(self, job: LoadWeightsJob) -> Outcome:
-        path = parse_path(job.path)
-        directory = self._checkpoint_dir(path)
-        if not directory.is_dir():
-            raise UserError(f"checkpoint {job.path!r} not found in the checkpoint store")
-        if not job.create:
-            self._require_model(job)
-        self.engine.load(job.model_id, directory, with_optimizer=job.with_optimizer)
-        return _done(job, api.encode(api.LoadWeightsResponse(path=job.path, model_id=job.model_id)))
+                await self._finish_unsequenced(item, failed_outcome(item.job, err))

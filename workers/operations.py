@@ -1,0 +1,323 @@
+"""The engine-thread side of the trainer worker: jobs in, outcomes out, all synchronous.
+
+`TrainerService` (transport, ordering, cycles) hands each planned group of jobs to one of these
+methods on the engine's single thread: `shared_pass` (every forward/forward_backward of a cycle,
+across tenants), `optim_steps` (the cycle's fused step), `other` (create, save, load, unload, a
+tombstone). Each returns one outcome per job, in order, with a checkpoint record where a save
+wrote one. A bad job fails alone with a `user` error; an engine call that raises is re-run in
+halves until the jobs that make it fail are alone (`workers.isolation`).
+
+Checkpoints are written in the PEFT layout under the checkpoint root (`protocol.paths`); an
+overwrite first moves the name's current content to its version directory, where sampling
+sessions bound to it keep reading it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from protocol import api
+from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.jobs import (
+    CreateModelJob,
+    ForwardBackwardJob,
+    Job,
+    LoadWeightsJob,
+    OptimStepJob,
+    Outcome,
+    SaveWeightsJob,
+    TombstoneJob,
+    UnloadModelJob,
+    request_type_of,
+)
+from protocol.paths import (
+    CONTENT_ID_FILE,
+    TinkerPath,
+    checkpoint_dir,
+    parse_path,
+    version_dir,
+)
+from protocol.records import CheckpointRecord
+from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
+from workers.engine import Engine
+from workers.isolation import isolate
+from workers.metrics import TrainerMetrics
+from workers.settings import WorkerSettings
+
+Result = tuple[Outcome, CheckpointRecord | None]
+C = TypeVar("C")  # one engine call's item: (model_id, request) or (model_id, AdamParams)
+R = TypeVar("R")
+
+
+def done_outcome(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
+    return Outcome(
+        request_id=job.request_id,
+        state="done",
+        request_type=request_type_of(job),
+        model_id=job.model_id,
+        payload=payload,
+        payload_type=payload_type,  # type: ignore[arg-type]
+        finished_at=time.time(),
+        tenant_id=job.tenant_id,
+    )
+
+
+def failed_outcome(job: Job, err: TwinkleError) -> Outcome:
+    return Outcome(
+        request_id=job.request_id,
+        state="error",
+        request_type=request_type_of(job),
+        model_id=job.model_id,
+        error=err.message,
+        category=err.category,
+        finished_at=time.time(),
+        tenant_id=job.tenant_id,
+    )
+
+
+def settled_outcome(job: TombstoneJob) -> Outcome:
+    """The outcome the gateway already stored for a refused call (written again: idempotent)."""
+    return Outcome(
+        request_id=job.request_id,
+        state="error",
+        request_type=request_type_of(job),
+        model_id=job.model_id,
+        error=job.error,
+        category=job.category,
+        finished_at=time.time(),
+        tenant_id=job.tenant_id,
+    )
+
+
+class EngineOps:
+    """Runs planned jobs on the engine; see the module docstring."""
+
+    def __init__(self, engine: Engine, settings: WorkerSettings, metrics: TrainerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.lost: set[str] = set()  # models whose state could not be recovered
+
+    def _require_model(self, job: Job) -> None:
+        if job.model_id in self.lost:
+            raise ServerError(
+                f"model_id {job.model_id!r} could not be recovered after its worker stopped (its"
+                " ops log no longer reaches back to its last snapshot); load your last"
+                " checkpoint (list_checkpoints) into a new training client"
+            )
+        if not self.engine.has(job.model_id):
+            raise UserError(
+                f"model_id {job.model_id!r} is not loaded (its create_model or load failed)"
+            )
+
+    def shared_pass(self, jobs: list[Job]) -> list[Result]:
+        outcomes: dict[int, Outcome] = {}
+        batch: list[tuple[str, FwdBwdRequest]] = []
+        batch_index: list[int] = []
+        for i, job in enumerate(jobs):
+            assert isinstance(job, ForwardBackwardJob)
+            try:
+                self._require_model(job)
+                request = decode_forward_backward(job.body, job.max_elements)
+                self.engine.validate(job.model_id, request)
+            except TwinkleError as err:
+                outcomes[i] = failed_outcome(job, err)
+                continue
+            batch.append((job.model_id, request))
+            batch_index.append(i)
+        if batch:
+            called = [jobs[i] for i in batch_index]
+            started = time.perf_counter()
+            results = self._transactions(self.engine.forward_backward, batch, called)
+            self.metrics.observe_pass(
+                time.perf_counter() - started,
+                tokens=sum(request.n_tokens for _, request in batch),
+                tenants=len({model_id for model_id, _ in batch}),
+            )
+            for i, result in zip(batch_index, results, strict=True):
+                if isinstance(result, TwinkleError):
+                    outcomes[i] = failed_outcome(jobs[i], result)
+                    continue
+                payload = encode_forward_backward_output(
+                    result.loss_fn_outputs, result.metrics, result.loss_fn_output_type
+                )
+                outcomes[i] = done_outcome(jobs[i], payload, "proto")
+        return [(outcomes[i], None) for i in range(len(jobs))]
+
+    def optim_steps(self, jobs: list[Job]) -> list[Result]:
+        outcomes: dict[int, Outcome] = {}
+        steps: list[tuple[str, api.AdamParams]] = []
+        index: list[int] = []
+        for i, job in enumerate(jobs):
+            assert isinstance(job, OptimStepJob)
+            try:
+                self._require_model(job)
+                self.engine.validate_optim_step(job.model_id, job.adam)
+            except TwinkleError as err:
+                outcomes[i] = failed_outcome(job, err)
+                continue
+            steps.append((job.model_id, job.adam))
+            index.append(i)
+        if steps:
+            called = [jobs[i] for i in index]
+            started = time.perf_counter()
+            results = self._transactions(self.engine.optim_step, steps, called)
+            self.metrics.observe_optim_step(time.perf_counter() - started)
+            for i, result in zip(index, results, strict=True):
+                if isinstance(result, TwinkleError):
+                    outcomes[i] = failed_outcome(jobs[i], result)
+                else:
+                    outcomes[i] = done_outcome(
+                        jobs[i], api.encode(api.OptimStepResponse(metrics=result))
+                    )
+        return [(outcomes[i], None) for i in range(len(jobs))]
+
+    def _transactions(
+        self, run: Callable[[list[C]], Sequence[R]], calls: list[C], jobs: list[Job]
+    ) -> list[R | TwinkleError]:
+        """`run(calls)` one engine transaction at a time (`Engine.sub_calls`); a transaction
+        that raises has changed nothing and is re-run in halves until the requests that make it
+        fail are alone (`workers.isolation`), so only those fail."""
+        results: dict[int, R | TwinkleError] = {}
+        for group in self.engine.sub_calls([job.model_id for job in jobs]):
+            outputs = isolate(
+                lambda indices: run([calls[i] for i in indices]),
+                group,
+                describe=lambda i: jobs[i].request_id,
+            )
+            results.update(zip(group, outputs, strict=True))
+        return [results[i] for i in range(len(calls))]
+
+    def other(self, jobs: list[Job]) -> list[Result]:
+        (job,) = jobs
+        try:
+            if isinstance(job, CreateModelJob):
+                if not self.engine.has(job.model_id):
+                    self.engine.create(job.model_id, job.lora)
+                return [
+                    (
+                        done_outcome(
+                            job, api.encode(api.CreateModelResponse(model_id=job.model_id))
+                        ),
+                        None,
+                    )
+                ]
+            if isinstance(job, SaveWeightsJob):
+                return [self._save(job)]
+            if isinstance(job, TombstoneJob):
+                return [(settled_outcome(job), None)]
+            if isinstance(job, LoadWeightsJob):
+                return [(self._load(job), None)]
+            if isinstance(job, UnloadModelJob):
+                return [self._unload(job)]
+            raise ServerError(f"op {type(job).__name__} cannot run here")
+        except TwinkleError as err:
+            return [(failed_outcome(job, err), None)]
+
+    def _checkpoint_dir(self, path: TinkerPath) -> Path:
+        return checkpoint_dir(self.settings.checkpoint_root, path)
+
+    def _retire(self, path: TinkerPath, directory: Path) -> None:
+        """Move a checkpoint's current content aside before an overwrite replaces it.
+
+        Sampling sessions bound to that content keep reading it from its version directory.
+        """
+        id_file = directory / CONTENT_ID_FILE
+        old_id = id_file.read_text().strip() if id_file.exists() else ""
+        target = version_dir(self.settings.checkpoint_root, path, old_id or "unversioned")
+        if target.exists():
+            shutil.rmtree(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(directory, target)
+
+    def _save(self, job: SaveWeightsJob) -> tuple[Outcome, CheckpointRecord | None]:
+        self._require_model(job)
+        path = TinkerPath(run_id=job.model_id, kind=job.kind, name=job.name)
+        directory = self._checkpoint_dir(path)
+        if directory.exists():
+            if not job.overwrite:
+                # Checked again here, in seq order: two pipelined saves of one name both pass
+                # the gateway's check before either has run.
+                raise UserError(
+                    f"path: checkpoint {str(path)!r} already exists; choose another name or"
+                    " pass overwrite=True"
+                )
+            self._retire(path, directory)
+        content_id = uuid.uuid4().hex[:16]
+        now = time.time()
+        meta = {
+            "model_id": job.model_id,
+            "seq_id": job.seq_id,
+            "base_model": self.settings.base_model,
+            "saved_at": now,
+        }
+        # an external export is the PEFT adapter alone, exactly what a sampler checkpoint holds
+        files: Literal["weights", "sampler_weights"] = (
+            "weights" if job.kind == "weights" else "sampler_weights"
+        )
+        size = self.engine.save(job.model_id, directory, kind=files, meta=meta)
+        (directory / CONTENT_ID_FILE).write_text(content_id)
+        record = CheckpointRecord(
+            run_id=job.model_id,
+            tenant_id=job.tenant_id,
+            checkpoint_id=path.checkpoint_id,
+            kind=job.kind,
+            path=str(path),
+            directory=str(directory),
+            created_at=now,
+            size_bytes=size,
+            base_model=self.settings.base_model,
+            lora=self.engine.spec(job.model_id),
+            with_optimizer=job.kind == "weights",
+            expires_at=now + job.ttl_seconds if job.ttl_seconds else None,
+            user_metadata=dict(job.user_metadata),
+            content_id=content_id,
+        )
+        if job.kind == "weights":
+            body = api.encode(api.SaveWeightsResponse(path=str(path)))
+        elif job.kind == "external_weights":
+            body = api.encode(api.SaveWeightsExternalResponse(path=str(path), size_bytes=size))
+        elif job.sampling_session_id:
+            body = api.encode(
+                api.SaveWeightsForSamplerResponse(sampling_session_id=job.sampling_session_id)
+            )
+        else:
+            body = api.encode(api.SaveWeightsForSamplerResponse(path=str(path)))
+        return done_outcome(job, body), record
+
+    def _unload(self, job: UnloadModelJob) -> tuple[Outcome, CheckpointRecord | None]:
+        """Release the model's adapter, saving it first when asked (`save_as`)."""
+        record = None
+        if self.engine.has(job.model_id):
+            if job.save_as:
+                save = SaveWeightsJob(
+                    request_id=job.request_id,
+                    model_id=job.model_id,
+                    tenant_id=job.tenant_id,
+                    seq_id=job.seq_id,
+                    name=job.save_as,
+                    kind="weights",
+                    overwrite=True,
+                )
+                _, record = self._save(save)
+            self.engine.release(job.model_id)
+        body = api.encode(api.UnloadModelResponse(model_id=job.model_id))
+        return done_outcome(job, body), record
+
+    def _load(self, job: LoadWeightsJob) -> Outcome:
+        path = parse_path(job.path)
+        directory = self._checkpoint_dir(path)
+        if not directory.is_dir():
+            raise UserError(f"checkpoint {job.path!r} not found in the checkpoint store")
+        if not job.create:
+            self._require_model(job)
+        self.engine.load(job.model_id, directory, with_optimizer=job.with_optimizer)
+        return done_outcome(
+            job, api.encode(api.LoadWeightsResponse(path=job.path, model_id=job.model_id))
+        )

@@ -22,11 +22,11 @@ from aiohttp import web
 
 from protocol import api, paths, rules
 from protocol.errors import UserError
-from protocol.jobs import Job, SaveWeightsJob, UnloadModelJob
+from protocol.jobs import Job, UnloadModelJob
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.sequenced import live_run, owned_run, seq_ref, submit_sequenced
 from twinkle_async.gateway.state import LIFECYCLE, REGISTRY
-from twinkle_async.gateway.training_routes import refuse_existing
+from twinkle_async.gateway.training_routes import refuse_existing, save_job
 from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
 
 routes = web.RouteTableDef()
@@ -48,16 +48,7 @@ async def save_weights_external(request: web.Request) -> web.Response:
         await refuse_existing(
             request, run, paths.TinkerPath(run.model_id, "external_weights", name)
         )
-        return SaveWeightsJob(
-            request_id=request_id,
-            model_id=run.model_id,
-            tenant_id=run.tenant_id,
-            seq_id=body.seq_id or 0,
-            published_at=time.time(),
-            name=name,
-            kind="external_weights",
-            ttl_seconds=rules.check_ttl_seconds("ttl_seconds", body.ttl_seconds),
-        )
+        return save_job(request_id, run, body, name, "external_weights")
 
     return await submit_sequenced(request, run, seq_id, "save_weights_external", raw, build)
 

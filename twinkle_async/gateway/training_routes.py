@@ -233,18 +233,7 @@ async def save_weights(request: web.Request) -> web.Response:
         if not body.overwrite:
             await refuse_existing(request, run, path)
         await _check_storage(request, run)
-        return SaveWeightsJob(
-            request_id=request_id,
-            model_id=run.model_id,
-            tenant_id=run.tenant_id,
-            seq_id=body.seq_id or 0,
-            published_at=time.time(),
-            name=name,
-            kind="weights",
-            ttl_seconds=_ttl(body.ttl_seconds),
-            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
-            overwrite=body.overwrite,
-        )
+        return save_job(request_id, run, body, name, "weights")
 
     return await submit_sequenced(request, run, seq_id, "save_weights", raw, build)
 
@@ -283,25 +272,39 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
         else:
             raise UserError("save_weights_for_sampler needs path or sampling_session_seq_id")
         await _check_storage(request, run)
-        return SaveWeightsJob(
-            request_id=request_id,
-            model_id=run.model_id,
-            tenant_id=run.tenant_id,
-            seq_id=body.seq_id or 0,
-            published_at=time.time(),
-            name=name,
-            kind="sampler_weights",
-            ttl_seconds=_ttl(body.ttl_seconds),
-            user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
-            sampling_session_id=session_sampler,
-            overwrite=body.overwrite,
+        return save_job(
+            request_id, run, body, name, "sampler_weights", sampling_session_id=session_sampler
         )
 
     return await submit_sequenced(request, run, seq_id, "save_weights_for_sampler", raw, build)
 
 
-def _ttl(ttl_seconds: int | None) -> int | None:
-    return rules.check_ttl_seconds("ttl_seconds", ttl_seconds)
+def save_job(
+    request_id: str,
+    run: RunRecord,
+    body: api.SaveWeightsRequest
+    | api.SaveWeightsForSamplerRequest
+    | api.SaveWeightsExternalRequest,
+    name: str,
+    kind: paths.CheckpointKind,
+    *,
+    sampling_session_id: str = "",
+) -> SaveWeightsJob:
+    """The job of a save of any kind, its TTL and metadata checked."""
+    metadata = getattr(body, "user_metadata", None)  # external exports carry none
+    return SaveWeightsJob(
+        request_id=request_id,
+        model_id=run.model_id,
+        tenant_id=run.tenant_id,
+        seq_id=body.seq_id or 0,
+        published_at=time.time(),
+        name=name,
+        kind=kind,
+        ttl_seconds=rules.check_ttl_seconds("ttl_seconds", body.ttl_seconds),
+        user_metadata=rules.check_user_metadata("user_metadata", metadata),
+        sampling_session_id=sampling_session_id,
+        overwrite=getattr(body, "overwrite", False),
+    )
 
 
 @routes.post("/api/v1/load_weights")

@@ -26,10 +26,16 @@ TOLERANCE = 1e-5
 PEFT_TIED_WARNING = "ignore:Model has `tie_word_embeddings=True`:UserWarning"
 
 
-@pytest.fixture
-def make_engine(random_qwen3: Path) -> Callable[..., Engine]:
+# Every engine test runs twice: each call as one pass with whole logits chunks, and split into
+# passes of at most 9 token positions (a call's datums spread over several passes, short ones
+# sharing packed rows) with log-probs computed 16 tokens at a time.
+LAYOUTS = {"one-pass": {}, "split": {"pass_tokens": 9, "logits_chunk_elements": 1}}
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def make_engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Callable[..., Engine]:
     def make(**kwargs: int) -> Engine:
-        return Engine(str(random_qwen3), **kwargs)  # type: ignore[arg-type]
+        return Engine(str(random_qwen3), **{**LAYOUTS[request.param], **kwargs})  # type: ignore[arg-type]
 
     return make
 

@@ -32,10 +32,17 @@ LENGTHS = [7, 11, 5]
 # -- fixtures ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(random_qwen3: Path) -> Engine:
-    """One engine for the module; each test creates its own model_ids and releases them."""
-    return Engine(str(random_qwen3), max_slots=4, max_rank=RANK, lora_alpha=LORA_ALPHA)
+@pytest.fixture(scope="module", params=["one-pass", "split"])
+def engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Engine:
+    """One engine for the module; each test creates its own model_ids and releases them.
+
+    "split" runs each call as passes of at most 9 token positions, log-probs 16 tokens at a
+    time: the numbers must not change.
+    """
+    layout: dict[str, int] = (
+        {"pass_tokens": 9, "logits_chunk_elements": 1} if request.param == "split" else {}
+    )
+    return Engine(str(random_qwen3), max_slots=4, max_rank=RANK, lora_alpha=LORA_ALPHA, **layout)
 
 
 @pytest.fixture

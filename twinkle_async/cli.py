@@ -106,6 +106,9 @@ def up(
         int, typer.Option(help="datums per forward_backward chunk (client/config)")
     ] = 1024,
     threads: Annotated[int, typer.Option(help="torch threads per worker (0 = torch default)")] = 0,
+    token_budget: Annotated[
+        int, typer.Option(min=0, help="token positions of one pass (0: measured per device)")
+    ] = 0,
     sampler: Annotated[
         str, typer.Option(help="torch (in the trainer), vllm (own process) or none")
     ] = "torch",
@@ -143,6 +146,8 @@ def up(
     ]
     if threads:
         worker_args += ["--threads", str(threads)]
+    if token_budget:
+        worker_args += ["--token-budget", str(token_budget)]
     if max_parked is not None:
         worker_args += ["--max-parked", str(max_parked)]
     if key_file is not None:

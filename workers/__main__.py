@@ -60,6 +60,14 @@ def worker_options(
         int, typer.Option(envvar="TWINKLE_TORCH_THREADS", min=0, help="torch threads (0: default)")
     ] = 0,
     shards: Annotated[int, typer.Option(envvar="TWINKLE_SHARDS", min=1)] = 16,
+    token_budget: Annotated[
+        int,
+        typer.Option(
+            envvar="TWINKLE_TOKEN_BUDGET",
+            min=0,
+            help="token positions of one pass (0: measured on this device once, then cached)",
+        ),
+    ] = 0,
     gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
     worker_id: Annotated[
         str | None,
@@ -115,6 +123,7 @@ def worker_options(
         max_parked=max_parked,
         device=device,
         threads=threads or None,
+        token_budget=token_budget or None,
         gap_timeout_s=gap_timeout_s,
         lease_s=lease_s,
         lease_renew_s=lease_s / 4,
@@ -155,6 +164,18 @@ async def serve(settings: WorkerSettings) -> None:
             max_parked=settings.max_parked,
             device=settings.device,
         )
+        if settings.token_budget:
+            engine.pass_tokens = settings.token_budget
+        else:
+            from workers.calibration import cached_or_measured
+
+            found = await asyncio.to_thread(
+                cached_or_measured,
+                engine,
+                settings.data_dir / "calibration",
+                torch.get_num_threads(),
+            )
+            engine.pass_tokens = found.pass_tokens
         bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
         await bus.connect()
         service = TrainerService(

@@ -34,11 +34,9 @@ changes no state; a snapshot slot is never trained, stepped or saved.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -46,17 +44,11 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.lora import LoraBank, Segment, SlotRouting
-from workers.losses import (
-    TARGET_TOKENS,
-    LossFn,
-    Settings,
-    check_inputs,
-    get_loss,
-    resolve_config,
-)
+from workers.lora import LoraBank, SlotRouting
+from workers.losses import check_inputs, get_loss, resolve_config
 from workers.optimizer import SlotAdamW
 from workers.parking import ParkedAdapters
+from workers.passes import PassResults, PassRunner
 from workers.residency import Residency
 from workers.slot_checkpoints import SlotCheckpoints
 
@@ -74,6 +66,8 @@ class Engine:
         dtype: torch.dtype | None = None,
         lora_alpha: float = 32.0,
         max_parked: int | None = None,
+        pass_tokens: int = 16384,
+        logits_chunk_elements: int | None = None,
     ) -> None:
         if max_slots < 1 or max_rank < 1:
             raise ValueError(f"max_slots={max_slots} and max_rank={max_rank} must be >= 1")
@@ -109,6 +103,27 @@ class Engine:
             self.bank, self.optimizer, files, lora_alpha=self.lora_alpha, max_parked=max_parked
         )
         self.model = model
+        if logits_chunk_elements is None:
+            # One chunk's fp32 logits: 32 MiB on the CPU, 256 MiB on a GPU.
+            logits_chunk_elements = 2**26 if self.device.type == "cuda" else 2**23
+        self.passes = PassRunner(
+            model,
+            self.routing,
+            self.device,
+            pass_tokens=pass_tokens,
+            chunk_tokens=max(16, logits_chunk_elements // self.vocab_size),
+        )
+
+    @property
+    def pass_tokens(self) -> int:
+        """The most token positions one pass computes (a longer datum runs alone)."""
+        return self.passes.pass_tokens
+
+    @pass_tokens.setter
+    def pass_tokens(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"pass_tokens={value} must be >= 1")
+        self.passes.pass_tokens = value
 
     # -- slots, snapshots and checkpoints: `self.slots` ----------------------------------------
     # Thin delegates: the service and the samplers hold one engine handle on the engine thread.
@@ -230,25 +245,53 @@ class Engine:
     def _shared_pass(
         self, batch: list[tuple[str, FwdBwdRequest]]
     ) -> list[FwdBwdOutput | TwinkleError]:
-        """One pass over validated items of at most `max_slots` tenants, as a transaction.
+        """The passes over validated items of at most `max_slots` tenants, as a transaction.
 
-        The pending gradient rows of the slots this pass trains are copied first. After the
-        backward, a slot whose row is not finite fails its training items and gets its copy
-        back, as does a slot none of whose training items succeeded (so not even the sign of a
-        zero changes); a pass that raises restores every one of them before re-raising.
+        The pending gradient rows of the slots this call trains are copied first. A training
+        item that fails (a non-finite loss) after some of its datums already added gradient
+        gives its slot its copy back, and that slot's other training items run again without
+        it. After the backward, a slot whose row is not finite fails its training items and
+        gets its copy back, as does a slot none of whose training items succeeded (so not even
+        the sign of a zero changes); a call that raises restores every one of them first.
         """
         tenants = self.slots.resident([model_id for model_id, _ in batch])
         slots = [tenant.slot for tenant in tenants]
-        segments, item_rows, rows = _pack_rows([req for _, req in batch], slots)
-        input_ids, attention_mask = self._padded(rows)
         training_items: dict[int, list[int]] = {}  # slot → its training items
         for index, ((_, req), slot) in enumerate(zip(batch, slots, strict=True)):
             if not req.forward_only:
                 training_items.setdefault(slot, []).append(index)
         trained = sorted(training_items)
         pending = self.bank.grads[trained]  # advanced indexing: a copy of those rows
+        row_of = {slot: row for row, slot in enumerate(trained)}
         try:
-            results = self._run_pass(batch, segments, item_rows, input_ids, attention_mask)
+            ran = self._run_pass(batch, slots)
+            results = ran.results
+            tainted = {
+                slots[index]
+                for index in ran.contributed
+                if isinstance(results[index], TwinkleError)
+            }
+            if tainted:
+                again = [
+                    index
+                    for slot in sorted(tainted)
+                    for index in training_items[slot]
+                    if not isinstance(results[index], TwinkleError)
+                ]
+                for slot in tainted:
+                    self.bank.grads[slot].copy_(pending[row_of[slot]])
+                if again:
+                    rerun = self._run_pass([batch[i] for i in again], [slots[i] for i in again])
+                    for index, result in zip(again, rerun.results, strict=True):
+                        results[index] = result
+                    for position, index in enumerate(again):
+                        if position in rerun.contributed and isinstance(
+                            rerun.results[position], TwinkleError
+                        ):
+                            # Failed only in the second run (rounding at the edge of float32):
+                            # the whole slot fails rather than keep part of its gradient.
+                            for other in training_items[slots[index]]:
+                                results[other] = _not_finite("loss", "float32 overflow")
             failed_rows = self._failed_rows(trained)
             for row, slot in enumerate(trained):
                 items = training_items[slot]
@@ -264,41 +307,9 @@ class Engine:
                 self.bank.grads[slot].copy_(pending[row])
             raise
 
-    def _run_pass(
-        self,
-        batch: list[tuple[str, FwdBwdRequest]],
-        segments: list[Segment],
-        item_rows: list[range],
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-    ) -> list[FwdBwdOutput | TwinkleError]:
-        """Forward, losses, and one backward of the sum of the training items' finite losses."""
-        training = any(not req.forward_only for _, req in batch)
-        with torch.set_grad_enabled(training), self.routing.bind(segments):
-            logits = self.model(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-            ).logits
-            results: list[FwdBwdOutput | TwinkleError] = []
-            training_losses: list[torch.Tensor] = []
-            for (_, req), rows_of_item in zip(batch, item_rows, strict=True):
-                loss, result = self._item_loss(req, logits, rows_of_item)
-                value = result.metrics["loss:sum"]
-                if req.forward_only:
-                    results.append(result)  # an evaluation may report an infinite loss
-                elif not math.isfinite(value):
-                    # Left out of the backward: its slot gets nothing from it.
-                    results.append(_not_finite("loss", f"loss:sum = {value}"))
-                else:
-                    results.append(result)
-                    training_losses.append(loss)
-        if training_losses:
-            total = torch.stack(training_losses).sum()
-            if total.requires_grad:
-                # Each `.grad` is a strided view of the bank's flat gradient buffer by design;
-                # autograd adds into it in place, so the layout advice does not apply.
-                with torch.autograd.enforce_grad_layout_policy(False):
-                    total.backward()  # type: ignore[no-untyped-call]
-        return results
+    def _run_pass(self, batch: list[tuple[str, FwdBwdRequest]], slots: list[int]) -> PassResults:
+        """Forward, losses and backward of every item, in passes of `pass_tokens` positions."""
+        return self.passes.run(batch, slots)
 
     def _failed_rows(self, slots: list[int]) -> set[int]:
         """The slots whose gradient row holds NaN or inf (one device sync)."""
@@ -306,58 +317,6 @@ class Engine:
             return set()
         finite = torch.stack([self.bank.grads[slot].isfinite().all() for slot in slots])
         return {slot for slot, ok in zip(slots, finite.tolist(), strict=True) if not ok}
-
-    def _padded(self, rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded token ids and the attention mask that hides the padding."""
-        width = max(row.shape[0] for row in rows)
-        input_ids = np.zeros((len(rows), width), dtype=np.int64)
-        attention_mask = np.zeros((len(rows), width), dtype=np.int64)
-        for index, row in enumerate(rows):
-            input_ids[index, : row.shape[0]] = row
-            attention_mask[index, : row.shape[0]] = 1
-        return (
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(attention_mask).to(self.device),
-        )
-
-    def _item_loss(
-        self, req: FwdBwdRequest, logits: torch.Tensor, rows: range
-    ) -> tuple[torch.Tensor, FwdBwdOutput]:
-        """A request's summed loss (a graph node) and its detached per-datum outputs."""
-        loss_fn = get_loss(req.loss_fn)
-        settings = resolve_config(loss_fn, req.loss_fn_config)
-        datum_losses: list[torch.Tensor] = []
-        outputs: list[dict[str, np.ndarray]] = []
-        for datum, row in zip(req.datums, rows, strict=True):
-            n_tokens = int(datum.tokens.shape[0])
-            logprobs, elementwise = self._datum_loss(
-                loss_fn, settings, datum, logits[row, :n_tokens]
-            )
-            datum_losses.append(elementwise.sum())
-            outputs.append(
-                {"logprobs": _to_numpy(logprobs), "elementwise_loss": _to_numpy(elementwise)}
-            )
-        loss = torch.stack(datum_losses).sum()
-        metrics = {"loss:sum": float(loss.detach())}
-        return loss, FwdBwdOutput(outputs, metrics, loss_fn.output_type)
-
-    def _datum_loss(
-        self, loss_fn: LossFn, settings: Settings, datum: DatumArrays, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = {name: self._input_tensor(array) for name, array in datum.inputs.items()}
-        targets = inputs[TARGET_TOKENS]
-        logits = logits.float()
-        # log-softmax at the targets only: gather minus logsumexp keeps no [N, V] output alive.
-        normaliser = torch.logsumexp(logits, dim=-1)
-        if targets.ndim == 1:
-            logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
-        else:
-            logprobs = logits.gather(-1, targets) - normaliser.unsqueeze(-1)
-        return logprobs, loss_fn.elementwise(logprobs, inputs, settings)
-
-    def _input_tensor(self, array: np.ndarray) -> torch.Tensor:
-        dtype = torch.int64 if array.dtype.kind in "iu" else torch.float32
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
 
     def validate_optim_step(self, model_id: str, adam: AdamParams) -> None:
         """Raise a `UserError` (or `NotFound`) if this step cannot run; changes nothing.
@@ -393,31 +352,9 @@ class Engine:
         return [results[index] for index in range(len(steps))]
 
 
-def _pack_rows(
-    requests: list[FwdBwdRequest], slots: list[int]
-) -> tuple[list[Segment], list[range], list[np.ndarray]]:
-    """Order the pass's rows tenant by tenant: (segments, each request's rows, the rows)."""
-    rows: list[np.ndarray] = []
-    item_rows: list[range] = [range(0)] * len(requests)
-    segments: list[Segment] = []
-    for slot in dict.fromkeys(slots):  # each slot once, in order of first appearance
-        start = len(rows)
-        for index, (req, item_slot) in enumerate(zip(requests, slots, strict=True)):
-            if item_slot == slot:
-                first = len(rows)
-                rows.extend(datum.tokens for datum in req.datums)
-                item_rows[index] = range(first, len(rows))
-        segments.append(Segment(slot, start, len(rows)))
-    return segments, item_rows, rows
-
-
 def _not_finite(what: str, detail: str) -> UserError:
     return UserError(
         f"forward_backward: the {what} is not finite ({detail}); check the loss inputs "
         "(weights, advantages, logprobs) for values too large for float32. This request "
         "added no gradient."
     )
-
-
-def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to("cpu", torch.float32).numpy()

@@ -140,6 +140,17 @@ class MultiSlotLoraLinear(nn.Module):
             raise ServerError(
                 f"LoRA layer ({self.group}) got {x.shape[0]} rows, the pass has {self.routing.n_rows}"
             )
+        update = self.update(x, segments, y.shape[-1])
+        return y if update is None else y + update
+
+    def update(
+        self, x: torch.Tensor, segments: Sequence[Segment], out_features: int | None = None
+    ) -> torch.Tensor | None:
+        """The LoRA term of rows `x` (segments index dim 0), or None where no row has one.
+
+        Also called directly on token rows by the engine's chunked output layer.
+        """
+        out = self.base_layer.out_features if out_features is None else out_features
         # One unbind per layer: its backward stacks the per-slot gradients into a single
         # [S, ...] tensor (zeros for slots absent from the pass) instead of one per segment.
         a_slots = self.lora_A.unbind(0)
@@ -150,15 +161,15 @@ class MultiSlotLoraLinear(nn.Module):
             x_rows = x[segment.start : segment.stop]
             scale = 0.0 if segment.slot == BASE_SLOT else self.slot_scales[segment.slot]
             if scale == 0.0:
-                updates.append(x_rows.new_zeros(*x_rows.shape[:-1], y.shape[-1]))
+                updates.append(x_rows.new_zeros(*x_rows.shape[:-1], out))
                 continue
             any_trained = True
             # Scale the rank-r intermediate rather than the [*, out] result: same value, less work.
             shrunk = F.linear(x_rows, a_slots[segment.slot].to(x.dtype)) * scale
             updates.append(F.linear(shrunk, b_slots[segment.slot].to(x.dtype)))
         if not any_trained:
-            return y
-        return y + torch.cat(updates, dim=0)
+            return None
+        return torch.cat(updates, dim=0)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,21 @@
-"""The cycle plan: which ready ops run together. Pure, no I/O.
+"""The cycle plan: which ready ops run together, and in whose favour. Pure, no I/O.
 
-Each cycle takes every ready forward/forward_backward across all models of the pool, up to a
-token budget, as ONE shared pass; then every optim_step that directly follows a model's work in
-this cycle (or heads its line) as one fused step; then the other ops (create, save, load,
-unload), which are barriers for their own model only. Tombstones (calls the gateway refused)
-run nothing: they are settled wherever they stand in a model's line, so they never hold it up.
+Each cycle takes ready forward/forward_backward ops across all models of the pool, up to a token
+budget, as one shared call (the engine splits it into passes of at most its pass size); then
+every optim_step that directly follows a model's work in this cycle (or heads its line) as one
+fused step; then the other ops (create, save, load, unload), which are barriers for their own
+model only. Tombstones (calls the gateway refused) run nothing: they are settled wherever they
+stand in a model's line, so they never hold it up.
+
+Fairness: the call is filled in rounds, one op per model per round, models ordered by how many
+tokens their tenant was served lately (least first; `FairShare` keeps that count, decaying). So
+a tenant flooding the queue takes at most one op per round, a light tenant's op joins the very
+next call, and a tenant's share of a crowded cycle does not grow with its backlog.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -34,44 +41,86 @@ class Cycle(Generic[H]):
 
 
 def plan(
-    ready: dict[str, list[Pending[H]]], token_budget: int, now: float = float("inf")
+    ready: dict[str, list[Pending[H]]],
+    token_budget: int,
+    now: float = float("inf"),
+    served: Mapping[str, float] | None = None,
 ) -> Cycle[H]:
     """Plan one cycle from each model's in-order ready run.
 
-    A model's forward_backward prefix joins the pass while the budget allows (a pass always takes
-    at least one op, however large). Its optim_step joins only when its whole prefix did. A
-    forward_backward whose tenant's rate limit holds it until `not_before` > `now` stops its
-    model's run there; `wake_at` says when to plan again.
+    A model's forward_backward prefix joins the call op by op, in rounds (see the module
+    docstring), while the budget allows (a call always takes at least one op, however large).
+    Its optim_step joins only when its whole prefix did. A forward_backward whose tenant's rate
+    limit holds it until `not_before` > `now` stops its model's run there; `wake_at` says when
+    to plan again. `served`: recent tokens by tenant_id (none: first come, first served).
     """
     cycle: Cycle[H] = Cycle()
+    share = served or {}
+    order = sorted(ready, key=lambda model_id: share.get(ready[model_id][0].job.tenant_id, 0.0))
+    position = dict.fromkeys(order, 0)  # each model's next op
+    ran_work = dict.fromkeys(order, False)  # whether a model has work in this cycle's call
+    open_models = list(order)
     tokens = 0
-    for run in ready.values():
-        i = 0
-        ran_work = False  # whether this model has work in the pass before `run[i]`
-        while i < len(run):
-            job = run[i].job
-            if isinstance(job, TombstoneJob):
+    while open_models:
+        still_open: list[str] = []
+        for model_id in open_models:
+            run, i = ready[model_id], position[model_id]
+            while i < len(run) and isinstance(run[i].job, TombstoneJob):
                 cycle.settled.append(run[i])
-            elif isinstance(job, ForwardBackwardJob):
-                if job.not_before > now:
-                    wake = job.not_before
-                    cycle.wake_at = wake if cycle.wake_at is None else min(cycle.wake_at, wake)
-                    break
-                if cycle.shared_pass and tokens + job.n_tokens > token_budget:
-                    break
-                cycle.shared_pass.append(run[i])
-                tokens += job.n_tokens
-                ran_work = True
-            else:
-                break
-            i += 1
+                i += 1
+            position[model_id] = i
+            if i == len(run):
+                continue
+            job = run[i].job
+            if not isinstance(job, ForwardBackwardJob):
+                continue  # the head of what is left: an optim_step or a barrier
+            if job.not_before > now:
+                wake = job.not_before
+                cycle.wake_at = wake if cycle.wake_at is None else min(cycle.wake_at, wake)
+                continue
+            if cycle.shared_pass and tokens + job.n_tokens > token_budget:
+                continue  # over budget: the rest of this model waits
+            cycle.shared_pass.append(run[i])
+            tokens += job.n_tokens
+            ran_work[model_id] = True
+            position[model_id] = i + 1
+            still_open.append(model_id)
+        open_models = still_open
+    for model_id in order:
+        run, i = ready[model_id], position[model_id]
         if i == len(run):
             continue
         head = run[i].job
         if isinstance(head, ForwardBackwardJob):
-            continue  # over budget or rate-limited: the rest of this model waits
+            continue  # over budget or rate-limited
         if isinstance(head, OptimStepJob):
             cycle.optim_steps.append(run[i])
-        elif not ran_work:
+        elif not ran_work[model_id]:
             cycle.others.append(run[i])
     return cycle
+
+
+class FairShare:
+    """Tokens served per tenant lately: an exponentially decaying count (half-life in seconds).
+
+    The scheduler orders tenants by it; the service records each call's tokens.
+    """
+
+    def __init__(self, half_life_s: float = 10.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s={half_life_s} must be > 0")
+        self.half_life_s = half_life_s
+        self.tokens: dict[str, float] = {}
+        self._at = 0.0
+
+    def record(self, served: Mapping[str, int], now: float) -> None:
+        """Add each tenant's tokens of a call that ran at `now` (seconds, monotonic)."""
+        self.decay(now)
+        for tenant_id, count in served.items():
+            self.tokens[tenant_id] = self.tokens.get(tenant_id, 0.0) + count
+
+    def decay(self, now: float) -> None:
+        factor = 0.5 ** (max(0.0, now - self._at) / self.half_life_s)
+        self._at = max(self._at, now)
+        # Counts that decayed to nothing are dropped, so idle tenants cost nothing.
+        self.tokens = {t: v * factor for t, v in self.tokens.items() if v * factor >= 1.0}

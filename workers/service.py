@@ -57,7 +57,7 @@ from workers.operations import (
     settled_outcome,
 )
 from workers.recovery import ModelLog
-from workers.scheduler import Cycle, plan
+from workers.scheduler import Cycle, FairShare, plan
 from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
 from workers.snapshots import prune, read_state, state_dir, write_state
@@ -120,6 +120,7 @@ class TrainerService:
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         self.journal = CrashJournal(bus, settings.worker_id)
         self._steps_since_snapshot: dict[str, int] = {}
+        self.fair_share = FairShare()  # tokens served per tenant lately: who goes first
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -365,7 +366,12 @@ class TrainerService:
             self._wake.clear()
             await self._fail_stalled()
             while True:
-                cycle = plan(self.sequencer.ready(), self.settings.token_budget, time.time())
+                cycle = plan(
+                    self.sequencer.ready(),
+                    self.engine.pass_tokens,
+                    time.time(),
+                    self.fair_share.tokens,
+                )
                 wake_at = cycle.wake_at
                 if not cycle:
                     break
@@ -375,6 +381,11 @@ class TrainerService:
         started = time.perf_counter()
         if cycle.shared_pass:
             self.pass_models.append(len({item.job.model_id for item in cycle.shared_pass}))
+            served: dict[str, int] = {}
+            for item in cycle.shared_pass:
+                assert isinstance(item.job, ForwardBackwardJob)
+                served[item.job.tenant_id] = served.get(item.job.tenant_id, 0) + item.job.n_tokens
+            self.fair_share.record(served, time.monotonic())
             await self._run(cycle.shared_pass, self.ops.shared_pass)
         if cycle.optim_steps:
             await self._run(cycle.optim_steps, self.ops.optim_steps)

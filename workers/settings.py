@@ -40,7 +40,7 @@ class WorkerSettings:
     max_parked: int | None = None  # adapters parked in host memory beyond the slots (None: any)
     device: str = "cpu"
     threads: int | None = None
-    token_budget: int = 16384
+    token_budget: int | None = None  # tokens of one pass (None: measured, `workers.calibration`)
     gap_timeout_s: float = 120.0
     ack_wait_s: float = 120.0
     heartbeat_s: float = 5.0

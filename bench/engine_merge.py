@@ -1,0 +1,177 @@
+"""Merged passes against one pass per tenant, on the engine alone (no gateway, no NATS).
+
+For N = 1, 2, 4, 8, 16 tenants and two request sizes (1 datum × 32 tokens, 4 datums × 128
+tokens), one run times, side by side:
+- merged: the N tenants' forward_backward requests as one `Engine.forward_backward` call, then
+  one fused `optim_step` (what a worker cycle does);
+- separate: N calls of one tenant each, then N single steps;
+- same tokens: one tenant sending the same total tokens (N requests) in one call and one step.
+It prints the median of `--repeats` for each, merged ÷ separate as a throughput ratio (higher is
+better: merging gains) and merged ÷ same-tokens as a time ratio (lower is better: the merge's
+own cost). `--sweep` instead prints training tokens/s of one tenant's pass by pass size, which is
+how the worker's default token budget is chosen.
+
+The model is a random Qwen3 built here (hidden 256, 4 layers, vocab 4096; `--vocab`), rank-16
+adapters on every layer group, one torch thread, fp32.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/engine_merge.py [--repeats 5] [--token-budget N]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/engine_merge.py --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from protocol.api import AdamParams, LoraConfig
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.engine import Engine
+
+SIZES = {"1x32": (1, 32), "4x128": (4, 128)}
+ADAM = AdamParams(learning_rate=1e-4)
+
+
+def build_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=max(1, hidden // 64),
+        head_dim=32,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def request(model_id: str, datums: int, length: int, vocab: int, seed: int) -> FwdBwdRequest:
+    rng = np.random.default_rng(seed)
+    items = []
+    for _ in range(datums):
+        tokens = rng.integers(0, vocab, size=length + 1)
+        items.append(
+            DatumArrays(
+                tokens=tokens[:-1].astype(np.int32),
+                inputs={
+                    "target_tokens": tokens[1:].astype(np.int64),
+                    "weights": np.ones(length, dtype=np.float32),
+                },
+            )
+        )
+    return FwdBwdRequest(model_id, 0, "cross_entropy", False, {}, items)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def case(
+    engine: Engine, n: int, datums: int, length: int, vocab: int, repeats: int
+) -> dict[str, float]:
+    """Median seconds of each way to run N tenants' requests: see the module docstring."""
+    ids = [f"t{i}" for i in range(n)]
+    batch = [(m, request(m, datums, length, vocab, i)) for i, m in enumerate(ids)]
+    same = [("t0", req) for _, req in batch]
+
+    def merged_pass() -> None:
+        outputs = engine.forward_backward(batch)
+        assert not any(isinstance(o, Exception) for o in outputs), outputs
+
+    def merged() -> None:
+        merged_pass()
+        engine.optim_step([(m, ADAM) for m in ids])
+
+    def separate() -> None:
+        for item in batch:
+            engine.forward_backward([item])
+        for m in ids:
+            engine.optim_step([(m, ADAM)])
+
+    def same_pass() -> None:
+        engine.forward_backward(same)
+
+    def same_tokens() -> None:
+        same_pass()
+        engine.optim_step([("t0", ADAM)])
+
+    return {
+        "merged": timed(merged, repeats),
+        "separate": timed(separate, repeats),
+        "same": timed(same_tokens, repeats),
+        "merged_pass": timed(merged_pass, repeats),
+        "same_pass": timed(same_pass, repeats),
+    }
+
+
+def compare(engine: Engine, vocab: int, repeats: int) -> None:
+    print(
+        f"{'size':>6} {'N':>3} {'merged s':>9} {'separate s':>10} {'same-tok s':>10}"
+        f" {'merged/separate thrpt':>22} {'merged/same-tok time':>21} {'(pass only)':>12}"
+    )
+    for name, (datums, length) in SIZES.items():
+        for n in (1, 2, 4, 8, 16):
+            t = case(engine, n, datums, length, vocab, repeats)
+            print(
+                f"{name:>6} {n:>3} {t['merged']:>9.4f} {t['separate']:>10.4f} {t['same']:>10.4f}"
+                f" {t['separate'] / t['merged']:>21.2f}x {t['merged'] / t['same']:>20.2f}x"
+                f" {t['merged_pass'] / t['same_pass']:>11.2f}x",
+                flush=True,
+            )
+
+
+def sweep(engine: Engine, vocab: int, repeats: int) -> None:
+    """Training tokens/s of one pass of one tenant by pass size (rows of 128 tokens)."""
+    print(f"{'tokens':>7} {'pass s':>8} {'tokens/s':>9}")
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        batch = [("t0", request("t0", rows, 128, vocab, rows))]
+        seconds = timed(lambda b=batch: engine.forward_backward(b), repeats)
+        print(f"{rows * 128:>7} {seconds:>8.4f} {rows * 128 / seconds:>9.0f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--token-budget", type=int, default=None)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp), args.vocab, args.hidden, args.layers)
+        kwargs = {} if args.token_budget is None else {"pass_tokens": args.token_budget}
+        engine = Engine(str(model), max_slots=16, max_rank=16, **kwargs)  # type: ignore[arg-type]
+        for i in range(16):
+            engine.create(f"t{i}", LoraConfig(rank=16, seed=i))
+        print(
+            f"random Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab},"
+            f" rank 16, {torch.get_num_threads()} thread, median of {args.repeats}",
+            flush=True,
+        )
+        if args.sweep:
+            sweep(engine, args.vocab, args.repeats)
+        else:
+            compare(engine, args.vocab, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

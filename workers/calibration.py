@@ -1,0 +1,127 @@
+"""The pass size of this device, found by measurement: where training tokens/s stops improving.
+
+Job: time training passes of a scratch adapter at growing sizes (256, 512, … tokens, in rows of
+at most 256 tokens), and choose the smallest size whose tokens/s is within `tolerance` of the
+best seen, stopping as soon as a larger pass is no faster, a pass takes longer than
+`max_pass_s`, or the device runs out of memory. Bigger passes past that point only add latency
+(and, on a CPU, lose throughput to cache misses); smaller ones leave the device idle between
+kernels.
+
+The result is cached per model, device and thread count under the data directory, so a worker
+measures once; `--token-budget` (TWINKLE_TOKEN_BUDGET) skips all of this.
+
+Invariants: runs on the engine's thread before the worker serves, on a slot it frees again;
+changes no tenant's state (it runs before any exists, and refuses to run once one does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from protocol.api import LoraConfig
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.engine import Engine
+
+log = logging.getLogger(__name__)
+
+SCRATCH = "calibration"
+_ROW_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The chosen pass size and the measured curve: (tokens, tokens per second) by size."""
+
+    pass_tokens: int
+    curve: tuple[tuple[int, float], ...]
+
+
+def measure(
+    engine: Engine,
+    *,
+    smallest: int = 256,
+    largest: int = 32768,
+    tolerance: float = 0.05,
+    max_pass_s: float = 1.0,
+    repeats: int = 2,
+) -> Calibration:
+    """Time passes of doubling size on a scratch slot; see the module docstring."""
+    if engine.slots_used():
+        raise RuntimeError("calibration runs before any tenant is loaded")
+    rng = np.random.default_rng(0)
+    engine.create(SCRATCH, LoraConfig(rank=min(16, engine.max_rank), seed=0))
+    saved = engine.pass_tokens
+    curve: list[tuple[int, float]] = []
+    try:
+        size = smallest
+        while size <= largest:
+            row = min(_ROW_TOKENS, size, engine.max_context)
+            request = _request(rng, size // row, row, engine.vocab_size)
+            engine.pass_tokens = size
+            try:
+                engine.forward_backward([(SCRATCH, request)])  # warm-up
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    engine.forward_backward([(SCRATCH, request)])
+                seconds = (time.perf_counter() - started) / repeats
+            except torch.OutOfMemoryError:
+                log.info("calibration: a pass of %d tokens does not fit", size)
+                break
+            finally:
+                engine.bank.grads.zero_()
+            curve.append((size, size / seconds))
+            best = max(rate for _, rate in curve)
+            if curve[-1][1] < best or seconds > max_pass_s:
+                break
+            size *= 2
+    finally:
+        engine.pass_tokens = saved
+        engine.release(SCRATCH)
+    best = max(rate for _, rate in curve)
+    chosen = min(size for size, rate in curve if rate >= (1 - tolerance) * best)
+    return Calibration(chosen, tuple(curve))
+
+
+def cached_or_measured(engine: Engine, directory: Path, threads: int) -> Calibration:
+    """This model and device's calibration from `directory`, measured and stored if absent."""
+    key = f"{engine.base_model}|{engine.device}|{engine.dtype}|{threads}"
+    path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        data = json.loads(path.read_text())
+        return Calibration(int(data["pass_tokens"]), tuple(map(tuple, data["curve"])))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    found = measure(engine)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {"key": key, "pass_tokens": found.pass_tokens, "curve": found.curve}
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record))
+    temporary.replace(path)
+    log.info(
+        "calibrated %s: passes of %d tokens (%s)",
+        engine.base_model,
+        found.pass_tokens,
+        ", ".join(f"{size}: {rate:.0f} tok/s" for size, rate in found.curve),
+    )
+    return found
+
+
+def _request(rng: np.random.Generator, rows: int, length: int, vocab: int) -> FwdBwdRequest:
+    datums = []
+    for _ in range(max(1, rows)):
+        tokens = rng.integers(0, vocab, size=length + 1)
+        datums.append(
+            DatumArrays(
+                tokens=tokens[:-1].astype(np.int32),
+                inputs={"target_tokens": tokens[1:].astype(np.int64)},
+            )
+        )
+    return FwdBwdRequest(SCRATCH, 0, "cross_entropy", False, {}, datums)

@@ -1,0 +1,297 @@
+"""The forward/backward passes of one engine call: rows in, per-datum log-probs and losses out.
+
+Job: run a validated call's items (one tenant's slot each) as passes of at most `pass_tokens`
+token positions (`workers.packing.layout`), and in each pass:
+Step 1: build the rows: each datum's tokens at its piece's place; packed rows restart position
+        ids per sequence (the model then masks block-diagonally), padded rows carry an attention
+        mask instead. Each slot's rows are one routing segment.
+Step 2: run the decoder (every layer but the output one) with the segments bound.
+Step 3: pick each datum's hidden states out of the rows, then compute the log-probability of
+        every target token in chunks of `chunk_tokens` tokens: output layer (its LoRA term per
+        slot included), logsumexp and gather per chunk, recomputed chunk by chunk in the
+        backward. A pass never holds [tokens, vocab] logits, only [chunk, vocab].
+Step 4: each datum's elementwise loss (`workers.losses`); one backward per pass of the sum of
+        the finite losses of training datums, so gradients of every pass add up in the slots.
+
+What the engine's transaction needs back: per item its outputs (or the non-finite error of a
+training item) and which items put gradient into their slot (`PassResults.contributed`).
+
+Invariants: a forward_only item contributes no gradient; a datum whose loss is not finite is
+left out of the backward; a datum's numbers do not depend on which pass, row or position it ran
+in beyond float rounding (≤ 1e-5 in fp32 against one pass per datum).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from protocol.errors import TwinkleError, UserError
+from protocol.tensors import FwdBwdOutput, FwdBwdRequest
+from workers.lora import MultiSlotLoraLinear, Segment, SlotRouting
+from workers.losses import TARGET_TOKENS, get_loss, resolve_config
+from workers.packing import PassLayout, Piece, layout
+
+
+@dataclass
+class PassResults:
+    """One call's results by item, and the items that added gradient to their slot."""
+
+    results: list[FwdBwdOutput | TwinkleError]
+    contributed: set[int] = field(default_factory=set)
+
+
+class PassRunner:
+    """Runs calls on one model with an adapter bank bound through `routing`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        routing: SlotRouting,
+        device: torch.device,
+        *,
+        pass_tokens: int,
+        chunk_tokens: int,
+    ) -> None:
+        get_decoder = getattr(model, "get_decoder", None)
+        decoder = get_decoder() if get_decoder is not None else model.model
+        self.decoder = cast(nn.Module, decoder)
+        self.head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
+        self.routing = routing
+        self.device = device
+        self.pass_tokens = pass_tokens
+        self.chunk_tokens = chunk_tokens
+        # Linear-attention layers (Qwen3.5's Gated DeltaNet) carry a state along the row on the
+        # torch path, so sequences sharing a row would leak into each other: pad those instead.
+        self.packs = not any(name.endswith("linear_attn") for name, _ in model.named_modules())
+
+    def run(self, batch: Sequence[tuple[str, FwdBwdRequest]], slots: Sequence[int]) -> PassResults:
+        """Every item of `batch` (validated; `slots[i]` holds item i's adapter)."""
+        n_items = len(batch)
+        outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in req.datums] for _, req in batch]
+        losses: list[list[torch.Tensor]] = [
+            [torch.zeros(()) for _ in req.datums] for _, req in batch
+        ]
+        contributed: set[int] = set()
+        passes = layout(
+            [
+                (slot, [int(d.tokens.shape[0]) for d in req.datums])
+                for (_, req), slot in zip(batch, slots, strict=True)
+            ],
+            self.pass_tokens,
+            pack=self.packs,
+        )
+        for one_pass in passes:
+            self._run_one(batch, one_pass, outputs, losses, contributed)
+        results: list[FwdBwdOutput | TwinkleError] = []
+        for index in range(n_items):
+            req = batch[index][1]
+            total = float(torch.stack(losses[index]).sum())
+            if not req.forward_only and not math.isfinite(total):
+                results.append(_not_finite("loss", f"loss:sum = {total}"))
+                continue
+            output_type = get_loss(req.loss_fn).output_type
+            results.append(FwdBwdOutput(outputs[index], {"loss:sum": total}, output_type))
+        return PassResults(results, contributed)
+
+    def _run_one(
+        self,
+        batch: Sequence[tuple[str, FwdBwdRequest]],
+        one_pass: PassLayout,
+        outputs: list[list[dict[str, np.ndarray]]],
+        losses: list[list[torch.Tensor]],
+        contributed: set[int],
+    ) -> None:
+        pieces = one_pass.pieces()
+        training = any(not batch[piece.item][1].forward_only for piece in pieces)
+        input_ids, position_ids, attention_mask = self._rows(batch, one_pass)
+        segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
+        with torch.set_grad_enabled(training):
+            with self.routing.bind(segments):
+                hidden = self.decoder(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                ).last_hidden_state
+            selected, token_segments, targets = self._selected(batch, one_pass, pieces, hidden)
+            logprobs = target_logprobs(
+                selected,
+                targets,
+                self.head,
+                token_segments,
+                self.chunk_tokens,
+                recompute=training,
+            )
+            datum_losses: list[torch.Tensor] = []
+            start = 0
+            for piece in pieces:
+                _, req = batch[piece.item]
+                datum = req.datums[piece.datum]
+                target = datum.inputs[TARGET_TOKENS]
+                stop = start + piece.length
+                rows = logprobs[start:stop]
+                datum_lp = rows[:, 0] if target.ndim == 1 else rows[:, : target.shape[1]]
+                start = stop
+                loss_fn = get_loss(req.loss_fn)
+                settings = resolve_config(loss_fn, req.loss_fn_config)
+                inputs = {name: self._tensor(array) for name, array in datum.inputs.items()}
+                elementwise = loss_fn.elementwise(datum_lp, inputs, settings)
+                datum_losses.append(elementwise.sum())
+                outputs[piece.item][piece.datum] = {
+                    "logprobs": _to_numpy(datum_lp),
+                    "elementwise_loss": _to_numpy(elementwise),
+                }
+            values = torch.stack([loss.detach() for loss in datum_losses]).cpu()
+            finite = torch.isfinite(values).tolist()
+            backward: list[torch.Tensor] = []
+            for piece, loss, value, ok in zip(pieces, datum_losses, values, finite, strict=True):
+                losses[piece.item][piece.datum] = value
+                if ok and not batch[piece.item][1].forward_only:
+                    backward.append(loss)
+                    contributed.add(piece.item)
+        if backward:
+            total = torch.stack(backward).sum()
+            if total.requires_grad:
+                # Each `.grad` is a strided view of the bank's flat gradient buffer by design;
+                # autograd adds into it in place, so the layout advice does not apply.
+                with torch.autograd.enforce_grad_layout_policy(False):
+                    total.backward()  # type: ignore[no-untyped-call]
+
+    def _rows(
+        self, batch: Sequence[tuple[str, FwdBwdRequest]], one_pass: PassLayout
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(input ids, position ids or None, attention mask or None) of one pass's rows."""
+        n_rows, width = len(one_pass.rows), one_pass.width
+        input_ids = np.zeros((n_rows, width), dtype=np.int64)
+        if not self.packs:
+            mask = np.zeros((n_rows, width), dtype=np.int64)
+            for row, (piece,) in enumerate(one_pass.rows):
+                tokens = batch[piece.item][1].datums[piece.datum].tokens
+                input_ids[row, : piece.length] = tokens
+                mask[row, : piece.length] = 1
+            return self._long(input_ids), None, self._long(mask)
+        # Packed: positions restart at every sequence and at the padding tail, which the
+        # model's mask then treats as a sequence of its own (never attended by a datum).
+        positions = np.zeros((n_rows, width), dtype=np.int64)
+        for row, pieces in enumerate(one_pass.rows):
+            end = 0
+            for piece in pieces:
+                tokens = batch[piece.item][1].datums[piece.datum].tokens
+                input_ids[row, piece.offset : piece.offset + piece.length] = tokens
+                positions[row, piece.offset : piece.offset + piece.length] = np.arange(piece.length)
+                end = piece.offset + piece.length
+            positions[row, end:] = np.arange(width - end)
+        return self._long(input_ids), self._long(positions), None
+
+    def _selected(
+        self,
+        batch: Sequence[tuple[str, FwdBwdRequest]],
+        one_pass: PassLayout,
+        pieces: list[Piece],
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[Segment], torch.Tensor]:
+        """Each piece's hidden states as token rows, their per-slot segments, and targets."""
+        width = one_pass.width
+        index = np.concatenate(
+            [
+                np.arange(p.row * width + p.offset, p.row * width + p.offset + p.length)
+                for p in pieces
+            ]
+        )
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        selected = flat.index_select(0, self._long(index))
+        targets_k = max(_k(batch[p.item][1].datums[p.datum].inputs[TARGET_TOKENS]) for p in pieces)
+        targets = np.zeros((index.shape[0], targets_k), dtype=np.int64)
+        token_segments: list[Segment] = []
+        start = 0
+        piece_at = 0
+        for slot, row_start, row_stop in one_pass.segments:
+            segment_start = start
+            while piece_at < len(pieces) and pieces[piece_at].row < row_stop:
+                piece = pieces[piece_at]
+                assert piece.row >= row_start
+                target = batch[piece.item][1].datums[piece.datum].inputs[TARGET_TOKENS]
+                block = target.reshape(piece.length, -1)
+                targets[start : start + piece.length, : block.shape[1]] = block
+                start += piece.length
+                piece_at += 1
+            token_segments.append(Segment(slot, segment_start, start))
+        return selected, token_segments, self._long(targets)
+
+    def _long(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        dtype = torch.int64 if array.dtype.kind in "iu" else torch.float32
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
+
+
+def target_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: nn.Module,
+    segments: Sequence[Segment],
+    chunk_tokens: int,
+    *,
+    recompute: bool,
+) -> torch.Tensor:
+    """log softmax(head(hidden))[t, targets[t, k]] for token rows `hidden` [T, H], fp32 [T, K].
+
+    `segments` route the rows to their slots' LoRA term of the output layer (if it has one).
+    Computed `chunk_tokens` rows at a time; with `recompute`, each chunk's logits are dropped
+    after the forward and computed again in the backward, so at most one chunk's [chunk, vocab]
+    logits (and their gradient) exist at once.
+    """
+    chunks: list[torch.Tensor] = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        stop = min(start + chunk_tokens, hidden.shape[0])
+        local = [
+            Segment(s.slot, max(s.start, start) - start, min(s.stop, stop) - start)
+            for s in segments
+            if s.start < stop and s.stop > start
+        ]
+
+        def chunk(x: torch.Tensor, t: torch.Tensor, local: list[Segment] = local) -> torch.Tensor:
+            logits = _head_logits(head, x, local).float()
+            return logits.gather(-1, t) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+        x, t = hidden[start:stop], targets[start:stop]
+        if recompute and torch.is_grad_enabled():
+            part = checkpoint(chunk, x, t, use_reentrant=False, preserve_rng_state=False)
+        else:
+            part = chunk(x, t)
+        chunks.append(part)
+    return torch.cat(chunks, dim=0)
+
+
+def _head_logits(head: nn.Module, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+    if isinstance(head, MultiSlotLoraLinear):
+        y: torch.Tensor = head.base_layer(x)
+        update = head.update(x, segments) if segments else None
+        return y if update is None else y + update
+    logits: torch.Tensor = head(x)
+    return logits
+
+
+def _k(target: np.ndarray) -> int:
+    return 1 if target.ndim == 1 else int(target.shape[1])
+
+
+def _not_finite(what: str, detail: str) -> UserError:
+    return UserError(
+        f"forward_backward: the {what} is not finite ({detail}); check the loss inputs "
+        "(weights, advantages, logprobs) for values too large for float32. This request "
+        "added no gradient."
+    )
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32).numpy()

@@ -154,6 +154,9 @@ async def serve(settings: WorkerSettings) -> None:
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    from workers.passes import pin_malloc_threshold
+
+    pin_malloc_threshold()
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
     try:

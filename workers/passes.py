@@ -295,3 +295,25 @@ def _not_finite(what: str, detail: str) -> UserError:
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def pin_malloc_threshold(size_bytes: int = 1 << 20) -> bool:
+    """Serve allocations of `size_bytes` and more with their own pages (glibc `mallopt`).
+
+    glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after
+    which the per-chunk logits and their temporaries come from the heap, which fragments and
+    keeps growing pass after pass. A fixed threshold returns each chunk's memory when it is
+    freed, so a CPU worker's resident set stays at what a pass needs. No-op off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_mmap_threshold = -3
+        return bool(libc.mallopt(m_mmap_threshold, size_bytes))
+    except (OSError, AttributeError):
+        return False

@@ -32,12 +32,12 @@ Peak: 989 TFLOP/s, dense bf16 of an H100 or H200 (`--peak-tflops`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, Qwen3Config
-from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
@@ -56,37 +55,45 @@ from workers.kernels import linear_attention_path, lora_path  # noqa: E402
 from workers.lora import BASE_SLOT, LoraBank, MultiSlotLoraLinear, Segment, SlotRouting  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
+_GRAD_LAYOUT_RELAXED = getattr(
+    torch.autograd, "enforce_grad_layout_policy", lambda enable: contextlib.nullcontext()
+)
 LOSS_CHUNK_TOKENS = 4096
 
 
+# --tiny: every model at these sizes (and 2 layers, 4 for the hybrid), on the CPU in fp32.
+TINY = dict(
+    hidden_size=64, intermediate_size=128, vocab_size=512, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=32, linear_value_head_dim=32,
+)  # fmt: skip
+
+
 def qwen3_4b(tiny: bool) -> Qwen3Config:
-    if tiny:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512)
-        return Qwen3Config(**shape, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    return Qwen3Config(
+    shape = dict(
         hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
         max_position_embeddings=40960, rope_theta=1_000_000.0,
     )  # fmt: skip
+    if tiny:
+        shape |= {k: v for k, v in TINY.items() if not k.startswith("linear")}
+        shape["num_hidden_layers"] = 2
+    return Qwen3Config(**shape)
 
 
-def qwen3_5_small(tiny: bool) -> Qwen3_5TextConfig:
+def qwen3_5_small(tiny: bool) -> Any:
     """Qwen3.5-0.8B's widths with 8 layers: 6 Gated DeltaNet + 2 full attention."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig  # transformers >= 5.2
+
     layers = 4 if tiny else 8
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    if tiny:
-        return Qwen3_5TextConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=layers, vocab_size=512,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=32, layer_types=types,
-            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
-            linear_value_head_dim=32, tie_word_embeddings=True,
-        )  # fmt: skip
-    return Qwen3_5TextConfig(
+    shape = dict(
         hidden_size=1024, intermediate_size=3584, num_hidden_layers=layers, vocab_size=248320,
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, layer_types=types,
         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
         linear_value_head_dim=128, tie_word_embeddings=True,
     )  # fmt: skip
+    return Qwen3_5TextConfig(**(shape | TINY if tiny else shape))
 
 
 @dataclass
@@ -108,7 +115,10 @@ def build(name: str, config: Any, device: torch.device, dtype: torch.dtype, slot
     started = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):  # random weights made on the device: nothing is copied or saved
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers 4 names it torch_dtype
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.requires_grad_(False).eval()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     matmul_params = sum(m.weight.numel() for m in linears)
@@ -180,12 +190,14 @@ def train_pass(bench: Bench, ids: torch.Tensor, segments: list[Segment] | None) 
     head = model.get_output_embeddings()
     weight = getattr(head, "base_layer", head).weight
     labels = ids.roll(-1, dims=1).reshape(-1)
+    # As the engine calls it: a mask (all ones: rows are full) and no KV cache.
+    common = {"attention_mask": torch.ones_like(ids), "use_cache": False}
     if segments is None:
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-        hidden = model.model(inputs_embeds=embeds).last_hidden_state
+        hidden = model.model(inputs_embeds=embeds, **common).last_hidden_state
     else:
         with bench.routing.bind(segments):
-            hidden = model.model(input_ids=ids).last_hidden_state
+            hidden = model.model(input_ids=ids, **common).last_hidden_state
     flat = hidden.reshape(-1, hidden.shape[-1])
     loss = flat.new_zeros((), dtype=torch.float32)
     for start in range(0, flat.shape[0], LOSS_CHUNK_TOKENS):
@@ -193,7 +205,9 @@ def train_pass(bench: Bench, ids: torch.Tensor, segments: list[Segment] | None) 
         loss = loss + checkpoint(
             _chunk_loss, flat[start:stop], labels[start:stop], weight, use_reentrant=False
         )
-    loss.backward()
+    # The bank's grads are strided views of one buffer: accumulate in place (as the engine does).
+    with _GRAD_LAYOUT_RELAXED(False):
+        loss.backward()
 
 
 def timed(device: torch.device, reps: int, work: Callable[[], None]) -> float:
@@ -230,15 +244,11 @@ def measure(bench: Bench, mode: str, tenants: int, args: argparse.Namespace) -> 
     _KIND[0] = None if mode in ("base", "solo") else mode
 
     def work() -> None:
-        if mode == "base":
-            train_pass(bench, ids, None)
-        elif mode == "solo":
-            for i in range(tenants):
-                train_pass(
-                    bench, ids[i * args.seqs : (i + 1) * args.seqs], [Segment(i, 0, args.seqs)]
-                )
+        if mode == "solo":
+            for i, rows in enumerate(ids.split(args.seqs)):
+                train_pass(bench, rows, [Segment(i, 0, args.seqs)])
         else:
-            train_pass(bench, ids, segments)
+            train_pass(bench, ids, None if mode == "base" else segments)
 
     if mode == "solo":
         row.note = f"{tenants} one-tenant passes, kind {lora_path(bench.device, args.dtype)}"
@@ -250,6 +260,7 @@ def measure(bench: Bench, mode: str, tenants: int, args: argparse.Namespace) -> 
         row.note = "out of memory"
     except Exception as exc:  # one failing kind must not end the run: report it in the table
         row.note = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+    gc.collect()  # what a failed pass left behind
     bench.bank.grads.zero_()
     if bench.device.type == "cuda":
         row.peak_gb = torch.cuda.max_memory_allocated(bench.device) / 2**30
@@ -297,11 +308,8 @@ def environment(device: torch.device, dtype: torch.dtype) -> list[str]:
         lines.append(
             f"GPU {props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
         )
-    found = [
-        p
-        for p in ("fla", "causal_conv1d", "kernels", "flash_attn", "triton")
-        if importlib.util.find_spec(p)
-    ]
+    optional = ("fla", "causal_conv1d", "kernels", "flash_attn", "triton")
+    found = [name for name in optional if importlib.util.find_spec(name)]
     lines.append(f"optional kernel packages importable: {', '.join(found) or 'none'}")
     reason = lora_kernels.grouped_unavailable_reason(device, dtype, (8,))
     lines.append(f"grouped GEMM: {'available' if reason is None else reason}")
@@ -317,12 +325,7 @@ def spot_check(device: torch.device, dtype: torch.dtype, kinds: list[str]) -> li
     lora_A = (torch.randn(6, RANK, in_f, generator=gen) / in_f**0.5).to(device)
     lora_B = (torch.randn(6, out_f, RANK, generator=gen) / RANK**0.5).to(device)
     q = rows // 4
-    segments = [
-        (5, 0, q, 2.0),
-        (BASE_SLOT, q, 2 * q, 0.0),
-        (1, 2 * q, 3 * q, 1.5),
-        (2, 3 * q, rows, 2.0),
-    ]
+    segments = [(5, 0, q, 2.0), (BASE_SLOT, q, 2 * q, 0.0), (1, 2 * q, 3 * q, 1.5), (2, 3 * q, rows, 2.0)]  # fmt: skip
     results, lines = {}, []
     for kind in list(kinds):
         inputs = [t.clone().requires_grad_() for t in (x, lora_A, lora_B)]
@@ -362,8 +365,6 @@ def main() -> None:
     args.reps = args.reps or (1 if args.tiny else 3)
     started = time.monotonic()
     deadline = started + args.budget_s
-    # LoraBank's grads are strided views of one buffer; autograd notes it on every backward.
-    warnings.filterwarnings("ignore", message=".*gradient layout contract.*")
     if args.tiny:
         torch.set_num_threads(1)
         device, dtype = torch.device("cpu"), torch.float32
@@ -390,17 +391,26 @@ def main() -> None:
         if time.monotonic() > deadline:
             print(f"[{name}] skipped: past the time budget")
             continue
-        bench = build(name, make_config(args.tiny), device, dtype, max(tenants))
+        try:
+            config = make_config(args.tiny)
+        except ImportError as exc:
+            print(f"[{name}] skipped: this transformers cannot build it: {exc}")
+            continue
+        try:
+            bench = build(name, config, device, dtype, max(tenants))
+        except Exception as exc:  # e.g. out of memory: the next model may still run
+            print(f"[{name}] could not be built: {type(exc).__name__}: {exc}", flush=True)
+            continue
         modes = kinds if key == "qwen3" else [lora_path(device, dtype)]
         print(HEADER, flush=True)
         for mode in ["base", *modes, "solo"]:
             for n in tenants:
-                if time.monotonic() > deadline:
-                    print(
-                        format_row(Row(name, mode, n, 0, note="skipped: time budget"), bench, args)
-                    )
-                    continue
-                print(format_row(measure(bench, mode, n, args), bench, args), flush=True)
+                row = (
+                    measure(bench, mode, n, args)
+                    if time.monotonic() < deadline
+                    else Row(name, mode, n, 0, note="skipped: time budget")
+                )
+                print(format_row(row, bench, args), flush=True)
         del bench
         gc.collect()
         if device.type == "cuda":

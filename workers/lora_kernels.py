@@ -46,7 +46,7 @@ SegmentSpec = tuple[int, int, int, float]  # (slot, start, stop, scale)
 _BASE_SLOT = -1  # `workers.lora.BASE_SLOT`; not imported, so this module has no model imports
 
 GroupedMM = Callable[..., torch.Tensor]
-# The public name first (torch >= 2.9); the private op MoE code calls on older releases.
+# The public name where torch has it, else the private op that MoE code calls.
 _GROUPED_MM: GroupedMM | None = cast(
     "GroupedMM | None", getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 )

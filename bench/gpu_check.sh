@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU check of the trainer's compute paths, in under 5 minutes, offline: reports the machine and
+# what is installed, then runs bench/gpu_bench.py (random Qwen3-4B and small Qwen3.5 shapes,
+# LoRA kinds loop / gather / grouped, N = 1, 4, 16 tenants) and prints its table.
+#
+# Run from anywhere on a machine with the project checked out and a Python with a CUDA build
+# of torch:   bash bench/gpu_check.sh [gpu_bench.py options]
+#
+# Python packages the benchmark needs: torch (CUDA build, >= 2.8 for the grouped GEMM kind) and
+# transformers >= 5 (Qwen3 and Qwen3.5 models). That is all: it imports `workers.lora`,
+# `workers.lora_kernels` and `workers.kernels` from this checkout (PYTHONPATH), which need only
+# torch. `pip install -e .[worker]` gives the whole worker; optional, for Qwen3.5's fused linear
+# attention: `flash-linear-attention` and `causal-conv1d`. Nothing is installed unless
+# GPU_CHECK_PIP=1 (the machine may not reach PyPI): missing packages are reported instead.
+#
+# Environment: PYTHON (default python3, then python), GPU_BENCH_TIMEOUT_S (default 280).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# A checkout's .venv is a CPU environment: never pick it up here.
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+TIMEOUT_S=${GPU_BENCH_TIMEOUT_S:-280}
+# `--tiny` runs the same script on the CPU (how it is checked without a GPU).
+GPU_CHECK_NEEDS_CUDA=1
+for arg in "$@"; do [ "$arg" = "--tiny" ] && GPU_CHECK_NEEDS_CUDA=0; done
+export GPU_CHECK_NEEDS_CUDA
+
+echo "== machine"
+date -u +"%Y-%m-%dT%H:%M:%SZ"
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader \
+    2>/dev/null || echo "nvidia-smi: not available"
+echo "python: $PY ($("$PY" --version 2>&1))"
+
+if [ "${GPU_CHECK_PIP:-0}" = "1" ]; then
+    echo "== pip install (GPU_CHECK_PIP=1)"
+    "$PY" -m pip install -q -e ".[worker]" || echo "pip install -e .[worker] failed"
+    "$PY" -m pip install -q flash-linear-attention causal-conv1d \
+        || echo "flash-linear-attention / causal-conv1d: not installed"
+fi
+
+echo "== packages"
+"$PY" - <<'EOF'
+import importlib.metadata as md
+import importlib.util
+
+required = {"torch": "torch", "transformers": "transformers"}
+optional = {
+    "fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d", "kernels": "kernels",
+    "flash_attn": "flash-attn", "triton": "triton",
+}
+missing = []
+for table, label in ((required, "required"), (optional, "optional")):
+    for module, dist in table.items():
+        if importlib.util.find_spec(module) is None:
+            print(f"{label:9} {dist:24} MISSING")
+            if label == "required":
+                missing.append(dist)
+            continue
+        try:
+            version = md.version(dist)
+        except md.PackageNotFoundError:
+            version = "?"
+        print(f"{label:9} {dist:24} {version}")
+if missing:
+    raise SystemExit(f"cannot run the benchmark without: {', '.join(missing)}")
+import os
+
+import torch
+
+print(f"torch.cuda.is_available() = {torch.cuda.is_available()}, CUDA {torch.version.cuda}")
+if not torch.cuda.is_available() and os.environ["GPU_CHECK_NEEDS_CUDA"] == "1":
+    raise SystemExit("no usable CUDA device for this torch build")
+EOF
+status=$?
+if [ $status -ne 0 ]; then
+    echo "gpu_check: environment not usable (exit $status)"
+    exit $status
+fi
+
+echo "== bench/gpu_bench.py (timeout ${TIMEOUT_S}s)"
+timeout --signal=INT --kill-after=15 "$TIMEOUT_S" "$PY" bench/gpu_bench.py "$@"
+status=$?
+if [ $status -eq 124 ] || [ $status -eq 130 ]; then
+    echo "gpu_check: the benchmark ran past ${TIMEOUT_S}s; the rows above are what finished"
+fi
+echo "gpu_check: exit $status"
+exit $status

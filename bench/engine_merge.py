@@ -154,12 +154,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--lora-kind", choices=["loop", "gather"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab, args.hidden, args.layers)
         kwargs = {} if args.token_budget is None else {"pass_tokens": args.token_budget}
         engine = Engine(str(model), max_slots=16, max_rank=16, **kwargs)  # type: ignore[arg-type]
+        engine.bank.set_kind(args.lora_kind)
         for i in range(16):
             engine.create(f"t{i}", LoraConfig(rank=16, seed=i))
         print(

@@ -168,7 +168,7 @@ def test_a_flooding_tenant_takes_one_op_per_round_and_the_light_one_goes_first()
     offer(seq, fwd_of("light", "small", 1, 100))
     offer(seq, opt("light", 2))
 
-    cycle = plan(seq.ready(), token_budget=300, served={"heavy": 5000.0})
+    cycle = plan(seq.ready(), token_budget=300, served={"tenant:heavy": 5000.0})
     picked = [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass]
     assert picked[0] == ("light", 1), "the least-served tenant leads the call"
     assert picked == [("light", 1), ("flood", 1), ("flood", 2)]
@@ -202,8 +202,22 @@ def test_rounds_give_every_model_an_op_before_any_gets_a_second(
 
 def test_fair_share_decays_by_its_half_life() -> None:
     share = FairShare(half_life_s=10.0)
-    share.record({"a": 1000}, now=0.0)
-    share.record({"b": 10}, now=10.0)
-    assert share.tokens["a"] == pytest.approx(500.0) and share.tokens["b"] == 10
+    share.record([("a", "m1", 1000)], now=0.0)
+    share.record([("b", "m2", 10)], now=10.0)
+    assert share.tokens["tenant:a"] == pytest.approx(500.0) == share.tokens["model:m1"]
+    assert share.tokens["tenant:b"] == 10
     share.decay(now=200.0)
     assert share.tokens == {}
+
+
+def test_within_one_tenant_the_less_served_model_goes_first() -> None:
+    seq: Sequencer[str] = Sequencer()
+    for model in ("busy", "quiet"):
+        offer(seq, create(model))
+        seq.applied(create(model))
+    offer(seq, fwd_of("busy", "same", 1, 200))
+    offer(seq, fwd_of("quiet", "same", 1, 200))
+    share = FairShare()
+    share.record([("same", "busy", 4000)], now=0.0)
+    cycle = plan(seq.ready(), token_budget=300, served=share.tokens)
+    assert [p.job.model_id for p in cycle.shared_pass] == ["quiet"]

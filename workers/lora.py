@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from protocol.errors import ServerError
+from workers.lora_kernels import LoraKind, segment_lora
 
 LayerGroup = Literal["attn", "mlp", "unembed"]
 LAYER_GROUPS: tuple[LayerGroup, ...] = ("attn", "mlp", "unembed")
@@ -130,6 +130,7 @@ class MultiSlotLoraLinear(nn.Module):
         # Shared with the bank (one list per layer group): alpha/rank, or 0 where not trained.
         self.slot_scales = slot_scales
         self.routing = routing
+        self.kind: LoraKind | None = None  # how `update` computes (None: the device's best)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base_layer(x)
@@ -148,28 +149,23 @@ class MultiSlotLoraLinear(nn.Module):
     ) -> torch.Tensor | None:
         """The LoRA term of rows `x` (segments index dim 0), or None where no row has one.
 
-        Also called directly on token rows by the engine's chunked output layer.
+        Also called directly on token rows by the engine's chunked output layer. The maths is
+        `workers.lora_kernels.segment_lora`, in the kind `self.kind` (None: the device's best).
         """
         out = self.base_layer.out_features if out_features is None else out_features
-        # One unbind per layer: its backward stacks the per-slot gradients into a single
-        # [S, ...] tensor (zeros for slots absent from the pass) instead of one per segment.
-        a_slots = self.lora_A.unbind(0)
-        b_slots = self.lora_B.unbind(0)
-        updates: list[torch.Tensor] = []
-        any_trained = False
+        per_row = 1
+        for size in x.shape[1:-1]:
+            per_row *= size
+        specs = []
         for segment in segments:
-            x_rows = x[segment.start : segment.stop]
             scale = 0.0 if segment.slot == BASE_SLOT else self.slot_scales[segment.slot]
-            if scale == 0.0:
-                updates.append(x_rows.new_zeros(*x_rows.shape[:-1], out))
-                continue
-            any_trained = True
-            # Scale the rank-r intermediate rather than the [*, out] result: same value, less work.
-            shrunk = F.linear(x_rows, a_slots[segment.slot].to(x.dtype)) * scale
-            updates.append(F.linear(shrunk, b_slots[segment.slot].to(x.dtype)))
-        if not any_trained:
+            if scale != 0.0:
+                specs.append((segment.slot, segment.start * per_row, segment.stop * per_row, scale))
+        if not specs:
             return None
-        return torch.cat(updates, dim=0)
+        flat = x.reshape(-1, x.shape[-1])
+        update = segment_lora(flat, self.lora_A, self.lora_B, specs, kind=self.kind)
+        return update.view(*x.shape[:-1], out)
 
 
 @dataclass(frozen=True)
@@ -221,6 +217,11 @@ class LoraBank:
         self.layers: dict[str, MultiSlotLoraLinear] = {}
         for layout in self.layouts:
             self._wrap(model, layout)
+
+    def set_kind(self, kind: LoraKind | None) -> None:
+        """How every wrapped linear computes its LoRA term (None: the device's best)."""
+        for layer in self.layers.values():
+            layer.kind = kind
 
     def _wrap(self, model: nn.Module, layout: LayerLayout) -> None:
         lora_A = nn.Parameter(self._stacked_a(self.weights, layout))

@@ -17,8 +17,8 @@ Invariants:
   expand), so in fp32 they agree to rounding.
 
 Kinds:
-- "loop": one pair of `F.linear` per active segment (the code `workers.lora` has always run);
-  the fastest on a CPU, where one segment already fills a core.
+- "loop": one pair of `F.linear` per active segment: a CPU's choice for a few segments,
+  where one segment already fills a core (`choose_kind` gathers from four on).
 - "gather": the active segments' rows gathered into a zero-padded `[n, L, in]` batch (a free
   view when the segments are back to back and of equal length) and one `bmm` per matrix.
 - "grouped": torch's grouped GEMM over the active rows with per-segment offsets, one call per
@@ -43,6 +43,7 @@ LoraKind = Literal["loop", "gather", "grouped"]
 LORA_KINDS: tuple[LoraKind, ...] = ("loop", "gather", "grouped")
 SegmentSpec = tuple[int, int, int, float]  # (slot, start, stop, scale)
 
+_CPU_GATHER_FROM = 4  # active segments from which a CPU pass gathers instead of looping
 _BASE_SLOT = -1  # `workers.lora.BASE_SLOT`; not imported, so this module has no model imports
 
 GroupedMM = Callable[..., torch.Tensor]
@@ -80,7 +81,9 @@ def segment_lora(
     active = _active_segments(segments, n_rows=x.shape[0], n_slots=n_slots)
     if not active:
         return x.new_zeros(x.shape[0], out_features)
-    chosen = kind or choose_kind(x.device, x.dtype, shapes=(in_features, out_features, rank))
+    chosen = kind or choose_kind(
+        x.device, x.dtype, shapes=(in_features, out_features, rank), n_segments=len(active)
+    )
     if chosen == "loop":
         return _loop(x, lora_A, lora_B, active)
     if chosen == "gather":
@@ -94,11 +97,17 @@ def segment_lora(
 
 
 def choose_kind(
-    device: torch.device, dtype: torch.dtype, *, shapes: tuple[int, ...] = ()
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    shapes: tuple[int, ...] = (),
+    n_segments: int = 1,
 ) -> LoraKind:
-    """The kind `segment_lora` runs by default: grouped where available, loop on a CPU."""
+    """The kind `segment_lora` runs by default: grouped where available; on a CPU, loop for a
+    few segments and gather from `_CPU_GATHER_FROM` on (one bmm beats many small matmuls:
+    16 tenants of 32 tokens, `bench/engine_merge.py`, pass 1.38x → 1.19x a one-tenant pass)."""
     if device.type != "cuda":
-        return "loop"
+        return "gather" if n_segments >= _CPU_GATHER_FROM else "loop"
     if grouped_unavailable_reason(device, dtype, shapes) is None:
         return "grouped"
     return "gather"

@@ -8,14 +8,15 @@ model only. Tombstones (calls the gateway refused) run nothing: they are settled
 stand in a model's line, so they never hold it up.
 
 Fairness: the call is filled in rounds, one op per model per round, models ordered by how many
-tokens their tenant was served lately (least first; `FairShare` keeps that count, decaying). So
-a tenant flooding the queue takes at most one op per round, a light tenant's op joins the very
-next call, and a tenant's share of a crowded cycle does not grow with its backlog.
+tokens their tenant was served lately, then by how many the model itself was (least first;
+`FairShare` keeps those counts, decaying). So a tenant flooding the queue takes at most one op
+per round, a light tenant's op (or a tenant's light model) leads the very next call, and a
+share of a crowded cycle does not grow with a backlog.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -52,11 +53,17 @@ def plan(
     docstring), while the budget allows (a call always takes at least one op, however large).
     Its optim_step joins only when its whole prefix did. A forward_backward whose tenant's rate
     limit holds it until `not_before` > `now` stops its model's run there; `wake_at` says when
-    to plan again. `served`: recent tokens by tenant_id (none: first come, first served).
+    to plan again. `served`: recent tokens by `FairShare.key` of tenant and of model (none:
+    first come, first served).
     """
     cycle: Cycle[H] = Cycle()
     share = served or {}
-    order = sorted(ready, key=lambda model_id: share.get(ready[model_id][0].job.tenant_id, 0.0))
+
+    def lately(model_id: str) -> tuple[float, float]:
+        tenant = FairShare.key("tenant", ready[model_id][0].job.tenant_id)
+        return share.get(tenant, 0.0), share.get(FairShare.key("model", model_id), 0.0)
+
+    order = sorted(ready, key=lately)
     position = dict.fromkeys(order, 0)  # each model's next op
     ran_work = dict.fromkeys(order, False)  # whether a model has work in this cycle's call
     open_models = list(order)
@@ -101,10 +108,9 @@ def plan(
 
 
 class FairShare:
-    """Tokens served per tenant lately: an exponentially decaying count (half-life in seconds).
-
-    The scheduler orders tenants by it; the service records each call's tokens.
-    """
+    """Tokens served lately per tenant and per model: exponentially decaying counts (half-life
+    in seconds), keyed by `key`. The scheduler orders models by them; the service records each
+    call's tokens."""
 
     def __init__(self, half_life_s: float = 10.0) -> None:
         if half_life_s <= 0:
@@ -113,11 +119,16 @@ class FairShare:
         self.tokens: dict[str, float] = {}
         self._at = 0.0
 
-    def record(self, served: Mapping[str, int], now: float) -> None:
-        """Add each tenant's tokens of a call that ran at `now` (seconds, monotonic)."""
+    @staticmethod
+    def key(kind: str, name: str) -> str:
+        return f"{kind}:{name}"
+
+    def record(self, served: Iterable[tuple[str, str, int]], now: float) -> None:
+        """Add the (tenant_id, model_id, tokens) of a call that ran at `now` (s, monotonic)."""
         self.decay(now)
-        for tenant_id, count in served.items():
-            self.tokens[tenant_id] = self.tokens.get(tenant_id, 0.0) + count
+        for tenant_id, model_id, count in served:
+            for key in (self.key("tenant", tenant_id), self.key("model", model_id)):
+                self.tokens[key] = self.tokens.get(key, 0.0) + count
 
     def decay(self, now: float) -> None:
         factor = 0.5 ** (max(0.0, now - self._at) / self.half_life_s)

@@ -381,11 +381,14 @@ class TrainerService:
         started = time.perf_counter()
         if cycle.shared_pass:
             self.pass_models.append(len({item.job.model_id for item in cycle.shared_pass}))
-            served: dict[str, int] = {}
-            for item in cycle.shared_pass:
-                assert isinstance(item.job, ForwardBackwardJob)
-                served[item.job.tenant_id] = served.get(item.job.tenant_id, 0) + item.job.n_tokens
-            self.fair_share.record(served, time.monotonic())
+            self.fair_share.record(
+                [
+                    (item.job.tenant_id, item.job.model_id, item.job.n_tokens)
+                    for item in cycle.shared_pass
+                    if isinstance(item.job, ForwardBackwardJob)
+                ],
+                time.monotonic(),
+            )
             await self._run(cycle.shared_pass, self.ops.shared_pass)
         if cycle.optim_steps:
             await self._run(cycle.optim_steps, self.ops.optim_steps)

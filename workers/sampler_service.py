@@ -120,11 +120,15 @@ class TorchBackend:
                 )
                 self._waiters.update(zip(stepped.tickets, queued, strict=True))
                 queued = []
-                answered = [self._waiters.pop(t, None) for t, _ in stepped.finished]
-                if stepped.failed:
-                    ids = [waiter[0].job.request_id for waiter in answered if waiter is not None]
-                    log.error("the failed sampling step held request_ids %s", ids)
-                for waiter, (_, result) in zip(answered, stepped.finished, strict=True):
+                results = stepped.finished
+                if stepped.failed:  # the sampler dropped everything it held
+                    log.error(
+                        "a sampling step failed; failing request_ids %s",
+                        [item.job.request_id for item, _ in self._waiters.values()],
+                    )
+                    results = [(ticket, ServerError(_FAILED)) for ticket in self._waiters]
+                for ticket, result in results:
+                    waiter = self._waiters.pop(ticket, None)
                     if waiter is not None and not waiter[1].done():
                         waiter[1].set_result(result)
                 busy = stepped.busy
@@ -148,9 +152,9 @@ class TorchBackend:
         try:
             return _Stepped(tickets, self.sampler.step(), self.sampler.busy)
         except Exception:
-            log.exception("a sampling step failed; failing every request in the sampler")
-            failed = [(ticket, ServerError(_FAILED)) for ticket in self.sampler.abort()]
-            return _Stepped(tickets, failed, busy=False, failed=True)
+            log.exception("a sampling step failed")
+            self.sampler.abort()
+            return _Stepped(tickets, [], busy=False, failed=True)
 
 
 @dataclass
@@ -160,7 +164,7 @@ class _Stepped:
     tickets: list[int]  # for the items it submitted, in order
     finished: Sequence[tuple[int, SampleOutput | TwinkleError]]  # (ticket, answer)
     busy: bool  # requests still waiting or generating
-    failed: bool = False  # the step raised; `finished` fails everything it held
+    failed: bool = False  # the step raised, and the sampler dropped every request it held
 
 
 class VllmBackend:

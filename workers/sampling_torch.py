@@ -124,14 +124,11 @@ class TorchSampler:
                 finished += self._advance(self._running)
         return finished
 
-    def abort(self) -> list[int]:
-        """Drop every waiting and generating request (after a failed step); their tickets."""
-        requests = list(self._waiting)
-        if self._running is not None:
-            requests += [row.request for row in self._running.rows]
+    def abort(self) -> None:
+        """Drop every waiting and generating request: after a failed step, whose requests may
+        be half-way through it, nothing in the sampler is answered."""
         self._waiting.clear()
         self._running = None
-        return list(dict.fromkeys(request.ticket for request in requests))
 
     def sample(self, requests: list[tuple[SampleSpec, str | None]]) -> list[SampleOutput]:
         """One output per (spec, adapter key or None for the base model), in request order,

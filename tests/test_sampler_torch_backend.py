@@ -103,6 +103,17 @@ async def test_a_late_request_is_answered_first_and_training_runs_between_steps(
     await driver_gone()
 
 
+async def test_callers_answered_by_one_step(tiny_qwen3: Path, executor: ThreadPoolExecutor) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    backend = TorchBackend(TorchSampler(engine), engine, executor)
+    spec = SampleSpec(prompt(54, 4), max_tokens=3, temperature=0.0, stop_at_eos=False)
+    calls = [backend.sample_many([prepared(spec)]) for _ in range(3)]
+    outputs = [output for [output] in await asyncio.gather(*calls)]
+    assert all(isinstance(output, SampleOutput) for output in outputs)
+    assert outputs[0] == outputs[1] == outputs[2]
+    await driver_gone()
+
+
 async def test_a_failed_step_fails_its_requests_and_sampling_goes_on(
     tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -102,10 +102,11 @@ class TorchBackend:
             for answer in answers:
                 answer.cancel()  # a no-op once answered
             awaited = [answer for _, answer in [*self._queued, *self._waiters.values()]]
-            if all(answer.done() for answer in awaited):
+            driver = self._driver  # None if another caller that finished at once stopped it
+            if driver is not None and all(answer.done() for answer in awaited):
                 # Nobody waits: stop driving (the service may be stopping). A later item starts
                 # a fresh driver; rows left in the sampler finish in its steps, unanswered.
-                self._driver.cancel()
+                driver.cancel()
                 self._driver = None
 
     async def _drive(self) -> None:

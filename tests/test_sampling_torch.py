@@ -1,6 +1,7 @@
 """The torch sampler on the engine's multi-slot model (fp32, CPU, tiny models built offline):
 logprobs against the engine's own forward, snapshot isolation from training, seeds, stops,
-batch composition, and snapshot slots.
+batch composition, snapshot slots, and continuous batching (requests joining a running
+generation step by step, snapshots evicted between steps, caches that cannot merge).
 """
 
 from __future__ import annotations

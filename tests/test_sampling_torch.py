@@ -1,10 +1,13 @@
 """The torch sampler on the engine's multi-slot model (fp32, CPU, tiny models built offline):
 logprobs against the engine's own forward, snapshot isolation from training, seeds, stops,
-batch composition, and snapshot slots.
+batch composition, snapshot slots, and continuous batching (requests joining a running
+generation step by step, snapshots evicted between steps, caches that cannot merge).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from protocol.errors import NotFound
 from protocol.sampling import SampleOutput, SampleSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine import Engine
+from workers.sampling_batch import mergeable
 from workers.sampling_torch import TorchSampler
 from workers.tiny_model import EOS_ID, build_tiny_model
 
@@ -357,3 +361,142 @@ def test_qwen3_5_batches_with_its_recurrent_cache(
     assert output.prompt_logprobs is not None
     assert max_diff(output.prompt_logprobs[1:], expected[: len(spec.prompt) - 1]) <= TOLERANCE
     assert max_diff(output.sequences[0].logprobs, expected[len(spec.prompt) - 1 :]) <= TOLERANCE
+
+
+# -- continuous batching ------------------------------------------------------------------------
+
+
+def run_alone(sampler: TorchSampler, spec: SampleSpec, key: str | None) -> SampleOutput:
+    [output] = sampler.sample([(spec, key)])
+    return output
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_a_request_joins_the_running_generation_at_the_next_step(
+    arch: str, make_setup: Callable[..., Setup], tiny_qwen3_5: Path, tmp_path: Path
+) -> None:
+    engine, sampler = make_setup(**({"model": tiny_qwen3_5} if arch == "qwen3_5" else {}))
+    sampler.load_adapter("a", adapter(engine, "src-a", 20, tmp_path / "a"))
+    sampler.load_adapter("b", adapter(engine, "src-b", 21, tmp_path / "b"))
+    first = SampleSpec(prompt(20, 4), num_samples=2, max_tokens=12, seed=5, stop_at_eos=False)
+    late = [  # longer and shorter prompts than the running rows' width, other adapters
+        (SampleSpec(prompt(21, 9), max_tokens=3, seed=6, prompt_logprobs=True), "b"),
+        (SampleSpec(prompt(22, 2), num_samples=2, max_tokens=4, seed=7, top_p=0.9), None),
+        (SampleSpec(prompt(23, 5), max_tokens=2, temperature=0.0, stop_at_eos=False), "a"),
+    ]
+    alone = [run_alone(sampler, first, "a"), *(run_alone(sampler, *r) for r in late)]
+
+    ticket = sampler.submit(first, "a")
+    for _ in range(4):
+        assert sampler.step() == []
+    late_tickets = [sampler.submit(spec, key) for spec, key in late]
+    finished: dict[int, int] = {}  # ticket -> the step (counted from the late arrival) it ended
+    answers: dict[int, SampleOutput | Exception] = {}
+    steps = 0
+    while sampler.busy:
+        steps += 1
+        for done, answer in sampler.step():
+            finished[done], answers[done] = steps, answer
+    # Each late request joined at the next step and took one step per token; the first request
+    # ran on meanwhile and finished last.
+    assert [finished[t] for t in late_tickets] == [spec.max_tokens for spec, _ in late]
+    assert finished[ticket] == first.max_tokens - 4 == steps
+    for done, want in zip([ticket, *late_tickets], alone, strict=True):
+        got = answers[done]
+        assert isinstance(got, SampleOutput)
+        assert_same(got, want)
+
+
+def test_evicted_snapshots_come_back_between_steps(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup(max_slots=3)
+    directories = [adapter(engine, f"src{i}", 30 + i, tmp_path / f"s{i}") for i in range(3)]
+    for model_id in ("src1", "src2"):
+        engine.release(model_id)
+    sampler.load_adapter("s1", directories[1])
+    sampler.load_adapter("s2", directories[2])
+    requests = [
+        (SampleSpec(prompt(30, 5), max_tokens=8, seed=1, stop_at_eos=False), "s1"),
+        (SampleSpec(prompt(31, 3), max_tokens=8, seed=2, stop_at_eos=False), "s2"),
+        (SampleSpec(prompt(32, 4), max_tokens=8, seed=3, stop_at_eos=False), None),
+    ]
+    alone = [run_alone(sampler, *request) for request in requests]
+
+    tickets = [sampler.submit(spec, key) for spec, key in requests]
+    sampler.step()
+    # A training call between two steps takes a slot: only one snapshot fits now, and the
+    # least recently used one is evicted. The rows step in two groups, reloading as they go.
+    engine.create("t1", LoraConfig(rank=4, seed=1))
+    assert engine.snapshot_capacity() == 1
+    answers: dict[int, SampleOutput | Exception] = {}
+    while sampler.busy:
+        answers.update(sampler.step())
+    for ticket, want in zip(tickets, alone, strict=True):
+        got = answers[ticket]
+        assert isinstance(got, SampleOutput)
+        assert_same(got, want)
+    assert engine.has("src0") and engine.has("t1")
+
+
+def test_waiting_for_a_snapshot_slot_keeps_arrival_order(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup(max_slots=2)
+    directories = [adapter(engine, f"src{i}", 40 + i, tmp_path / f"s{i}") for i in range(2)]
+    engine.release("src1")  # one tenant (src0), room for one snapshot
+    spec = SampleSpec(prompt(40, 3), max_tokens=3, temperature=0.0, stop_at_eos=False)
+    sampler.submit(spec, "s1", directories[1])
+    sampler.step()
+    blocked = sampler.submit(spec, "s0", directories[0])  # needs a second snapshot slot
+    later_s1 = sampler.submit(spec, "s1")  # its snapshot is running, but it came later
+    base = sampler.submit(spec, None)  # needs no slot: passes
+    order = []
+    while sampler.busy:
+        order += [ticket for ticket, _ in sampler.step()]
+    assert order.index(base) < order.index(blocked) < order.index(later_s1)
+
+
+def test_never_loaded_adapter_fails_only_its_request(make_setup: Callable[..., Setup]) -> None:
+    _, sampler = make_setup()
+    spec = SampleSpec(prompt(41, 3), max_tokens=2, temperature=0.0)
+    good, bad = sampler.submit(spec, None), sampler.submit(spec, "never-loaded")
+    answers: dict[int, SampleOutput | Exception] = {}
+    while sampler.busy:
+        answers.update(sampler.step())
+    assert isinstance(answers[bad], NotFound) and isinstance(answers[good], SampleOutput)
+
+
+def test_a_cache_that_cannot_merge_joins_only_an_empty_batch(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    sliding = tmp_path / "sliding"
+    shutil.copytree(tiny_qwen3, sliding)
+    config = json.loads((sliding / "config.json").read_text())
+    config.update(
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    (sliding / "config.json").write_text(json.dumps(config))
+    assert mergeable(Engine(str(tiny_qwen3), max_slots=1, max_rank=8).model.config)
+    engine = Engine(str(sliding), max_slots=1, max_rank=8)
+    assert not mergeable(engine.model.config)
+    sampler = TorchSampler(engine)
+    first = SampleSpec(prompt(42, 3), max_tokens=6, seed=1, stop_at_eos=False)
+    late = SampleSpec(prompt(43, 7), max_tokens=2, seed=2, stop_at_eos=False)
+    alone = [run_alone(sampler, first, None), run_alone(sampler, late, None)]
+    tickets = [sampler.submit(first, None)]
+    sampler.step()
+    tickets.append(sampler.submit(late, None))
+    order, answers = [], {}
+    while sampler.busy:
+        for ticket, answer in sampler.step():
+            order.append(ticket)
+            answers[ticket] = answer
+    assert order == tickets  # the late request waited for the running one
+    for ticket, want in zip(tickets, alone, strict=True):
+        got = answers[ticket]
+        assert isinstance(got, SampleOutput)
+        assert_same(got, want)

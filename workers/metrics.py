@@ -146,7 +146,7 @@ class SamplerMetrics:
         )
         self.batch_seconds = Histogram(
             "twinkle_sampler_batch_seconds",
-            "Sampling time of one batch of requests (one generation for torch).",
+            "Sampling time of one batch of requests (one request with the continuous samplers).",
             buckets=SECONDS_BUCKETS,
             registry=r,
         )

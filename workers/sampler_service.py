@@ -2,12 +2,16 @@
 
 Every sampler of a pool (the torch sampler inside a trainer, or a vLLM sampler process) reads
 the shared durable consumer `sample-<pool>` on the work-queue stream `TW_SAMPLE`, so each job is
-taken once. Two backend shapes:
-- batched (torch): everything waiting is run as one generation on the engine's thread;
-- concurrent (vLLM): each job is submitted at once and the engine batches continuously.
+taken once. Both backends are concurrent: each job is submitted at once, the engine batches
+continuously, and each job is answered as soon as its request is done:
+- torch (`TorchBackend`): jobs join the trainer's running generation at its next step, one
+  step per call on the engine's thread, between training calls (`workers.sampling_torch`);
+- vLLM (`VllmBackend`): each job is one request of the vLLM engine.
+(A backend that is not `concurrent` gets everything waiting as one `sample_many` call, served
+one call at a time.)
 A sampling session names an immutable sampler checkpoint; adapters load by its path and are
 cached by it, so training never changes what a session samples.
-Every answered request, batch time and generated token is observed on `self.metrics`.
+Every answered request, its time (`observe_batch` of one) and generated token is observed on `self.metrics`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,8 @@ from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
+_FAILED = "the sampler failed on this request; see the sampler log"
+
 
 @dataclass
 class Prepared:
@@ -45,6 +52,9 @@ class Prepared:
     spec: SampleSpec
     adapter_dir: Path | None
     adapter_key: str | None = None  # names the adapter's content: a cache key that never goes stale
+
+
+Answer = asyncio.Future[SampleOutput | TwinkleError]
 
 
 class SamplerBackend(Protocol):
@@ -59,39 +69,103 @@ class SamplerBackend(Protocol):
 
 
 class TorchBackend:
-    """The trainer's torch sampler: one batched generation per wake-up, on the engine thread."""
+    """The trainer's torch sampler, batching continuously on the engine thread.
+
+    `sample_many` queues its items and awaits their answers. One driver task (started by the
+    first item, ended when nothing is waiting or generating) hands every newly queued item to the
+    sampler and runs one `TorchSampler.step` per executor call, so the engine's single thread
+    interleaves training calls between two steps; each answer resolves its future as soon as
+    the step that finished it returns. A step that raises fails every request in the sampler.
+    """
 
     name = "torch"
-    concurrent = False
+    concurrent = True
 
     def __init__(self, sampler: Any, engine: Any, executor: Executor) -> None:
         self.sampler = sampler
         self.executor = executor
         self.vocab_size = int(engine.vocab_size)
         self.max_context = int(engine.max_context)
-
-    def _run(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
-        results: list[SampleOutput | TwinkleError | None] = [None] * len(items)
-        requests: list[tuple[SampleSpec, str | None]] = []
-        index: list[int] = []
-        for i, item in enumerate(items):
-            key = item.adapter_key
-            try:
-                if key is not None and not self.sampler.has_adapter(key):
-                    assert item.adapter_dir is not None
-                    self.sampler.load_adapter(key, item.adapter_dir)
-            except TwinkleError as err:
-                results[i] = err
-                continue
-            requests.append((item.spec, key))
-            index.append(i)
-        if requests:
-            for i, output in zip(index, self.sampler.sample(requests), strict=True):
-                results[i] = output
-        return [r if r is not None else ServerError("sample produced no result") for r in results]
+        self._queued: list[tuple[Prepared, Answer]] = []
+        self._waiters: dict[int, tuple[Prepared, Answer]] = {}  # by sampler ticket
+        self._driver: asyncio.Task[None] | None = None
 
     async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self._run, items)
+        loop = asyncio.get_running_loop()
+        answers: list[Answer] = [loop.create_future() for _ in items]
+        self._queued.extend(zip(items, answers, strict=True))
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.create_task(self._drive(), name="torch-sampler")
+        try:
+            return list(await asyncio.gather(*answers))
+        finally:
+            for answer in answers:
+                answer.cancel()  # a no-op once answered
+            awaited = [answer for _, answer in [*self._queued, *self._waiters.values()]]
+            driver = self._driver  # None if another caller that finished at once stopped it
+            if driver is not None and all(answer.done() for answer in awaited):
+                # Nobody waits: stop driving (the service may be stopping). A later item starts
+                # a fresh driver; rows left in the sampler finish in its steps, unanswered.
+                driver.cancel()
+                self._driver = None
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        queued: list[tuple[Prepared, Answer]] = []
+        try:
+            busy = True
+            while busy or self._queued:
+                queued, self._queued = self._queued, []
+                stepped = await loop.run_in_executor(
+                    self.executor, self._step, [item for item, _ in queued]
+                )
+                self._waiters.update(zip(stepped.tickets, queued, strict=True))
+                queued = []
+                results = stepped.finished
+                if stepped.failed:  # the sampler dropped everything it held
+                    log.error(
+                        "a sampling step failed; failing request_ids %s",
+                        [item.job.request_id for item, _ in self._waiters.values()],
+                    )
+                    results = [(ticket, ServerError(_FAILED)) for ticket in self._waiters]
+                for ticket, result in results:
+                    waiter = self._waiters.pop(ticket, None)
+                    if waiter is not None and not waiter[1].done():
+                        waiter[1].set_result(result)
+                busy = stepped.busy
+        except Exception:
+            waiting = [*self._waiters.values(), *queued, *self._queued]
+            log.exception(
+                "the torch sampler's driver failed; failing request_ids %s",
+                [item.job.request_id for item, _ in waiting],
+            )
+            self._waiters.clear()
+            self._queued.clear()
+            for _, answer in waiting:
+                if not answer.done():
+                    answer.set_result(ServerError(_FAILED))
+
+    def _step(self, items: list[Prepared]) -> _Stepped:
+        """On the engine thread: submit `items`, then take one step."""
+        tickets = [
+            self.sampler.submit(item.spec, item.adapter_key, item.adapter_dir) for item in items
+        ]
+        try:
+            return _Stepped(tickets, self.sampler.step(), self.sampler.busy)
+        except Exception:
+            log.exception("a sampling step failed")
+            self.sampler.abort()
+            return _Stepped(tickets, [], busy=False, failed=True)
+
+
+@dataclass
+class _Stepped:
+    """What one step on the engine thread gives back to the driver."""
+
+    tickets: list[int]  # for the items it submitted, in order
+    finished: Sequence[tuple[int, SampleOutput | TwinkleError]]  # (ticket, answer)
+    busy: bool  # requests still waiting or generating
+    failed: bool = False  # the step raised, and the sampler dropped every request it held
 
 
 class VllmBackend:
@@ -160,10 +234,11 @@ class SamplerService:
                 batch = [first]
                 while not self._queue.empty():
                     batch.append(self._queue.get_nowait())
-                if self.backend.concurrent:
-                    task = asyncio.create_task(self._serve(batch))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                if self.backend.concurrent:  # each request answered as soon as it is done
+                    for item in batch:
+                        task = asyncio.create_task(self._serve([item]))
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
                 else:
                     await self._serve(batch)
         finally:
@@ -227,9 +302,7 @@ class SamplerService:
             results = await self.backend.sample_many(batch)
         except Exception:
             log.exception("sampling a batch of %d failed", len(batch))
-            results = [
-                ServerError("the sampler failed on this request; see the sampler log")
-            ] * len(batch)
+            results = [ServerError(_FAILED)] * len(batch)
         elapsed_s = time.perf_counter() - started
         self.metrics.observe_batch(elapsed_s, results)
         for item, result in zip(batch, results, strict=True):

@@ -1,77 +1,85 @@
 """Sampling inside the trainer: generation on the engine's own multi-slot model (DESIGN.md §5),
 so a tenant samples its snapshot weights without exporting them to another process.
 
-Job: run a batch of `SampleSpec`s, each from the base model or from a snapshot adapter, as one
-generation with a KV cache, and answer each with a `SampleOutput`.
+Job: generate for `SampleSpec`s, each from the base model or from a snapshot adapter, with
+continuous batching: requests are `submit`ted at any time and join the running generation at
+its next step, and each is answered as soon as its last sample finishes. `step` does one step:
 
-Step 1 (`load_adapter`): a sampler checkpoint becomes an inference-only snapshot slot of the
-        engine's bank (`Engine.load_snapshot`), cached by key.
-Step 2 (prefill): one row per request, left-padded, rows grouped by slot so each slot is one
-        routing segment; position ids count real tokens only. The logits give the prompt
-        logprobs and each request's first-token distribution.
-Step 3 (expand): the cache's rows are repeated to one row per sample.
-Step 4 (decode): each row draws its token, records the token's raw logprob and checks its stops;
-        finished rows leave the cache and the rest take one step together.
+Step 1 (admit): waiting requests join in arrival order while their snapshots fit in the slots no
+        tenant holds (`Engine.snapshot_capacity`) together with the running rows'; a request
+        whose snapshot does not fit waits, and so does every later one that needs a new
+        snapshot (base-model requests pass), so none waits forever. A sampler checkpoint becomes
+        an inference-only snapshot slot of the engine's bank (`Engine.load_snapshot`), by key.
+Step 2 (prefill): one row per admitted request, left-padded, rows grouped by slot so each slot
+        is one routing segment; position ids count real tokens only. The logits give the prompt
+        logprobs and each request's first-token distribution. The cache's rows are repeated to
+        one row per sample, and the batch merges into the running one
+        (`workers.sampling_batch.RunningBatch.merge`: the narrower side is left-padded further).
+Step 3 (draw): each row draws its token, records the token's raw logprob and checks its stops.
+Step 4 (retire): finished rows leave the batch; a request whose samples have all finished is
+        returned by `step`.
+Step 5 (decode): the remaining rows take one step together. Their snapshots are looked up again
+        first, since a training call between two steps may have taken a snapshot's slot (it is
+        reloaded); if they no longer all fit, the rows step in groups that do.
+
+`sample` runs requests to completion with these steps (tests, tools). The trainer's service calls
+`submit` and `step` on the engine's thread, one step per executor call, so training calls run
+between two steps (`workers.sampler_service.TorchBackend`).
 
 Invariants:
 - Logprobs are raw: log_softmax of the model's logits, before temperature, top-k and top-p,
   exactly what the trainer's forward computes for the same tokens.
 - A row's tokens depend only on its request, its adapter and (seed, sample index): its noise
-  comes from its own generator, and other rows and padding change its logits only by rounding.
+  comes from its own generator, and other rows, padding and the step at which it joined change
+  its logits only by rounding.
 - Snapshots are immutable: training writes tenant slots only.
 - Synchronous and single-threaded, on the engine's thread; no gradients are recorded.
 
 Qwen3.5's linear-attention layers batch the same way: they zero the hidden states of padded
-positions, and with bias-free projections and convolution a left pad leaves their state at zero.
+positions, and with bias-free projections and convolution a left pad leaves their state at zero;
+their state has no sequence axis, so joining a running batch concatenates it row-wise. A model
+whose cache holds other layer kinds (sliding windows) does not merge: its requests join only an
+empty batch, i.e. everything waiting runs as one generation, as before continuous batching.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from protocol.errors import NotFound
-from protocol.sampling import SampledSequence, SampleOutput, SampleSpec
+from protocol.errors import NotFound, TwinkleError
+from protocol.sampling import SampleOutput, SampleSpec
 from workers.engine import Engine
 from workers.lora import BASE_SLOT, Segment
+from workers.sampling_batch import Request, Row, RunningBatch, mergeable
 
 # A stop string of n characters spans at most 4n tokens (a character has at most four bytes, a
 # token at least one); the margin is slack. Only this tail of a row is detokenized each step.
 _BYTES_PER_CHAR = 4
 _STOP_WINDOW_MARGIN = 8
 
-
-@dataclass
-class _Row:
-    """One sample in generation."""
-
-    request: int  # index into the batch's requests
-    slot: int
-    spec: SampleSpec
-    generator: torch.Generator | None  # None for greedy rows
-    stop_ids: frozenset[int]
-    stop_window: int  # tokens detokenized for the stop-string check
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stop_reason: Literal["stop", "length"] | None = None
+Finished = tuple[int, SampleOutput | TwinkleError]  # (ticket, answer)
 
 
 class TorchSampler:
-    """Batched sampling from the base model and snapshot adapters of one `Engine`."""
+    """Continuously batched sampling from the base model and snapshot adapters of one `Engine`."""
 
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(engine.base_model)
         self.eos_token_ids = _eos_token_ids(engine.model, self.tokenizer)
-        # Where each key was loaded from, so an evicted snapshot can come back for a batch.
+        # Where each key was loaded from, so an evicted snapshot can come back.
         self._directories: dict[str, Path] = {}
+        self._merges = mergeable(engine.model.config)
+        self._waiting: deque[Request] = deque()
+        self._running: RunningBatch | None = None
+        self._tickets = 0
 
     def load_adapter(self, key: str, directory: Path) -> None:
         """Load a sampler checkpoint as snapshot `key`; a loaded key is kept as it is.
@@ -85,117 +93,152 @@ class TorchSampler:
         """Whether snapshot `key` is in a slot now."""
         return self.engine.has_snapshot(key)
 
+    # -- continuous batching -----------------------------------------------------------------
+
+    def submit(self, spec: SampleSpec, key: str | None, directory: Path | None = None) -> int:
+        """Queue a request (from snapshot `key`, loaded from `directory` when it joins, or the
+        base model for None); its ticket, which `step` returns with its answer."""
+        if key is not None and directory is not None:
+            self._directories[key] = directory
+        self._tickets += 1
+        self._waiting.append(Request(self._tickets, spec, key))
+        return self._tickets
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests are waiting or generating."""
+        return bool(self._waiting) or self._running is not None
+
+    def step(self) -> list[Finished]:
+        """Steps 1-5 once: the requests that finished, with their outputs or errors."""
+        finished: list[Finished] = []
+        with torch.no_grad():
+            joining = self._admit(finished)
+            if joining:
+                batch = self._prefill_batch(joining)
+                if self._running is None:
+                    self._running = batch
+                else:
+                    self._running.merge(batch)
+            if self._running is not None:
+                finished += self._advance(self._running)
+        return finished
+
+    def abort(self) -> None:
+        """Drop every waiting and generating request: after a failed step, whose requests may
+        be half-way through it, nothing in the sampler is answered."""
+        self._waiting.clear()
+        self._running = None
+
     def sample(self, requests: list[tuple[SampleSpec, str | None]]) -> list[SampleOutput]:
-        """One output per (spec, adapter key or None for the base model), in request order.
+        """One output per (spec, adapter key or None for the base model), in request order,
+        stepping until they (and anything submitted before) are done; raises the first error."""
+        tickets = [self.submit(spec, key) for spec, key in requests]
+        answers: dict[int, SampleOutput | TwinkleError] = {}
+        while self.busy:
+            answers.update(self.step())
+        outputs = []
+        for ticket in tickets:
+            answer = answers[ticket]
+            if isinstance(answer, TwinkleError):
+                raise answer
+            outputs.append(answer)
+        return outputs
 
-        All requests run as one generation, unless they name more snapshots than fit in the
-        slots no tenant holds: then one generation per group of snapshots that fit, reloading
-        evicted snapshots from where they were loaded.
-        """
-        outputs: list[SampleOutput | None] = [None] * len(requests)
-        for wave in self._waves(requests):
-            if not wave:
-                continue
-            slots = self._slots([key for _, key in (requests[i] for i in wave)])
-            specs = [requests[i][0] for i in wave]
-            with torch.no_grad():
-                results = self._generate(specs, slots)
-            for index, output in zip(wave, results, strict=True):
-                outputs[index] = output
-        return [output for output in outputs if output is not None]
+    # -- step 1: admission and slots -----------------------------------------------------------
 
-    # -- slots -----------------------------------------------------------------------------
-
-    def _waves(self, requests: list[tuple[SampleSpec, str | None]]) -> list[list[int]]:
-        """Request indices per generation: each names at most as many snapshots as fit."""
+    def _admit(self, finished: list[Finished]) -> list[Request]:
+        """Waiting requests that join now, their snapshots loaded; failed loads are answered."""
+        if self._running is not None and not self._merges:
+            return []
         capacity = max(1, self.engine.snapshot_capacity())
-        keys = list(dict.fromkeys(key for _, key in requests if key is not None))
-        chunks = [keys[i : i + capacity] for i in range(0, len(keys), capacity)] or [[]]
-        wave_of = {key: number for number, chunk in enumerate(chunks) for key in chunk}
-        waves: list[list[int]] = [[] for _ in chunks]
-        for index, (_, key) in enumerate(requests):
-            waves[0 if key is None else wave_of[key]].append(index)
-        return waves
+        running = [] if self._running is None else [row.key for row in self._running.rows]
+        in_use = {key for key in running if key is not None}
+        joining: list[Request] = []
+        blocked = False
+        for request in list(self._waiting):
+            key = request.key
+            if key is None or (not blocked and (key in in_use or len(in_use) < capacity)):
+                joining.append(request)
+                self._waiting.remove(request)
+                if key is not None:
+                    in_use.add(key)
+            else:
+                blocked = True
+        # Running snapshots are marked used first, so a load evicts only snapshots outside them.
+        resolved = self._resolve([*running, *(request.key for request in joining)])
+        admitted = []
+        for request in joining:
+            slot = resolved[request.key]
+            if isinstance(slot, TwinkleError):
+                finished.append((request.ticket, slot))
+            else:
+                admitted.append(request)
+        return admitted
 
-    def _slots(self, keys: list[str | None]) -> list[int]:
-        """Each request's slot; snapshots of this wave are marked used before any is reloaded,
-        so a reload evicts only snapshots outside the wave."""
+    def _resolve(self, keys: Sequence[str | None]) -> dict[str | None, int | TwinkleError]:
+        """Each key's slot, loading missing snapshots from where they were loaded before (or
+        the error that stopped it); loaded ones are marked used before any load."""
         wanted = [key for key in dict.fromkeys(keys) if key is not None]
-        missing = []
         for key in wanted:
             if self.engine.has_snapshot(key):
                 self.engine.snapshot_slot(key)
-            else:
-                missing.append(key)
-        for key in missing:
-            directory = self._directories.get(key)
-            if directory is None:
-                raise NotFound(f"sampler adapter {key!r} was never loaded on this worker")
-            self.engine.load_snapshot(key, directory)
-        slot_of = {key: self.engine.snapshot_slot(key) for key in wanted}
-        return [BASE_SLOT if key is None else slot_of[key] for key in keys]
+        slots: dict[str | None, int | TwinkleError] = {None: BASE_SLOT}
+        for key in wanted:
+            try:
+                if not self.engine.has_snapshot(key):
+                    directory = self._directories.get(key)
+                    if directory is None:
+                        raise NotFound(f"sampler adapter {key!r} was never loaded on this worker")
+                    self.engine.load_snapshot(key, directory)
+                slots[key] = self.engine.snapshot_slot(key)
+            except TwinkleError as err:
+                slots[key] = err
+        return slots
 
-    # -- generation ------------------------------------------------------------------------
+    def _slots(self, rows: Sequence[Row]) -> list[int]:
+        """Each row's slot now (reloading evicted snapshots); the rows' keys must all fit."""
+        resolved = self._resolve([row.key for row in rows])
+        for row in rows:
+            slot = resolved[row.key]
+            if isinstance(slot, TwinkleError):
+                raise slot
+            row.slot = slot
+        return [row.slot for row in rows]
 
-    def _generate(self, specs: list[SampleSpec], slots: list[int]) -> list[SampleOutput]:
-        """Steps 2-4 for requests that all have their slots: one prefill, one decode loop."""
+    # -- step 2: prefill -----------------------------------------------------------------------
+
+    def _prefill_batch(self, requests: list[Request]) -> RunningBatch:
+        """The admitted requests prefilled, one row per sample, with prompt logprobs filled."""
         device = self.engine.device
-        # Prefill rows grouped by slot (stable), so each slot's rows form one segment.
-        first_seen = {slot: rank for rank, slot in enumerate(dict.fromkeys(slots))}
-        order = sorted(range(len(specs)), key=lambda index: first_seen[slots[index]])
-        want_prompt = any(spec.prompt_logprobs or spec.topk_prompt_logprobs for spec in specs)
+        first_seen = {key: rank for rank, key in enumerate(dict.fromkeys(r.key for r in requests))}
+        requests = sorted(requests, key=lambda request: first_seen[request.key])
+        rows = [
+            self._row(r, sample_index)
+            for r in requests
+            for sample_index in range(r.spec.num_samples)
+        ]
+        self._slots(rows)
+        want_prompt = any(r.spec.prompt_logprobs or r.spec.topk_prompt_logprobs for r in requests)
         cache = DynamicCache(config=self.engine.model.config)
         logits, attention_mask = self._prefill(
-            [specs[i].prompt for i in order], [slots[i] for i in order], cache, want_prompt
+            [r.spec.prompt for r in requests],
+            [row.slot for row in rows if row.sample_index == 0],  # one per request, in order
+            cache,
+            want_prompt,
         )
-
-        outputs = [SampleOutput(sequences=[]) for _ in specs]
-        rows: list[_Row] = []
         source: list[int] = []  # the prefill row each sample row continues
         width = logits.shape[1]
-        for prefill_row, index in enumerate(order):
-            spec = specs[index]
+        for prefill_row, request in enumerate(requests):
+            spec = request.spec
             if want_prompt:
                 prompt_logits = logits[prefill_row, width - len(spec.prompt) :]
-                _fill_prompt_logprobs(outputs[index], spec, prompt_logits)
-            for sample_index in range(spec.num_samples):
-                rows.append(self._row(index, slots[index], spec, sample_index))
-                source.append(prefill_row)
+                _fill_prompt_logprobs(request.output, spec, prompt_logits)
+            source += [prefill_row] * spec.num_samples
         expand = torch.tensor(source, device=device)
         # `reorder_cache` is annotated LongTensor; any int64 index tensor is what it takes.
         cache.reorder_cache(expand)  # type: ignore[arg-type]
-        attention_mask = attention_mask[expand]
-        next_logits = logits[:, -1][expand]
-        del logits
-
-        active = rows
-        while True:
-            tokens = self._choose(next_logits, active)
-            keep = [i for i, row in enumerate(active) if row.stop_reason is None]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                kept = torch.tensor(keep, device=device)
-                cache.reorder_cache(kept)  # type: ignore[arg-type]
-                attention_mask = attention_mask[kept]
-                active = [active[i] for i in keep]
-                tokens = [tokens[i] for i in keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], 1)
-            with self._routed([row.slot for row in active]):
-                next_logits = self.engine.model(
-                    input_ids=torch.tensor(tokens, device=device)[:, None],
-                    attention_mask=attention_mask,
-                    position_ids=attention_mask.sum(-1, keepdim=True) - 1,
-                    past_key_values=cache,
-                    use_cache=True,
-                ).logits[:, -1]
-
-        for row in rows:
-            assert row.stop_reason is not None
-            outputs[row.request].sequences.append(
-                SampledSequence(row.tokens, row.logprobs, row.stop_reason)
-            )
-        return outputs
+        return RunningBatch(rows, cache, attention_mask[expand], logits[:, -1][expand])
 
     def _prefill(
         self,
@@ -227,13 +270,61 @@ class TorchSampler:
             ).logits
         return logits, attention_mask
 
+    # -- steps 3-5: draw, retire, decode -------------------------------------------------------
+
+    def _advance(self, batch: RunningBatch) -> list[Finished]:
+        """Draw every row's token, answer the requests that finished, decode the rest."""
+        batch.draw(self.tokenizer)
+        finished: list[Finished] = []
+        keep = []
+        for index, row in enumerate(batch.rows):
+            if row.stop_reason is None:
+                keep.append(index)
+            elif row.request.finish(row):
+                finished.append((row.request.ticket, row.request.output))
+        if not keep:
+            self._running = None
+            return finished
+        batch.keep(keep)
+        capacity = max(1, self.engine.snapshot_capacity())
+        keys = [key for key in dict.fromkeys(row.key for row in batch.rows) if key is not None]
+        if len(keys) <= capacity:
+            self._decode(batch)
+            return finished
+        # A training call took slots since the rows joined: step them in groups that fit.
+        wave_of = {key: n // capacity for n, key in enumerate(keys)}
+        groups: list[list[int]] = [[] for _ in range(-(-len(keys) // capacity))]
+        for index, row in enumerate(batch.rows):
+            groups[0 if row.key is None else wave_of[row.key]].append(index)
+        parts = batch.split(groups)
+        for part in parts:
+            self._decode(part)
+        self._running = RunningBatch.joined(parts)
+        return finished
+
+    def _decode(self, batch: RunningBatch) -> None:
+        """One forward of every row's newest token; refreshes `batch.next_logits`."""
+        slots = self._slots(batch.rows)
+        mask = batch.attention_mask
+        batch.attention_mask = torch.cat([mask, mask.new_ones(len(batch.rows), 1)], 1)
+        tokens = [row.tokens[-1] for row in batch.rows]
+        with self._routed(slots):
+            batch.next_logits = self.engine.model(
+                input_ids=torch.tensor(tokens, device=self.engine.device)[:, None],
+                attention_mask=batch.attention_mask,
+                position_ids=batch.attention_mask.sum(-1, keepdim=True) - 1,
+                past_key_values=batch.cache,
+                use_cache=True,
+            ).logits[:, -1]
+
     def _routed(self, slots: Sequence[int]) -> contextlib.AbstractContextManager[None]:
         """Bind the rows' slots for one forward; base-only passes need no routing."""
         if all(slot == BASE_SLOT for slot in slots):
             return contextlib.nullcontext()
         return self.engine.routing.bind(_segments(slots))
 
-    def _row(self, request: int, slot: int, spec: SampleSpec, sample_index: int) -> _Row:
+    def _row(self, request: Request, sample_index: int) -> Row:
+        spec = request.spec
         generator = None
         if spec.temperature > 0:
             generator = torch.Generator(device=self.engine.device)
@@ -246,56 +337,7 @@ class TorchSampler:
             stop_ids |= self.eos_token_ids
         longest = max((len(stop) for stop in spec.stop_strings), default=0)
         window = _BYTES_PER_CHAR * longest + _STOP_WINDOW_MARGIN
-        return _Row(request, slot, spec, generator, stop_ids, window)
-
-    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """Draw each row's next token from `logits` [rows, vocab]; record it and its stops."""
-        logits = logits.float()
-        chosen = logits.argmax(dim=-1)
-        drawn = [i for i, row in enumerate(rows) if row.generator is not None]
-        if drawn:
-            index = torch.tensor(drawn, device=logits.device)
-            specs = [rows[i].spec for i in drawn]
-            scaled = logits[index] / logits.new_tensor([s.temperature for s in specs])[:, None]
-            if any(s.top_k > 0 or s.top_p < 1.0 for s in specs):
-                vocab = scaled.shape[-1]
-                top_k = [s.top_k if s.top_k > 0 else vocab for s in specs]
-                top_p = [s.top_p if s.top_p < 1.0 else float("inf") for s in specs]
-                scaled = _keep_top_k_top_p(
-                    scaled, logits.new_tensor(top_k).long(), logits.new_tensor(top_p)
-                )
-            probs = torch.softmax(scaled, dim=-1)
-            # The exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a draw from p.
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(drawn):
-                noise[j].exponential_(generator=rows[i].generator)
-            noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-            chosen[index] = (probs / noise).argmax(dim=-1)
-        raw = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None])[:, 0]
-        tokens: list[int] = chosen.tolist()
-        for row, token, logprob in zip(rows, tokens, raw.tolist(), strict=True):
-            row.tokens.append(token)
-            row.logprobs.append(logprob)
-            if token in row.stop_ids or self._completes_stop_string(row):
-                row.stop_reason = "stop"
-            elif len(row.tokens) >= row.spec.max_tokens:
-                row.stop_reason = "length"
-        return tokens
-
-    def _completes_stop_string(self, row: _Row) -> bool:
-        """Whether the newest token completed a stop string in the generated text.
-
-        Earlier tokens were checked at their own step, so any stop string now in the text's tail
-        is a new one; the tail covers every token a stop string can span.
-        """
-        if not row.spec.stop_strings:
-            return False
-        text = self.tokenizer.decode(
-            row.tokens[-row.stop_window :],
-            skip_special_tokens=True,
-            clean_up_tokenization_spaces=False,
-        )
-        return any(stop in text for stop in row.spec.stop_strings)
+        return Row(request, sample_index, BASE_SLOT, generator, stop_ids, window)
 
 
 def _fill_prompt_logprobs(output: SampleOutput, spec: SampleSpec, logits: torch.Tensor) -> None:
@@ -312,23 +354,6 @@ def _fill_prompt_logprobs(output: SampleOutput, spec: SampleSpec, logits: torch.
         output.topk_prompt_logprobs = [[]] + [
             list(zip(ids, values, strict=True)) for ids, values in pairs
         ]
-
-
-def _keep_top_k_top_p(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """`scaled` logits with every token outside each row's top-k, then top-p nucleus, at -inf.
-
-    The nucleus is the smallest prefix of the sorted distribution whose mass reaches top_p; the
-    most likely token is always kept.
-    """
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    return scaled.scatter(-1, order, sorted_logits)
 
 
 def _segments(slots: Sequence[int]) -> list[Segment]:

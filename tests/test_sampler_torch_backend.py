@@ -1,0 +1,150 @@
+"""The trainer's torch sampler behind the sampler service (`TorchBackend`): requests join the
+running generation and are answered as they finish, training calls run between two steps, and
+a failed step fails only the requests it held (fp32, CPU, a tiny model built offline)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from nats.aio.msg import Msg
+
+from protocol.errors import NotFound, ServerError
+from protocol.jobs import SampleJob
+from protocol.sampling import SampleOutput, SampleSpec
+from tests.test_sampling_torch import adapter, assert_same, prompt, tiny_qwen3, train_step
+from workers.engine import Engine
+from workers.sampler_service import Prepared, TorchBackend
+from workers.sampling_torch import TorchSampler
+
+__all__ = ["tiny_qwen3"]  # the fixture, shared with the sampler's own tests
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+REQUEST_NUMBERS = itertools.count()
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+    yield pool
+    pool.shutdown(wait=True)
+
+
+def prepared(spec: SampleSpec, key: str | None = None, directory: Path | None = None) -> Prepared:
+    job = SampleJob(
+        request_id=f"req-{next(REQUEST_NUMBERS)}",
+        tenant_id="t",
+        sampling_session_id="s",
+        base_model="m",
+    )
+    return Prepared(job, cast(Msg, None), spec, directory, key)
+
+
+def count_steps(
+    monkeypatch: pytest.MonkeyPatch, sampler: TorchSampler, hook: Callable[[int], None]
+) -> None:
+    """Call `hook(n)` (on the engine thread) before the sampler's n-th step."""
+    step = sampler.step
+    count = 0
+
+    def counted() -> Any:
+        nonlocal count
+        count += 1
+        hook(count)
+        return step()
+
+    monkeypatch.setattr(sampler, "step", counted)
+
+
+async def driver_gone() -> None:
+    """The backend's driver task ends once nothing is waiting or generating."""
+    for _ in range(200):
+        if not any(task.get_name() == "torch-sampler" for task in asyncio.all_tasks()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the torch sampler's driver is still running")
+
+
+async def test_a_late_request_is_answered_first_and_training_runs_between_steps(
+    tiny_qwen3: Path, tmp_path: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=4, max_rank=8)
+    sampler = TorchSampler(engine)
+    backend = TorchBackend(sampler, engine, executor)
+    directory = adapter(engine, "policy", 1, tmp_path / "policy")
+    long = SampleSpec(prompt(50, 6), num_samples=2, max_tokens=120, seed=1, stop_at_eos=False)
+    short = SampleSpec(prompt(51, 9), max_tokens=3, seed=2, stop_at_eos=False)
+    sampler.load_adapter("policy@1", directory)
+    [long_alone], [short_alone] = (
+        sampler.sample([(long, "policy@1")]),
+        sampler.sample([(short, None)]),
+    )
+
+    generating = threading.Event()
+    count_steps(monkeypatch, sampler, lambda n: generating.set() if n == 3 else None)
+    first = asyncio.create_task(backend.sample_many([prepared(long, "policy@1", directory)]))
+    assert await asyncio.to_thread(generating.wait, 60)
+    # Training the snapshot's source on the engine thread, and a late request, while it runs.
+    trained = asyncio.get_running_loop().run_in_executor(executor, train_step, engine, "policy", 9)
+    [late] = await backend.sample_many([prepared(short)])
+    await trained
+    assert not first.done()
+    [output] = await first
+    assert isinstance(late, SampleOutput) and isinstance(output, SampleOutput)
+    assert_same(late, short_alone)
+    assert_same(output, long_alone)  # the snapshot is not the trained tenant
+    await driver_gone()
+
+
+async def test_callers_answered_by_one_step(tiny_qwen3: Path, executor: ThreadPoolExecutor) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    backend = TorchBackend(TorchSampler(engine), engine, executor)
+    spec = SampleSpec(prompt(54, 4), max_tokens=3, temperature=0.0, stop_at_eos=False)
+    calls = [backend.sample_many([prepared(spec)]) for _ in range(3)]
+    outputs = [output for [output] in await asyncio.gather(*calls)]
+    assert all(isinstance(output, SampleOutput) for output in outputs)
+    assert outputs[0] == outputs[1] == outputs[2]
+    await driver_gone()
+
+
+async def test_a_failed_step_fails_its_requests_and_sampling_goes_on(
+    tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = TorchSampler(engine)
+    backend = TorchBackend(sampler, engine, executor)
+    spec = SampleSpec(prompt(52, 4), max_tokens=4, temperature=0.0)
+
+    def fail_second(n: int) -> None:
+        if n == 2:
+            raise RuntimeError("boom")
+
+    count_steps(monkeypatch, sampler, fail_second)
+    results = await backend.sample_many([prepared(spec), prepared(spec, "never-loaded")])
+    # the unknown adapter is answered at the first step; the other request fails at the second
+    assert [type(result) for result in results] == [ServerError, NotFound]
+    assert not sampler.busy
+    [again] = await backend.sample_many([prepared(spec)])
+    assert isinstance(again, SampleOutput) and len(again.sequences[0].tokens) == 4
+    await driver_gone()
+
+
+async def test_cancelled_waiters_stop_the_driver(
+    tiny_qwen3: Path, executor: ThreadPoolExecutor
+) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    backend = TorchBackend(TorchSampler(engine), engine, executor)
+    endless = SampleSpec(prompt(53, 4), max_tokens=100_000, temperature=0.0, stop_at_eos=False)
+    waiter = asyncio.create_task(backend.sample_many([prepared(endless)]))
+    await asyncio.sleep(0.2)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await driver_gone()

@@ -179,6 +179,17 @@ async def serve(settings: WorkerSettings) -> None:
                 torch.get_num_threads(),
             )
             engine.pass_tokens = found.pass_tokens
+        from workers.kernels import linear_attention_path, lora_path
+
+        log.info(
+            "engine %s on %s (%s): passes of %d tokens, linear attention %s, LoRA %s",
+            settings.base_model,
+            engine.device,
+            engine.dtype,
+            engine.pass_tokens,
+            linear_attention_path(engine.model),
+            lora_path(engine.device),
+        )
         bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
         await bus.connect()
         service = TrainerService(

@@ -175,7 +175,9 @@ def test_a_call_over_more_tenants_than_slots_runs_in_groups(
         ):
             assert tight_metrics.keys() == roomy_metrics.keys()
             for name, value in tight_metrics.items():
-                assert abs(value - roomy_metrics[name]) <= TOLERANCE
+                # relative: a pass of 2 tenants and one of 8 compute the LoRA terms differently
+                # (`workers.lora_kernels`), equal to rounding
+                assert abs(value - roomy_metrics[name]) <= TOLERANCE * max(1.0, abs(value))
     assert tight.slots_used() == 2 and tight.adapters_total() == len(TENANTS)
     for model_id in TENANTS:
         assert_same_state(slot_state(tight, model_id), slot_state(roomy, model_id), TOLERANCE)

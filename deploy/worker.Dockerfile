@@ -1,5 +1,6 @@
 # The trainer worker image: torch + transformers + peft. CPU by default; for GPUs build with
-#   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 --build-arg EXTRA=vllm
+#   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 \
+#   --build-arg EXTRA="vllm flash-linear-attention"
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG EXTRA=""

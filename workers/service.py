@@ -456,12 +456,14 @@ class TrainerService:
             results = [(failed_outcome(item.job, err), None) for item in items]
         finally:
             self._in_flight = []
-        await self.journal.idle()
         for item, (outcome, ckpt) in zip(items, results, strict=True):
             if ckpt is not None and item.replay in ("", "publish"):
                 key = subjects.checkpoint_key(ckpt.run_id, ckpt.checkpoint_id)
                 await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
             await self._finish(item, outcome)
+        # Cleared only now, off the clients' path: a stop after the outcomes are written leaves
+        # finished requests on the list, and those never count (`_strikes`).
+        await self.journal.idle()
 
     def _strikes(self, item: Item) -> int:
         """Times this unfinished request was running when a worker stopped (replays of

@@ -1,0 +1,95 @@
+"""`submit_sequenced` on stub futures and bus: the bus calls a submit waits on, and their order.
+
+The pending record and the job's publish do not wait on each other (one bus round trip less
+per call); both are done before the client gets its request id, and a failure of either still
+reaches the client after both have finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from protocol.api import LoraConfig
+from protocol.errors import Unavailable
+from protocol.jobs import Job, OptimStepJob, SeqClaim
+from protocol.records import RunRecord
+from twinkle_async.gateway.sequenced import submit_sequenced
+from twinkle_async.gateway.state import BUS, FUTURES, TENANT
+
+RUN = RunRecord(
+    model_id="sess-1:train:0",
+    tenant_id="t",
+    session_id="sess-1",
+    base_model="base",
+    lora=LoraConfig(),
+    created_at=0.0,
+    last_request_time=0.0,
+)
+
+
+class StubFutures:
+    """Each step of a submit; `record_pending` waits until the job is being published."""
+
+    def __init__(self, publishing: asyncio.Event) -> None:
+        self.publishing = publishing
+        self.pending: list[str] = []
+
+    async def note_seq(self, model_id: str, seq_id: int, field: str = "seq_id") -> int:
+        return seq_id - 1
+
+    async def claim(self, model_id: str, seq_id: int, claim: SeqClaim) -> SeqClaim:
+        return claim
+
+    async def record_pending(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        await asyncio.wait_for(self.publishing.wait(), 5.0)
+        self.pending.append(request_id)
+
+
+class StubBus:
+    def __init__(self, publishing: asyncio.Event, fail: bool = False) -> None:
+        self.publishing = publishing
+        self.fail = fail
+        self.published: list[Job] = []
+
+    async def publish_job(self, pool: str, job: Job) -> None:
+        self.publishing.set()
+        await asyncio.sleep(0.01)
+        if self.fail:
+            raise Unavailable("the job bus is unavailable")
+        self.published.append(job)
+
+
+def _request(futures: StubFutures, bus: StubBus) -> web.Request:
+    app = web.Application()
+    app[FUTURES] = futures  # type: ignore[assignment]
+    app[BUS] = bus  # type: ignore[assignment]
+    request = make_mocked_request("POST", "/api/v1/optim_step", app=app)
+    request[TENANT] = "t"
+    return request
+
+
+async def _build(request_id: str, first: bool) -> Job:
+    return OptimStepJob(request_id=request_id, model_id=RUN.model_id, tenant_id="t", seq_id=1)
+
+
+async def test_pending_record_and_publish_do_not_wait_on_each_other() -> None:
+    publishing = asyncio.Event()
+    futures, bus = StubFutures(publishing), StubBus(publishing)
+    response = await asyncio.wait_for(
+        submit_sequenced(_request(futures, bus), RUN, 1, "optim_step", b"{}", _build), 10.0
+    )
+    assert response.status == 200
+    assert [job.request_id for job in bus.published] == futures.pending
+
+
+async def test_a_failed_publish_fails_the_call_after_the_pending_record() -> None:
+    publishing = asyncio.Event()
+    futures, bus = StubFutures(publishing), StubBus(publishing, fail=True)
+    with pytest.raises(Unavailable):
+        await submit_sequenced(_request(futures, bus), RUN, 1, "optim_step", b"{}", _build)
+    assert len(futures.pending) == 1 and not bus.published

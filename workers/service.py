@@ -365,11 +365,26 @@ class TrainerService:
             self._wake.clear()
             await self._fail_stalled()
             while True:
-                cycle = plan(self.sequencer.ready(), self.settings.token_budget, time.time())
-                wake_at = cycle.wake_at
-                if not cycle:
+                cycles = self._plan()
+                wakes = [cycle.wake_at for cycle in cycles if cycle.wake_at is not None]
+                wake_at = min(wakes, default=None)
+                if not any(cycles):
                     break
-                await self._run_cycle(cycle)
+                for cycle in cycles:
+                    if cycle:
+                        await self._run_cycle(cycle)
+
+    def _plan(self) -> list[Cycle[Msg | None]]:
+        """The next cycles: one across every model, or one per model with merging off.
+
+        The one place the scheduler is called. With `settings.merge` off each model's ready
+        run is planned on its own, so a pass or a fused step never holds two models' work (the
+        baseline that `bench/cluster_throughput.py` compares merging against).
+        """
+        ready = self.sequencer.ready()
+        groups = [ready] if self.settings.merge else [{key: run} for key, run in ready.items()]
+        now = time.time()
+        return [plan(group, self.settings.token_budget, now) for group in groups]
 
     async def _run_cycle(self, cycle: Cycle[Msg | None]) -> None:
         started = time.perf_counter()

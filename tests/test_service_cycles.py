@@ -1,12 +1,13 @@
-"""What stands between an engine call and its client, on a bus that records every write.
+"""The service's cycle shell on a bus that records every write: no NATS and no model.
 
 After an engine call the worker's first write is each op's outcome (the gateway answers the
 client's long-poll from it); bookkeeping that no client waits for (clearing the crash journal)
-comes after. No NATS and no model: the service runs its `_run` on a stub engine call.
+comes after. With merging off (`--no-merge`), each planned cycle holds one model's work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,32 @@ async def test_outcomes_are_written_before_the_journal_is_cleared(tmp_path: Path
     journal = running_key("w-1")
     outcomes = [subjects.future_key("req-a"), subjects.future_key("req-b")]
     assert keys == [journal, *outcomes, journal]  # running, the outcomes, then idle
+
+
+async def test_merging_off_plans_one_model_per_cycle(tmp_path: Path) -> None:
+    service = _service(RecordingBus(), tmp_path)
+    for model_id in ("m-a", "m-b"):
+        service.sequencer.start(model_id, applied_seq=0)
+        jobs: list[Job] = [
+            ForwardBackwardJob(
+                request_id=f"{model_id}-1", model_id=model_id, tenant_id="t", seq_id=1
+            ),
+            OptimStepJob(request_id=f"{model_id}-2", model_id=model_id, tenant_id="t", seq_id=2),
+        ]
+        for job in jobs:
+            service.sequencer.offer(Pending(job=job, handle=None, received_at=0.0))
+
+    [merged] = service._plan()
+    assert {item.job.model_id for item in merged.shared_pass} == {"m-a", "m-b"}
+    assert {item.job.model_id for item in merged.optim_steps} == {"m-a", "m-b"}
+
+    service.settings = dataclasses.replace(service.settings, merge=False)
+    cycles = service._plan()
+    assert [[item.job.request_id for item in cycle.shared_pass] for cycle in cycles] == [
+        ["m-a-1"],
+        ["m-b-1"],
+    ]
+    assert [[item.job.request_id for item in cycle.optim_steps] for cycle in cycles] == [
+        ["m-a-2"],
+        ["m-b-2"],
+    ]

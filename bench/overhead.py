@@ -8,7 +8,10 @@ The loop runs N rounds twice per batch shape:
 
 Both use the same random Qwen3 built offline (`workers.tiny_model`, by default hidden 256,
 4 layers, vocab 4096) and rank-16 adapters. For each shape it prints p50/p90 per path and the
-added latency per round trip (the p50 difference).
+added latency per round trip (the p50 difference). It also reads the worker's own engine time
+(its `/metrics`: pass and optimizer-step seconds) around each cluster round, and prints p50/p90
+of the round trip less that: the stack's share measured within each round, which background
+load on the machine moves far less than the difference between two paths.
 
     .venv/bin/python bench/overhead.py [--rounds 40] [--shapes 4x32 4x128] [--threads 1]
 
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -109,6 +113,7 @@ class Cluster:
                 raise SystemExit("the cluster failed to start")
             time.sleep(0.05)
         info = json.loads(ready.read_text())
+        self.metrics_url = self._worker_metrics_url(info["base_url"], info["admin_key"])
         self.service = tinker.ServiceClient(base_url=info["base_url"], api_key=info["api_key"])
         self.client = self.service.create_lora_training_client(
             base_model=str(model), rank=rank, seed=0
@@ -127,6 +132,24 @@ class Cluster:
         self.client.forward_backward(batch, "cross_entropy").result()
         self.client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         return (time.perf_counter() - started) * 1e3
+
+    @staticmethod
+    def _worker_metrics_url(base_url: str, admin_key: str) -> str:
+        request = urllib.request.Request(
+            f"{base_url}/admin/v1/workers", headers={"X-Admin-Key": admin_key}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            [worker] = json.load(response)["workers"]
+        return str(worker["metrics_url"])
+
+    def engine_s(self) -> float:
+        """Seconds the worker has spent in passes and optimizer steps so far."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        names = ("twinkle_worker_pass_seconds_sum", "twinkle_worker_optim_step_seconds_sum")
+        return sum(
+            float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in names
+        )
 
     def close(self) -> None:
         try:
@@ -170,10 +193,15 @@ def main() -> None:
             for _ in range(WARMUP):
                 local.round_ms(datums, length)
                 cluster.round_ms(datums, length)
+            stack_ms: list[float] = []  # each cluster round less the worker's engine time in it
             while len(times["cluster"]) < args.rounds:
                 block = min(args.block, args.rounds - len(times["cluster"]))
                 times["in-process"] += [local.round_ms(datums, length) for _ in range(block)]
-                times["cluster"] += [cluster.round_ms(datums, length) for _ in range(block)]
+                for _ in range(block):
+                    before_s = cluster.engine_s()
+                    times["cluster"].append(cluster.round_ms(datums, length))
+                    engine_ms = (cluster.engine_s() - before_s) * 1e3
+                    stack_ms.append(times["cluster"][-1] - engine_ms)
             p50 = {}
             for path, measured in times.items():
                 p50[path], p90 = _percentiles(measured)
@@ -182,7 +210,13 @@ def main() -> None:
                     f"  ({len(measured)} rounds)"
                 )
             added = p50["cluster"] - p50["in-process"]
-            print(f"{datums}x{length}      added: {added:7.1f} ms per round trip (p50)", flush=True)
+            print(f"{datums}x{length}      added: {added:7.1f} ms per round trip (p50)")
+            stack_p50, stack_p90 = _percentiles(stack_ms)
+            print(
+                f"{datums}x{length}      stack: p50 {stack_p50:7.1f} ms  p90 {stack_p90:7.1f} ms"
+                " (each cluster round less the worker's own engine time in it)",
+                flush=True,
+            )
     finally:
         cluster.close()
 

@@ -1,8 +1,9 @@
-"""`submit_sequenced` on stub futures and bus: the bus calls a submit waits on, and their order.
+"""The bus calls a sequenced submit waits on, and their order.
 
 The pending record and the job's publish do not wait on each other (one bus round trip less
 per call); both are done before the client gets its request id, and a failure of either still
-reaches the client after both have finished.
+reaches the client after both have finished. A model's next seq is noted with one
+compare-and-set, without reading the key back, unless another gateway moved it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
+from protocol import rules, subjects
 from protocol.api import LoraConfig
-from protocol.errors import Unavailable
+from protocol.errors import Unavailable, UserError
 from protocol.jobs import Job, OptimStepJob, SeqClaim
 from protocol.records import RunRecord
+from twinkle_async.bus import Bus
+from twinkle_async.futures import FutureStore
 from twinkle_async.gateway.sequenced import submit_sequenced
 from twinkle_async.gateway.state import BUS, FUTURES, TENANT
+from twinkle_async.nats_server import NatsServer
+from twinkle_async.settings import BusSettings
 
 RUN = RunRecord(
     model_id="sess-1:train:0",
@@ -93,3 +99,37 @@ async def test_a_failed_publish_fails_the_call_after_the_pending_record() -> Non
     with pytest.raises(Unavailable):
         await submit_sequenced(_request(futures, bus), RUN, 1, "optim_step", b"{}", _build)
     assert len(futures.pending) == 1 and not bus.published
+
+
+class CountingBus(Bus):
+    """The gateway's bus, counting the reads of `tw_runs` entries."""
+
+    reads = 0
+
+    async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        self.reads += 1
+        return await super().entry(bucket, key)
+
+
+async def test_a_models_next_seq_is_noted_without_reading_it_back(
+    nats_server: NatsServer,
+) -> None:
+    bus = CountingBus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        futures, other = FutureStore(bus), FutureStore(bus)  # two gateways on one bus
+        assert await futures.note_seq("m", 1) == 0
+        reads = bus.reads
+        assert await futures.note_seq("m", 2) == 1
+        assert await futures.note_seq("m", 3) == 2
+        assert await futures.note_seq("m", 2) == 3  # a retry of an older call
+        assert bus.reads == reads  # each a compare-and-set on the revision kept, no read
+        assert await other.note_seq("m", 4) == 3  # another gateway moves the key
+        assert await futures.note_seq("m", 5) == 4  # read back: it was moved meanwhile
+        assert bus.reads == reads + 2
+        with pytest.raises(UserError, match="ahead"):
+            await futures.note_seq("m", 6 + rules.MAX_SEQ_AHEAD)
+        entry = await bus.entry(subjects.BUCKET_RUNS, subjects.highest_seq_key("m"))
+        assert entry is not None and entry[0] == b"5"
+    finally:
+        await bus.close()

@@ -3,7 +3,8 @@
 The pending record and the job's publish do not wait on each other (one bus round trip less
 per call); both are done before the client gets its request id, and a failure of either still
 reaches the client after both have finished. A model's next seq is noted with one
-compare-and-set, without reading the key back, unless another gateway moved it.
+compare-and-set, without reading the key back, unless another gateway moved it; its run record
+is read again only after `RUN_CACHE_S`, or at once when this gateway changed it.
 """
 
 from __future__ import annotations
@@ -11,20 +12,23 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from protocol import rules, subjects
 from protocol.api import LoraConfig
-from protocol.errors import Unavailable, UserError
+from protocol.errors import NotFound, Unavailable, UserError
 from protocol.jobs import Job, OptimStepJob, SeqClaim
 from protocol.records import RunRecord
+from twinkle_async import registry as registry_module
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
 from twinkle_async.gateway.sequenced import submit_sequenced
 from twinkle_async.gateway.state import BUS, FUTURES, TENANT
 from twinkle_async.nats_server import NatsServer
+from twinkle_async.registry import Registry
 from twinkle_async.settings import BusSettings
 
 RUN = RunRecord(
@@ -131,5 +135,48 @@ async def test_a_models_next_seq_is_noted_without_reading_it_back(
             await futures.note_seq("m", 6 + rules.MAX_SEQ_AHEAD)
         entry = await bus.entry(subjects.BUCKET_RUNS, subjects.highest_seq_key("m"))
         assert entry is not None and entry[0] == b"5"
+    finally:
+        await bus.close()
+
+
+class CountingRunBus(Bus):
+    """The gateway's bus, counting the reads of `tw_runs` keys."""
+
+    reads = 0
+
+    async def get(self, bucket: str, key: str) -> bytes | None:
+        self.reads += bucket == subjects.BUCKET_RUNS
+        return await super().get(bucket, key)
+
+
+async def test_a_call_reuses_the_run_record_read_just_before(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bus = CountingRunBus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        registry, other = Registry(bus), Registry(bus)  # two gateways on one bus
+        await other.put_run(RUN)
+        assert (await registry.run(RUN.model_id, "t")).unloaded_at is None
+        reads = bus.reads
+        for _ in range(3):  # the next calls of the model: no read
+            run = await registry.run(RUN.model_id, "t")
+        assert bus.reads == reads
+        with pytest.raises(NotFound):  # still another tenant's
+            await registry.run(RUN.model_id, "other")
+        run.unloaded_at = 1.0  # a caller's change to its copy is not the record's
+        assert (await registry.run(RUN.model_id, "t")).unloaded_at is None
+
+        await other.put_run(msgspec.structs.replace(RUN, unloaded_at=2.0))  # another gateway
+        assert (await registry.run(RUN.model_id, "t")).unloaded_at is None  # not yet seen
+        monkeypatch.setattr(registry_module, "RUN_CACHE_S", 0.0)
+        assert (await registry.run(RUN.model_id, "t")).unloaded_at == 2.0  # read again
+        monkeypatch.undo()
+
+        await registry.put_run(msgspec.structs.replace(RUN, unloaded_at=3.0))  # this gateway
+        assert (await registry.run(RUN.model_id, "t")).unloaded_at == 3.0
+        await registry.delete_run(RUN.model_id)
+        with pytest.raises(NotFound):
+            await registry.run(RUN.model_id, "t")
     finally:
         await bus.close()

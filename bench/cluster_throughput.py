@@ -32,6 +32,7 @@ import tinker
 from tinker import types
 
 Shape = tuple[int, int]  # (datums, tokens per datum)
+ROOT = Path(__file__).resolve().parents[1]  # `up` runs this checkout's modules
 
 
 def _batch(datums: int, length: int) -> list[types.Datum]:
@@ -67,7 +68,7 @@ class Cluster:
             "--log-level", "WARNING",
         ]  # fmt: skip
         env = dict(os.environ, TWINKLE_MERGE="1" if merge else "0")
-        self.proc = subprocess.Popen(argv, env=env)
+        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT)
         while not ready.exists():
             if self.proc.poll() is not None:
                 raise SystemExit("the cluster failed to start")
@@ -134,7 +135,7 @@ def main() -> None:
         build = [sys.executable, "-m", "workers.tiny_model", str(model)]
         build += ["--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers)]
         build += ["--vocab-size", str(args.vocab_size)]
-        subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(build, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     shapes: list[Shape] = [(int(d), int(n)) for d, n in (s.split("x") for s in args.shapes)]
     rate: dict[tuple[bool, Shape, int], float] = {}
     for merge in (True, False):

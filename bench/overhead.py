@@ -33,6 +33,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+# This checkout's modules, here and in `up`'s children, whatever the working directory and
+# whichever copy of the project the environment has installed.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -62,8 +66,8 @@ def _percentiles(times_ms: list[float]) -> tuple[float, float]:
 class InProcess:
     """The engine alone, as the worker's engine thread drives it."""
 
-    def __init__(self, model: Path, rank: int) -> None:
-        self.engine = Engine(str(model), max_slots=4, max_rank=max(32, rank))
+    def __init__(self, model: Path, rank: int, max_slots: int, max_rank: int) -> None:
+        self.engine = Engine(str(model), max_slots=max_slots, max_rank=max_rank)
         self.engine.create("bench", LoraConfig(rank=rank))
 
     def round_ms(self, datums: int, length: int) -> float:
@@ -94,7 +98,9 @@ class InProcess:
 class Cluster:
     """`twinkle-async up` on the model, and one SDK training client."""
 
-    def __init__(self, tmp: Path, model: Path, rank: int, threads: int, extra: list[str]) -> None:
+    def __init__(
+        self, tmp: Path, model: Path, rank: int, threads: int, engine_args: list[str]
+    ) -> None:
         ready = tmp / "ready.json"
         argv = [
             sys.executable, "-m", "twinkle_async", "up",
@@ -105,9 +111,9 @@ class Cluster:
             "--ready-file", str(ready),
             "--threads", str(threads),
             "--log-level", "WARNING",
-            *extra,
+            *engine_args,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(argv)
+        self.proc = subprocess.Popen(argv, cwd=ROOT)
         while not ready.exists():
             if self.proc.poll() is not None:
                 raise SystemExit("the cluster failed to start")
@@ -168,12 +174,13 @@ def main() -> None:
         "--worker-threads", type=int, help="the worker's torch threads (default: --threads)"
     )
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-slots", type=int, default=8, help="adapter slots, both paths")
+    parser.add_argument("--max-rank", type=int, default=32, help="largest rank, both paths")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--model", type=Path, help="an existing model directory to use instead")
     parser.add_argument("--block", type=int, default=5, help="rounds per path before switching")
-    parser.add_argument("--up-arg", action="append", default=[], help="passed on to `up`")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="twinkle-overhead-"))
@@ -184,9 +191,10 @@ def main() -> None:
         vocab_size=args.vocab_size,
     )
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
-    local = InProcess(model, args.rank)
+    local = InProcess(model, args.rank, args.max_slots, args.max_rank)
     worker_threads = args.threads if args.worker_threads is None else args.worker_threads
-    cluster = Cluster(tmp, model, args.rank, worker_threads, args.up_arg)
+    engine_args = ["--max-slots", str(args.max_slots), "--max-rank", str(args.max_rank)]
+    cluster = Cluster(tmp, model, args.rank, worker_threads, engine_args)
     try:
         for datums, length in shapes:
             times: dict[str, list[float]] = {"in-process": [], "cluster": []}

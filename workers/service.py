@@ -2,7 +2,8 @@
 
 Step 3 (DESIGN.md §3): every op of the owned shards is offered to the per-model sequencer.
 Step 4: each cycle plans one shared forward/backward pass across models, one fused optimizer
-step, then saves/loads (`workers/scheduler.py`), and runs them on the engine's single thread.
+step, then saves/loads (`workers/scheduler.py`; with `--no-merge`, one model's per cycle), and
+runs them on the engine's single thread.
 Step 5: each op's outcome is written to KV `tw_futures`, then the op is acked; a crash between
 the two only re-runs the op and rewrites the same key.
 

@@ -90,6 +90,16 @@ def test_worker_flags_and_variables_give_the_same_settings(
     assert worker_main.parse_args(["--max-slots", "2"]).max_slots == 2
 
 
+def test_merging_is_on_unless_a_flag_or_variable_turns_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert worker_main.parse_args(["--base-model", "m"]).merge is True
+    assert worker_main.parse_args(["--base-model", "m", "--no-merge"]).merge is False
+    monkeypatch.setenv("TWINKLE_MERGE", "0")
+    assert worker_main.parse_args(["--base-model", "m"]).merge is False
+    assert worker_main.parse_args(["--base-model", "m", "--merge"]).merge is True
+
+
 def test_sampler_flags_and_variables_give_the_same_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

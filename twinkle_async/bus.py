@@ -249,32 +249,31 @@ class Bus:
         A retried create whose first attempt did land (its answer was lost) answers False too:
         callers read the key back (`FutureStore.claim`) rather than trust the write was theirs.
         """
-        kv = self.kv[bucket]
-
-        async def attempt() -> bool:
-            try:
-                await kv.create(key, value)
-            except (KeyWrongLastSequenceError, BadRequestError):
-                return False
-            return True
-
-        return await self._retrying(f"create {bucket}/{key}", attempt)
+        return await self.swap(bucket, key, value, None)
 
     async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
         """Write `key` only if its revision is still `revision` (None: only if absent)."""
-        if revision is None:
-            return await self.create(bucket, key, value)
+        return await self.swap_revision(bucket, key, value, revision) is not None
+
+    async def swap_revision(
+        self, bucket: str, key: str, value: bytes, revision: int | None
+    ) -> int | None:
+        """`swap`, answering the key's new revision, or None when it was not written.
+
+        A caller that keeps the revision can compare-and-set the key again without reading it.
+        """
         kv = self.kv[bucket]
-        last = revision
 
-        async def attempt() -> bool:
+        async def attempt() -> int | None:
             try:
-                await kv.update(key, value, last=last)
+                if revision is None:
+                    return int(await kv.create(key, value))
+                return int(await kv.update(key, value, last=revision))
             except (KeyWrongLastSequenceError, BadRequestError):
-                return False
-            return True
+                return None
 
-        return await self._retrying(f"update {bucket}/{key}", attempt)
+        what = "create" if revision is None else "update"
+        return await self._retrying(f"{what} {bucket}/{key}", attempt)
 
     async def delete(self, bucket: str, key: str) -> None:
         kv = self.kv[bucket]

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 from nats.aio.subscription import Subscription
 
 from protocol import records, rules, subjects
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 WORKER_STALE_S = 30.0
 _MAX_SWAPS = 16  # compare-and-set attempts before a contended record answers "retry"
+RUN_CACHE_S = 1.0  # how long `Registry.run` uses a run record again without reading it
+_MAX_CACHED_RUNS = 10_000
 
 
 class Registry:
@@ -38,6 +41,7 @@ class Registry:
         self.bus = bus
         self.configured_models = configured_models
         self.workers: dict[str, WorkerRecord] = {}
+        self._runs: dict[str, tuple[float, RunRecord]] = {}  # model_id → (read at, record)
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -173,17 +177,45 @@ class Registry:
 
     async def put_run(self, run: RunRecord) -> None:
         await self.bus.put(subjects.BUCKET_RUNS, subjects.token(run.model_id), records.encode(run))
+        self._remember_run(run.model_id, run)
+
+    async def delete_run(self, model_id: str) -> None:
+        """A run's record and its seq count."""
+        await self.bus.delete(subjects.BUCKET_RUNS, subjects.highest_seq_key(model_id))
+        await self.bus.delete(subjects.BUCKET_RUNS, subjects.token(model_id))
+        self._remember_run(model_id, None)
 
     async def find_run(self, model_id: str) -> RunRecord | None:
+        """The run's record as stored now."""
         data = await self.bus.get(subjects.BUCKET_RUNS, subjects.token(model_id))
-        return records.decode(data, RunRecord) if data else None
+        run = records.decode(data, RunRecord) if data else None
+        self._remember_run(model_id, run)
+        return run
 
     async def run(self, model_id: str, tenant_id: str, field: str = "model_id") -> RunRecord:
+        """A run the tenant owns, else NotFound; read at most `RUN_CACHE_S` ago.
+
+        Every call of a model looks its run up first: a record this gateway read or wrote that
+        recently is used again, one bus round trip less per call. This gateway's own changes
+        show at once; another gateway's (an unload) within `RUN_CACHE_S`.
+        """
         rules.check_id(field, model_id)
-        run = await self.find_run(model_id)
+        cached = self._runs.get(model_id)
+        if cached is not None and time.monotonic() - cached[0] < RUN_CACHE_S:
+            run: RunRecord | None = msgspec.structs.replace(cached[1])  # callers may change it
+        else:
+            run = await self.find_run(model_id)
         if run is None or run.tenant_id != tenant_id:
             raise NotFound(f"model_id {model_id!r} not found")
         return run
+
+    def _remember_run(self, model_id: str, run: RunRecord | None) -> None:
+        if run is None:
+            self._runs.pop(model_id, None)
+            return
+        if len(self._runs) >= _MAX_CACHED_RUNS and model_id not in self._runs:
+            self._runs.clear()  # only a shortcut: a run missing here is read again
+        self._runs[model_id] = (time.monotonic(), msgspec.structs.replace(run))
 
     async def runs(self, tenant_id: str | None) -> list[RunRecord]:
         """A tenant's runs (every tenant's for None), oldest first."""

@@ -96,6 +96,13 @@ def worker_options(
         int,
         typer.Option(envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times an op may stop the worker"),
     ] = 3,
+    merge: Annotated[
+        bool,
+        typer.Option(
+            envvar="TWINKLE_MERGE",
+            help="share passes and optimizer steps across models (--no-merge: one model each)",
+        ),
+    ] = True,
     sampler: Annotated[
         Literal["torch", "none"],
         typer.Option(
@@ -130,6 +137,7 @@ def worker_options(
         snapshot_every=snapshot_every,
         pass_timeout_s=pass_timeout_s,
         max_attempts=max_attempts,
+        merge=merge,
         sampler="" if sampler == "none" else sampler,
         metrics_host=metrics_host,
         metrics_port=metrics_port,

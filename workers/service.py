@@ -2,7 +2,8 @@
 
 Step 3 (DESIGN.md §3): every op of the owned shards is offered to the per-model sequencer.
 Step 4: each cycle plans one shared forward/backward pass across models, one fused optimizer
-step, then saves/loads (`workers/scheduler.py`), and runs them on the engine's single thread.
+step, then saves/loads (`workers/scheduler.py`; with `--no-merge`, one model's per cycle), and
+runs them on the engine's single thread.
 Step 5: each op's outcome is written to KV `tw_futures`, then the op is acked; a crash between
 the two only re-runs the op and rewrites the same key.
 
@@ -366,16 +367,28 @@ class TrainerService:
             self._wake.clear()
             await self._fail_stalled()
             while True:
-                cycle = plan(
-                    self.sequencer.ready(),
-                    self.engine.pass_tokens,
-                    time.time(),
-                    self.fair_share.tokens,
-                )
-                wake_at = cycle.wake_at
-                if not cycle:
+                cycles = self._plan()
+                wakes = [cycle.wake_at for cycle in cycles if cycle.wake_at is not None]
+                wake_at = min(wakes, default=None)
+                if not any(cycles):
                     break
-                await self._run_cycle(cycle)
+                for cycle in cycles:
+                    if cycle:
+                        await self._run_cycle(cycle)
+
+    def _plan(self) -> list[Cycle[Msg | None]]:
+        """The next cycles: one across every model, or one per model with merging off.
+
+        The one place the scheduler is called. With `settings.merge` off each model's ready
+        run is planned on its own, so a pass or a fused step never holds two models' work (the
+        baseline that `bench/cluster_throughput.py` compares merging against).
+        """
+        ready = self.sequencer.ready()
+        groups = [ready] if self.settings.merge else [{key: run} for key, run in ready.items()]
+        now = time.time()
+        return [
+            plan(group, self.engine.pass_tokens, now, self.fair_share.tokens) for group in groups
+        ]
 
     async def _run_cycle(self, cycle: Cycle[Msg | None]) -> None:
         started = time.perf_counter()
@@ -470,12 +483,14 @@ class TrainerService:
             results = [(failed_outcome(item.job, err), None) for item in items]
         finally:
             self._in_flight = []
-        await self.journal.idle()
         for item, (outcome, ckpt) in zip(items, results, strict=True):
             if ckpt is not None and item.replay in ("", "publish"):
                 key = subjects.checkpoint_key(ckpt.run_id, ckpt.checkpoint_id)
                 await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
             await self._finish(item, outcome)
+        # Cleared only now, off the clients' path: a stop after the outcomes are written leaves
+        # finished requests on the list, and those never count (`_strikes`).
+        await self.journal.idle()
 
     def _strikes(self, item: Item) -> int:
         """Times this unfinished request was running when a worker stopped (replays of

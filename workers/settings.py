@@ -41,6 +41,7 @@ class WorkerSettings:
     device: str = "cpu"
     threads: int | None = None
     token_budget: int | None = None  # tokens of one pass (None: measured, `workers.calibration`)
+    merge: bool = True  # False: each pass and fused step holds one model's work (a baseline)
     gap_timeout_s: float = 120.0
     ack_wait_s: float = 120.0
     heartbeat_s: float = 5.0

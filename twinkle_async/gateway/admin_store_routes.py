@@ -15,12 +15,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from protocol import paths, rules, subjects
+from protocol import paths, rules
 from protocol.errors import NotFound, UserError
 from protocol.records import CheckpointRecord
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.checkpoint_files import remove_checkpoint
-from twinkle_async.gateway.state import BUS, REGISTRY, SETTINGS
+from twinkle_async.gateway.state import REGISTRY, SETTINGS
 
 routes = web.RouteTableDef()
 
@@ -123,7 +123,5 @@ async def delete_run(request: web.Request) -> web.Response:
     root = request.app[SETTINGS].checkpoint_root
     for ckpt in ckpts:
         await remove_checkpoint(registry, root, ckpt)
-    bus = request.app[BUS]
-    await bus.delete(subjects.BUCKET_RUNS, subjects.highest_seq_key(run_id))
-    await bus.delete(subjects.BUCKET_RUNS, subjects.token(run_id))
+    await registry.delete_run(run_id)
     return json_response({"deleted": run_id, "checkpoints": len(ckpts)})

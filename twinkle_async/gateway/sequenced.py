@@ -12,12 +12,13 @@ the worker runs a model's calls strictly in that order. So a call must never lea
 4. The call is validated and built. If the gateway refuses it, a *tombstone* carrying the error
    is published in its place (the worker treats it as applied), the future holds the error,
    and the client gets the 4xx at once; the model's next call runs without waiting.
-5. Otherwise the future is recorded as pending and the job published with
+5. Otherwise, at once, the future is recorded as pending and the job published with
    `Nats-Msg-Id = <model_id>/<seq_id>` (JetStream drops a re-publish).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
@@ -124,16 +125,21 @@ async def submit_sequenced(
         if err.category is ErrorCategory.USER and not err.retryable:
             await settle_refused(request, run, seq_id, claim, err)
         raise
-    not_before = getattr(job, "not_before", 0.0)
-    await futures.record_pending(
+    pending = futures.record_pending(
         claim.request_id,
         request_type,
         model_id,
         request[TENANT],
-        not_before=not_before,
+        not_before=getattr(job, "not_before", 0.0),
         queue_reason=getattr(job, "queue_reason", ""),
     )
-    await request.app[BUS].publish_job(subjects.pool_of(run.base_model), job)
+    published = request.app[BUS].publish_job(subjects.pool_of(run.base_model), job)
+    # Both at once: one bus round trip less per call. Either order is safe: the pending record
+    # never replaces a result (`record_pending`), and the client learns the request id only
+    # from this response, after both are stored. Both run to the end before a failure is raised.
+    for result in await asyncio.gather(pending, published, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
     return json_response(api.UntypedAPIFuture(request_id=claim.request_id, model_id=model_id))
 
 

@@ -1,0 +1,165 @@
+"""Aggregate training throughput of `up` with N concurrent tenants, merging on and off.
+
+Each client is its own tenant (its own API key, service client and LoRA training client) and
+runs K steps of `forward_backward(cross_entropy)` + `optim_step`, each awaited; all clients run
+at once, in one process, on asyncio. The cluster runs once with cross-tenant merging (one shared
+pass and one fused step per cycle) and once with the worker's `--no-merge` (`TWINKLE_MERGE=0`:
+every pass and step holds one model's work). For each batch shape and N it prints the aggregate
+steps/s, the p50/p99 step latency, and the merged/unmerged throughput ratio.
+
+    .venv/bin/python bench/cluster_throughput.py [--clients 1 4 16] [--steps 6] \
+        [--shapes 1x32 4x128] [--threads 1]
+
+The model is a random Qwen3 built offline (`workers.tiny_model`: hidden 256, 4 layers, vocab
+4096 by default) with rank-16 adapters; each client's first step is a warm-up, not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import tinker
+from tinker import types
+
+Shape = tuple[int, int]  # (datums, tokens per datum)
+ROOT = Path(__file__).resolve().parents[1]  # `up` runs this checkout's modules
+
+
+def _batch(datums: int, length: int) -> list[types.Datum]:
+    tokens = [3 + i % 200 for i in range(length + 1)]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length},
+        )
+        for _ in range(datums)
+    ]
+
+
+class Cluster:
+    """`twinkle-async up` with one API key per tenant, and a training client per tenant."""
+
+    def __init__(self, tmp: Path, model: Path, args: argparse.Namespace, merge: bool) -> None:
+        tenants = max(args.clients)
+        keys = [f"tml-bench-tenant-{i:03d}-0123456789" for i in range(tenants)]
+        tmp.mkdir(parents=True, exist_ok=True)
+        key_file = tmp / "keys.txt"
+        key_file.write_text("".join(f"{key} tenant-{i:03d}\n" for i, key in enumerate(keys)))
+        ready = tmp / "ready.json"
+        argv = [
+            sys.executable, "-m", "twinkle_async", "up",
+            "--base-model", str(model),
+            "--port", "0",
+            "--data-dir", str(tmp / "data"),
+            "--key-file", str(key_file),
+            "--ready-file", str(ready),
+            "--threads", str(args.threads),
+            "--max-slots", str(tenants),
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        env = dict(os.environ, TWINKLE_MERGE="1" if merge else "0")
+        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT)
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise SystemExit("the cluster failed to start")
+            time.sleep(0.05)
+        base_url = json.loads(ready.read_text())["base_url"]
+        self.services = [tinker.ServiceClient(base_url=base_url, api_key=key) for key in keys]
+        self.clients = [
+            service.create_lora_training_client(base_model=str(model), rank=args.rank, seed=i)
+            for i, service in enumerate(self.services)
+        ]
+        self.clients = [client.result() for client in self.clients]
+
+    def close(self) -> None:
+        try:
+            for service in self.services:
+                service.close("success").result()
+        finally:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=60)
+
+
+async def _step_s(client: tinker.TrainingClient, batch: list[types.Datum]) -> float:
+    started = time.perf_counter()
+    await client.forward_backward(batch, "cross_entropy")
+    await client.optim_step(types.AdamParams(learning_rate=1e-3))
+    return time.perf_counter() - started
+
+
+async def _run(clients: list[tinker.TrainingClient], shape: Shape, steps: int) -> list[float]:
+    """Every client's step latencies; returns them with the wall time of the timed steps last."""
+    batch = _batch(*shape)
+    await asyncio.gather(*(_step_s(client, batch) for client in clients))  # warm-up
+
+    async def loop(client: tinker.TrainingClient) -> list[float]:
+        return [await _step_s(client, batch) for _ in range(steps)]
+
+    started = time.perf_counter()
+    per_client = await asyncio.gather(*(loop(client) for client in clients))
+    wall_s = time.perf_counter() - started
+    return [latency for latencies in per_client for latency in latencies] + [wall_s]
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per client")
+    parser.add_argument("--shapes", nargs="+", default=["1x32", "4x128"], help="DATUMSxTOKENS")
+    parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--model", type=Path, help="an existing model directory to use instead")
+    args = parser.parse_args()
+    os.environ.update(HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE", TINKER_TELEMETRY="0")
+    tmp = Path(tempfile.mkdtemp(prefix="twinkle-throughput-"))
+    model = args.model
+    if model is None:
+        model = tmp / "model"
+        build = [sys.executable, "-m", "workers.tiny_model", str(model)]
+        build += ["--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers)]
+        build += ["--vocab-size", str(args.vocab_size)]
+        subprocess.run(build, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    shapes: list[Shape] = [(int(d), int(n)) for d, n in (s.split("x") for s in args.shapes)]
+    rate: dict[tuple[bool, Shape, int], float] = {}
+    for merge in (True, False):
+        cluster = Cluster(tmp / ("merged" if merge else "unmerged"), model, args, merge)
+        try:
+            for shape in shapes:
+                for n in args.clients:
+                    *latencies, wall_s = asyncio.run(_run(cluster.clients[:n], shape, args.steps))
+                    ordered = sorted(latencies)
+                    rate[merge, shape, n] = len(latencies) / wall_s
+                    print(
+                        f"merge {'on ' if merge else 'off'} {shape[0]}x{shape[1]:<4} N={n:<3}"
+                        f" {rate[merge, shape, n]:7.2f} steps/s"
+                        f"  p50 {statistics.median(ordered) * 1e3:7.1f} ms"
+                        f"  p99 {_percentile(ordered, 0.99) * 1e3:7.1f} ms",
+                        flush=True,
+                    )
+        finally:
+            cluster.close()
+    for shape in shapes:
+        for n in args.clients:
+            ratio = rate[True, shape, n] / rate[False, shape, n]
+            print(f"{shape[0]}x{shape[1]:<4} N={n:<3} merged/unmerged throughput: {ratio:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

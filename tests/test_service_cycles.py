@@ -1,0 +1,88 @@
+"""The service's cycle shell on a bus that records every write: no NATS and no model.
+
+After an engine call the worker's first write is each op's outcome (the gateway answers the
+client's long-poll from it); bookkeeping that no client waits for (clearing the crash journal)
+comes after. With merging off (`--no-merge`), each planned cycle holds one model's work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from protocol import subjects
+from protocol.jobs import ForwardBackwardJob, Job, OptimStepJob
+from workers.operations import Result, done_outcome
+from workers.sequencer import Pending
+from workers.service import TrainerService
+from workers.settings import WorkerSettings
+from workers.watchdog import running_key
+
+
+class RecordingBus:
+    """The part of `WorkerBus` that `TrainerService._run` uses: KV writes, in order."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, str, bytes]] = []
+
+    async def put(self, bucket: str, key: str, value: bytes) -> None:
+        self.writes.append((bucket, key, value))
+
+
+def _service(bus: RecordingBus, tmp_path: Path) -> TrainerService:
+    settings = WorkerSettings(base_model="stub", data_dir=tmp_path, worker_id="w-1")
+    engine: Any = None  # `_run` only calls the function it is given
+    return TrainerService(bus, engine, settings)  # type: ignore[arg-type]
+
+
+def _ran(jobs: list[Job]) -> list[Result]:
+    return [(done_outcome(job, b"{}"), None) for job in jobs]
+
+
+async def test_outcomes_are_written_before_the_journal_is_cleared(tmp_path: Path) -> None:
+    bus = RecordingBus()
+    service = _service(bus, tmp_path)
+    jobs: list[Job] = [
+        ForwardBackwardJob(request_id="req-a", model_id="m-a", tenant_id="t", seq_id=1),
+        OptimStepJob(request_id="req-b", model_id="m-b", tenant_id="t", seq_id=1),
+    ]
+    for job in jobs:
+        service.sequencer.start(job.model_id, applied_seq=0)
+    items: list[Pending[Any]] = [Pending(job=job, handle=None, received_at=0.0) for job in jobs]
+
+    await service._run(items, _ran)
+
+    keys = [key for _, key, _ in bus.writes]
+    journal = running_key("w-1")
+    outcomes = [subjects.future_key("req-a"), subjects.future_key("req-b")]
+    assert keys == [journal, *outcomes, journal]  # running, the outcomes, then idle
+
+
+async def test_merging_off_plans_one_model_per_cycle(tmp_path: Path) -> None:
+    service = _service(RecordingBus(), tmp_path)
+    for model_id in ("m-a", "m-b"):
+        service.sequencer.start(model_id, applied_seq=0)
+        jobs: list[Job] = [
+            ForwardBackwardJob(
+                request_id=f"{model_id}-1", model_id=model_id, tenant_id="t", seq_id=1
+            ),
+            OptimStepJob(request_id=f"{model_id}-2", model_id=model_id, tenant_id="t", seq_id=2),
+        ]
+        for job in jobs:
+            service.sequencer.offer(Pending(job=job, handle=None, received_at=0.0))
+
+    [merged] = service._plan()
+    assert {item.job.model_id for item in merged.shared_pass} == {"m-a", "m-b"}
+    assert {item.job.model_id for item in merged.optim_steps} == {"m-a", "m-b"}
+
+    service.settings = dataclasses.replace(service.settings, merge=False)
+    cycles = service._plan()
+    assert [[item.job.request_id for item in cycle.shared_pass] for cycle in cycles] == [
+        ["m-a-1"],
+        ["m-b-1"],
+    ]
+    assert [[item.job.request_id for item in cycle.optim_steps] for cycle in cycles] == [
+        ["m-a-2"],
+        ["m-b-2"],
+    ]

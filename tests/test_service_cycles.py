@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from protocol import subjects
@@ -32,7 +33,8 @@ class RecordingBus:
 
 def _service(bus: RecordingBus, tmp_path: Path) -> TrainerService:
     settings = WorkerSettings(base_model="stub", data_dir=tmp_path, worker_id="w-1")
-    engine: Any = None  # `_run` only calls the function it is given
+    # `_run` only calls the function it is given; planning reads the pass size
+    engine: Any = SimpleNamespace(pass_tokens=16384)
     return TrainerService(bus, engine, settings)  # type: ignore[arg-type]
 
 

@@ -15,6 +15,7 @@ The model is a random Qwen3 built here (hidden 256, 4 layers, vocab 4096; `--voc
 adapters on every layer group, one torch thread, fp32.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/engine_merge.py [--repeats 5] [--token-budget N]
+    (without --token-budget the pass size is measured first, as a worker measures it)
     OMP_NUM_THREADS=1 .venv/bin/python bench/engine_merge.py --sweep
 """
 
@@ -33,6 +34,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.calibration import measure
 from workers.engine import Engine
 
 SIZES = {"1x32": (1, 32), "4x128": (4, 128)}
@@ -159,9 +161,16 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab, args.hidden, args.layers)
-        kwargs = {} if args.token_budget is None else {"pass_tokens": args.token_budget}
-        engine = Engine(str(model), max_slots=16, max_rank=16, **kwargs)  # type: ignore[arg-type]
+        engine = Engine(str(model), max_slots=16, max_rank=16)
         engine.bank.set_kind(args.lora_kind)
+        if args.token_budget is None:
+            # as a worker does at start-up (`workers.calibration`)
+            found = measure(engine)
+            engine.pass_tokens = found.pass_tokens
+            curve = ", ".join(f"{size}: {rate:.0f}" for size, rate in found.curve)
+            print(f"measured pass size {found.pass_tokens} tokens (tokens/s by size: {curve})")
+        else:
+            engine.pass_tokens = args.token_budget
         for i in range(16):
             engine.create(f"t{i}", LoraConfig(rank=16, seed=i))
         print(

@@ -24,8 +24,10 @@ rehearsal's and exactly its solo step's. Scalars are checked before either phase
 kernels convert them to float32 and raise on overflow, which would otherwise abort the whole
 fused step half-way.
 
-Fusion: phase 2 is one `torch._foreach_*` call per op over the stepping rows with per-row scalars,
-so it costs a fixed number of multi-tensor launches whatever the number of slots. Phase 1 runs
+Fusion: where torch has the fused AdamW kernel (CPU and CUDA), each slot's row is read and
+written once per phase (a third of the memory traffic of one op at a time: the step is
+memory-bound); elsewhere phase 2 is one `torch._foreach_*` call per op over the stepping rows
+with per-row scalars. Phase 1 runs
 slot by slot on five scratch rows, so the check costs at most five rows of memory, not five per
 slot; its launches are small next to the step's memory traffic. The scratch rows (also phase 2's
 denominators) persist between steps rather than being allocated each time.
@@ -58,11 +60,15 @@ class _Scalars:
     bias_sqrt2: float  # sqrt(1 - beta2**step)
     eps: float
     step_size: float  # -learning_rate / (1 - beta1**step)
+    spec: AdamParams  # what the fused kernel takes, with the step number
+    step: int
 
     @classmethod
     def of(cls, spec: AdamParams, step: int) -> _Scalars:
         """The scalars of step number `step` (1-based), in torch.optim.AdamW's arithmetic."""
         return cls(
+            spec=spec,
+            step=step,
             decay=1.0 - spec.learning_rate * spec.weight_decay,
             avg_weight=1.0 - spec.beta1,
             beta2=spec.beta2,
@@ -75,6 +81,8 @@ class _Scalars:
     def overflow(self) -> str | None:
         """The first scalar float32 cannot hold, described for the client; None if all fit."""
         for name, value in vars(self).items():
+            if name in ("spec", "step"):
+                continue
             if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
                 return f"{_SCALAR_FORMULAS[name]} is {value:.6g}"
         return None
@@ -240,8 +248,34 @@ def _adamw(
     denominators: list[torch.Tensor],
     scalars: list[_Scalars],
 ) -> None:
-    """The AdamW update in place, in the order torch.optim.AdamW applies it; `grads` is read
-    only. Both phases run exactly this sequence, so a rehearsal predicts its step bit for bit."""
+    """The AdamW update in place, as torch.optim.AdamW computes it; `grads` is read only.
+
+    Where torch has the fused AdamW kernel for the device (`torch._fused_adamw_`: CPU and CUDA),
+    one call per slot reads each row once and writes it once; otherwise the same arithmetic as
+    a sequence of foreach ops over all slots. Both phases run the same path, so a rehearsal
+    predicts its step bit for bit.
+    """
+    if _FUSED_ADAMW is not None and params and params[0].device.type in ("cpu", "cuda"):
+        for param, grad, exp_avg, exp_avg_sq, s in zip(
+            params, grads, exp_avgs, exp_avg_sqs, scalars, strict=True
+        ):
+            spec = s.spec
+            _FUSED_ADAMW(
+                [param],
+                [grad],
+                [exp_avg],
+                [exp_avg_sq],
+                [],
+                [torch.tensor(float(s.step), device=param.device)],
+                lr=spec.learning_rate,
+                beta1=spec.beta1,
+                beta2=spec.beta2,
+                weight_decay=spec.weight_decay,
+                eps=spec.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+        return
     torch._foreach_mul_(params, [s.decay for s in scalars])
     torch._foreach_lerp_(exp_avgs, grads, [s.avg_weight for s in scalars])
     torch._foreach_mul_(exp_avg_sqs, [s.beta2 for s in scalars])
@@ -251,6 +285,9 @@ def _adamw(
     torch._foreach_div_(denominators, [s.bias_sqrt2 for s in scalars])
     torch._foreach_add_(denominators, [s.eps for s in scalars])
     torch._foreach_addcdiv_(params, exp_avgs, denominators, [s.step_size for s in scalars])
+
+
+_FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 
 
 def _gradient_error(detail: str) -> UserError:

@@ -279,3 +279,18 @@ def test_a_request_failing_after_part_of_it_ran_leaves_its_slot_clean(
         got_grads = faulty.bank.grads[faulty.slot(model_id)]
         want_grads = reference.bank.grads[reference.slot(model_id)]
         assert (got_grads - want_grads).abs().max() <= 1e-5, model_id
+
+
+def test_finite_gradients_whose_sum_overflows_are_not_failed(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The pass's finiteness check sums each row first; a row of finite values whose sum
+    overflows float32 is checked value by value and kept."""
+    engine = make_engine()
+    slot = engine.slot("b")
+    engine.bank.grads[slot, 3] = 3e38
+    engine.bank.grads[slot, 5] = 3e38  # finite values, an infinite sum
+    rng = np.random.default_rng(11)
+    [result] = engine.forward_backward([("b", make_request("b", [4], rng))])
+    assert isinstance(result, FwdBwdOutput)
+    assert float(engine.bank.grads[slot, 3]) == pytest.approx(3e38, rel=1e-6)

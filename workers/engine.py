@@ -312,11 +312,20 @@ class Engine:
         return self.passes.run(batch, slots)
 
     def _failed_rows(self, slots: list[int]) -> set[int]:
-        """The slots whose gradient row holds NaN or inf (one device sync)."""
+        """The slots whose gradient row holds NaN or inf (one device sync).
+
+        A row's sum is NaN or inf whenever one of its values is, so one summing read clears
+        almost every row; only a row whose sum is not finite (its finite values may overflow
+        the sum) is checked value by value.
+        """
         if not slots:
             return set()
-        finite = torch.stack([self.bank.grads[slot].isfinite().all() for slot in slots])
-        return {slot for slot, ok in zip(slots, finite.tolist(), strict=True) if not ok}
+        sums = torch.stack([self.bank.grads[slot].sum() for slot in slots]).isfinite().tolist()
+        return {
+            slot
+            for slot, ok in zip(slots, sums, strict=True)
+            if not ok and not bool(self.bank.grads[slot].isfinite().all())
+        }
 
     def validate_optim_step(self, model_id: str, adam: AdamParams) -> None:
         """Raise a `UserError` (or `NotFound`) if this step cannot run; changes nothing.

@@ -294,3 +294,26 @@ def test_finite_gradients_whose_sum_overflows_are_not_failed(
     [result] = engine.forward_backward([("b", make_request("b", [4], rng))])
     assert isinstance(result, FwdBwdOutput)
     assert float(engine.bank.grads[slot, 3]) == pytest.approx(3e38, rel=1e-6)
+
+
+@pytest.mark.parametrize("scratch_bytes", [1, 2**28], ids=["one-slot-groups", "one-group"])
+def test_a_clipping_slot_whose_update_overflows_gets_every_row_back(
+    make_engine: Callable[..., Engine], scratch_bytes: int
+) -> None:
+    """B clips (so its gradient is scaled in place) and its first moment is near float32's
+    limit, so its new weights overflow: B's rows, its pending gradient included, come back bit
+    for bit, and A (stepping in the same or another group) takes its solo step."""
+    faulty, reference = make_engine(), make_engine()
+    for engine in (faulty, reference):
+        engine.optimizer.scratch_bytes = scratch_bytes
+        train_round(engine, seed=12)
+    faulty.optimizer.exp_avg[faulty.slot("b"), 9] = 3e38
+    b_before = slot_state(faulty, "b")
+
+    a_result, b_result = faulty.optim_step([("a", ADAM), ("b", CLIPPED)])
+    [reference_a] = reference.optim_step([("a", ADAM)])
+
+    assert a_result == reference_a
+    assert_same_bits(slot_state(faulty, "a"), slot_state(reference, "a"))
+    assert isinstance(b_result, UserError) and "update is not finite" in b_result.message
+    assert_same_bits(slot_state(faulty, "b"), b_before)

@@ -6,7 +6,8 @@ tokens), one run times, side by side:
   one fused `optim_step` (what a worker cycle does);
 - separate: N calls of one tenant each, then N single steps;
 - same tokens: one tenant sending the same total tokens (N requests) in one call and one step.
-It prints the median of `--repeats` for each, merged ÷ separate as a throughput ratio (higher is
+It prints the median of `--repeats` for each (the ways take turns, so a drift of the machine's
+speed weighs on all alike), merged ÷ separate as a throughput ratio (higher is
 better: merging gains) and merged ÷ same-tokens as a time ratio (lower is better: the merge's
 own cost). `--sweep` instead prints training tokens/s of one tenant's pass by pass size, which is
 how the worker's default token budget is chosen.
@@ -114,13 +115,29 @@ def case(
         same_pass()
         engine.optim_step([("t0", ADAM)])
 
-    return {
-        "merged": timed(merged, repeats),
-        "separate": timed(separate, repeats),
-        "same": timed(same_tokens, repeats),
-        "merged_pass": timed(merged_pass, repeats),
-        "same_pass": timed(same_pass, repeats),
+    modes = {
+        "merged": merged,
+        "separate": separate,
+        "same": same_tokens,
+        "merged_pass": merged_pass,
+        "same_pass": same_pass,
     }
+    return interleaved(modes, repeats)
+
+
+def interleaved(modes: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each mode, the modes taking turns (in a rotating order) so that a
+    drift of the machine's speed during the run weighs on all of them alike."""
+    for fn in modes.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    names = list(modes)
+    for turn in range(repeats):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            started = time.perf_counter()
+            modes[name]()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def compare(engine: Engine, vocab: int, repeats: int) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import math
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from workers import lora_kernels  # noqa: E402
 from workers.kernels import linear_attention_path, lora_path  # noqa: E402
-from workers.lora import BASE_SLOT, LoraBank, MultiSlotLoraLinear, Segment, SlotRouting  # noqa: E402
+from workers.lora import BASE_SLOT, LoraBank, Segment, SlotRouting  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
 _GRAD_LAYOUT_RELAXED = getattr(
@@ -153,30 +152,6 @@ def build(name: str, config: Any, device: torch.device, dtype: torch.dtype, slot
     )  # fmt: skip
 
 
-# -- the LoRA kind under test: MultiSlotLoraLinear routed through segment_lora ----------------
-
-_KIND: list[str | None] = [None]
-
-
-def _segment_forward(self: MultiSlotLoraLinear, x: torch.Tensor) -> torch.Tensor:
-    y: torch.Tensor = self.base_layer(x)
-    if not self.routing.segments:
-        return y
-    per_row = math.prod(x.shape[1:-1])  # tokens per routed row
-    spec = [
-        (s.slot, s.start * per_row, s.stop * per_row,
-         0.0 if s.slot == BASE_SLOT else self.slot_scales[s.slot])
-        for s in self.routing.segments
-    ]  # fmt: skip
-    update = lora_kernels.segment_lora(
-        x.reshape(-1, x.shape[-1]), self.lora_A, self.lora_B, spec, kind=_KIND[0]
-    )
-    return y + update.view(y.shape)
-
-
-MultiSlotLoraLinear.forward = _segment_forward  # type: ignore[method-assign]
-
-
 # -- one training pass -------------------------------------------------------------------------
 
 
@@ -241,7 +216,7 @@ def measure(bench: Bench, mode: str, tenants: int, args: argparse.Namespace) -> 
     row = Row(bench.name, mode, tenants, tokens)
     ids = torch.randint(0, bench.vocab, (tenants * args.seqs, args.seq_len), device=bench.device)
     segments = [Segment(i, i * args.seqs, (i + 1) * args.seqs) for i in range(tenants)]
-    _KIND[0] = None if mode in ("base", "solo") else mode
+    bench.bank.set_kind(None if mode in ("base", "solo") else mode)  # type: ignore[arg-type]
 
     def work() -> None:
         if mode == "solo":

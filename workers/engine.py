@@ -48,7 +48,7 @@ from workers.lora import LoraBank, SlotRouting
 from workers.losses import check_inputs, get_loss, resolve_config
 from workers.optimizer import SlotAdamW
 from workers.parking import ParkedAdapters
-from workers.passes import PassResults, PassRunner
+from workers.passes import PassResults, PassRunner, not_finite
 from workers.residency import Residency
 from workers.slot_checkpoints import SlotCheckpoints
 
@@ -291,14 +291,14 @@ class Engine:
                             # Failed only in the second run (rounding at the edge of float32):
                             # the whole slot fails rather than keep part of its gradient.
                             for other in training_items[slots[index]]:
-                                results[other] = _not_finite("loss", "float32 overflow")
+                                results[other] = not_finite("loss", "float32 overflow")
             failed_rows = self._failed_rows(trained)
             for row, slot in enumerate(trained):
                 items = training_items[slot]
                 if slot in failed_rows:
                     for index in items:
                         if not isinstance(results[index], TwinkleError):
-                            results[index] = _not_finite("gradient", "an overflow in float32")
+                            results[index] = not_finite("gradient", "an overflow in float32")
                 if all(isinstance(results[index], TwinkleError) for index in items):
                     self.bank.grads[slot].copy_(pending[row])
             return results
@@ -359,11 +359,3 @@ class Engine:
             adams = [steps[index][1] for index in indices]
             results.update(zip(indices, self.optimizer.step(slots, adams), strict=True))
         return [results[index] for index in range(len(steps))]
-
-
-def _not_finite(what: str, detail: str) -> UserError:
-    return UserError(
-        f"forward_backward: the {what} is not finite ({detail}); check the loss inputs "
-        "(weights, advantages, logprobs) for values too large for float32. This request "
-        "added no gradient."
-    )

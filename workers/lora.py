@@ -133,29 +133,28 @@ class MultiSlotLoraLinear(nn.Module):
         self.kind: LoraKind | None = None  # how `update` computes (None: the device's best)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.base_layer(x)
         segments = self.routing.segments
-        if not segments:
-            return y
-        if x.shape[0] != self.routing.n_rows:
+        if segments and x.shape[0] != self.routing.n_rows:
             raise ServerError(
                 f"LoRA layer ({self.group}) got {x.shape[0]} rows, the pass has {self.routing.n_rows}"
             )
-        update = self.update(x, segments, y.shape[-1])
+        return self.with_segments(x, segments)
+
+    def with_segments(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """The base output of rows `x` plus each segment's LoRA term (segments index dim 0).
+
+        `forward` passes the bound pass's segments; the engine's chunked output layer passes
+        token segments of its own.
+        """
+        y: torch.Tensor = self.base_layer(x)
+        update = self.update(x, segments)
         return y if update is None else y + update
 
-    def update(
-        self, x: torch.Tensor, segments: Sequence[Segment], out_features: int | None = None
-    ) -> torch.Tensor | None:
-        """The LoRA term of rows `x` (segments index dim 0), or None where no row has one.
-
-        Also called directly on token rows by the engine's chunked output layer. The maths is
+    def update(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor | None:
+        """The LoRA term of rows `x`, or None where no row has one. The maths is
         `workers.lora_kernels.segment_lora`, in the kind `self.kind` (None: the device's best).
         """
-        out = self.base_layer.out_features if out_features is None else out_features
-        per_row = 1
-        for size in x.shape[1:-1]:
-            per_row *= size
+        per_row = math.prod(x.shape[1:-1])  # tokens per row of dim 0
         specs = []
         for segment in segments:
             scale = 0.0 if segment.slot == BASE_SLOT else self.slot_scales[segment.slot]
@@ -165,7 +164,7 @@ class MultiSlotLoraLinear(nn.Module):
             return None
         flat = x.reshape(-1, x.shape[-1])
         update = segment_lora(flat, self.lora_A, self.lora_B, specs, kind=self.kind)
-        return update.view(*x.shape[:-1], out)
+        return update.view(*x.shape[:-1], update.shape[-1])
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from protocol import api
 from protocol.errors import ServerError, TwinkleError, UserError
@@ -55,44 +55,29 @@ C = TypeVar("C")  # one engine call's item: (model_id, request) or (model_id, Ad
 R = TypeVar("R")
 
 
-def done_outcome(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
+def _outcome(job: Job, state: Literal["done", "error"], **fields: Any) -> Outcome:
     return Outcome(
         request_id=job.request_id,
-        state="done",
+        state=state,
         request_type=request_type_of(job),
         model_id=job.model_id,
-        payload=payload,
-        payload_type=payload_type,  # type: ignore[arg-type]
         finished_at=time.time(),
         tenant_id=job.tenant_id,
+        **fields,
     )
+
+
+def done_outcome(job: Job, payload: bytes, payload_type: str = "json") -> Outcome:
+    return _outcome(job, "done", payload=payload, payload_type=payload_type)
 
 
 def failed_outcome(job: Job, err: TwinkleError) -> Outcome:
-    return Outcome(
-        request_id=job.request_id,
-        state="error",
-        request_type=request_type_of(job),
-        model_id=job.model_id,
-        error=err.message,
-        category=err.category,
-        finished_at=time.time(),
-        tenant_id=job.tenant_id,
-    )
+    return _outcome(job, "error", error=err.message, category=err.category)
 
 
 def settled_outcome(job: TombstoneJob) -> Outcome:
     """The outcome the gateway already stored for a refused call (written again: idempotent)."""
-    return Outcome(
-        request_id=job.request_id,
-        state="error",
-        request_type=request_type_of(job),
-        model_id=job.model_id,
-        error=job.error,
-        category=job.category,
-        finished_at=time.time(),
-        tenant_id=job.tenant_id,
-    )
+    return _outcome(job, "error", error=job.error, category=job.category)
 
 
 class EngineOps:

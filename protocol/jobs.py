@@ -49,6 +49,9 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
     # the tenant's rate limit lets it start then (Unix seconds; 0: at once), and why
     not_before: float = 0.0
     queue_reason: str = ""
+    # stable_reinforce: the recorded runs behind the datums' sampled spans
+    # (`protocol.stability.encode_slices`), resolved by the gateway
+    provenance: bytes = b""
 
 
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):

@@ -38,6 +38,7 @@ class SampleSpec:
     stop_at_eos: bool = True
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    record_stability_info: bool = False  # keep each sequence for stable_reinforce
 
 
 @dataclass
@@ -122,6 +123,7 @@ def sample_spec(
         stop_at_eos=stop is None,
         prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=body.topk_prompt_logprobs,
+        record_stability_info=bool(body.record_stability_info),
     )
 
 

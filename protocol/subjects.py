@@ -26,6 +26,7 @@ BUCKET_QUOTAS = "tw_quotas"
 BUCKET_USAGE = "tw_usage"
 BUCKET_LEASES = "tw_leases"
 BUCKET_WORKERS = "tw_workers"
+BUCKET_STABILITY = "tw_stability"  # per sampled sequence, for stable_reinforce
 
 DEFAULT_SHARDS = 16
 

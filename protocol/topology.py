@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol import subjects
+from protocol import stability, subjects
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ def buckets(futures_ttl_s: float) -> tuple[BucketSpec, ...]:
         BucketSpec(subjects.BUCKET_USAGE),
         BucketSpec(subjects.BUCKET_LEASES, ttl_s=30.0),
         BucketSpec(subjects.BUCKET_WORKERS, ttl_s=30.0),
+        BucketSpec(subjects.BUCKET_STABILITY, ttl_s=stability.RECORD_TTL_S),
     )
 
 

@@ -487,7 +487,6 @@ def test_invalid_inputs_name_the_loss_and_the_key(
 @pytest.mark.parametrize(
     ("loss_fn", "fragments"),
     [
-        ("stable_reinforce", ["'stable_reinforce'", "not supported", "importance_sampling or ppo"]),
         ("custom", ["'custom'", "not supported", "forward_backward_custom", "client-side"]),
         (
             "grpo",

@@ -43,6 +43,7 @@ DatumCheck = Callable[["LossFn", str, Mapping[str, np.ndarray], Settings], None]
 TARGET_TOKENS = "target_tokens"
 CLIP_LOW = "clip_low_threshold"
 CLIP_HIGH = "clip_high_threshold"
+TRUNCATION = "truncation"
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,21 @@ def _gspo(
     return -torch.min(rho * advantages, clipped * advantages)
 
 
+def _stable_reinforce(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], settings: Settings
+) -> torch.Tensor:
+    # Ours (the service's formula is unpublished; docs/compatibility.md): REINFORCE with a
+    # token-level truncated importance weight w = min(r, C), r = exp(lp − q), q the sampler's
+    # log-prob as the server recorded it (`protocol.stability`). ℓ = −sg(w)·exp(lp − sg(lp))·A:
+    # its value is −w·A (importance_sampling's −r·A while r ≤ C) and its gradient −w·A·∂lp, so
+    # a stale token's weight is bounded by C but never zeroed, and on-policy (r = 1) it is
+    # exactly the policy gradient. The weight comes from a log-ratio clamped at log C before
+    # the exp, so no far off-policy token can overflow.
+    log_ratio = _log_ratio(logprobs, inputs).detach()
+    weight = torch.exp(torch.clamp(log_ratio, max=math.log(settings[TRUNCATION])))
+    return -(weight * torch.exp(logprobs - logprobs.detach()) * inputs["advantages"])
+
+
 # -- loss-specific datum checks ----------------------------------------------------------------
 
 
@@ -194,6 +210,17 @@ def _check_sequence_mask(
             loss,
             f"{prefix}.sequence_ratio_mask",
             "no non-zero entry; mark the sampled tokens with 1 or leave this datum out",
+        )
+
+
+def _check_truncation(
+    loss: LossFn, prefix: str, inputs: Mapping[str, np.ndarray], settings: Settings
+) -> None:
+    if not settings[TRUNCATION] >= 1.0:
+        raise _fail(
+            loss,
+            f"loss_fn_config.{TRUNCATION}",
+            f"{settings[TRUNCATION]} must be >= 1 (the largest importance weight a token gets)",
         )
 
 
@@ -260,15 +287,27 @@ GSPO = LossFn(
     check_datum=_check_sequence_mask,
 )
 
+STABLE_REINFORCE = LossFn(
+    name="stable_reinforce",
+    # `logprobs` is filled in by the server from its records (`protocol.stability`); a value the
+    # client sends there is replaced.
+    inputs=_RL_INPUTS,
+    elementwise=_stable_reinforce,
+    output_type="StableReinforceLossReturn",
+    # C = 2, the truncation of truncated importance sampling for off-policy LLM RL (Yao et al.,
+    # 2025, "Your efficient RL framework secretly brings you off-policy RL training").
+    settings={TRUNCATION: 2.0},
+    check_datum=_check_truncation,
+)
+
 LOSSES: dict[str, LossFn] = {
-    loss.name: loss for loss in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO)
+    loss.name: loss
+    for loss in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO, STABLE_REINFORCE)
 }
 
 # Names the Tinker API defines that this server does not run: rejected with the alternative,
 # never silently replaced by another loss.
 _UNSUPPORTED: dict[str, str] = {
-    # The objective is unpublished (§2.7), so parity with the service is impossible.
-    "stable_reinforce": "its objective is not published; use importance_sampling or ppo",
     "custom": "server-side custom losses are not available; use forward_backward_custom, "
     "which runs client-side",
 }

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from protocol import api
+from protocol import api, stability
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.jobs import (
     CreateModelJob,
@@ -110,6 +110,8 @@ class EngineOps:
             try:
                 self._require_model(job)
                 request = decode_forward_backward(job.body, job.max_elements)
+                if request.loss_fn == stability.LOSS_NAME:
+                    stability.apply_slices(request, stability.decode_slices(job.provenance))
                 self.engine.validate(job.model_id, request)
             except TwinkleError as err:
                 outcomes[i] = failed_outcome(job, err)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import msgspec
 from nats.aio.msg import Msg
 
-from protocol import api, subjects
+from protocol import api, stability, subjects
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
 from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
@@ -306,9 +306,42 @@ class SamplerService:
         elapsed_s = time.perf_counter() - started
         self.metrics.observe_batch(elapsed_s, results)
         for item, result in zip(batch, results, strict=True):
+            if item.spec.record_stability_info and not isinstance(result, TwinkleError):
+                try:
+                    await self._record_stability(item, result)
+                except Exception:  # the bus failed: the sample fails, it is not half-answered
+                    log.exception("recording stability info of %s failed", item.job.request_id)
+                    result = ServerError("could not record the samples' stability info; retry")
             await self._finish(item.job, item.msg, result)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
+
+    async def _record_stability(self, item: Prepared, result: SampleOutput) -> None:
+        """Keep every sequence for stable_reinforce (`protocol.stability`), before the answer
+        is written, so a client that has its samples finds their records."""
+        now = time.time()
+        records = [
+            stability.new_record(
+                sequence=stability.sequence_id(item.job.request_id, index),
+                tenant_id=item.job.tenant_id,
+                sampling_session_id=item.job.sampling_session_id,
+                prompt_length=len(item.spec.prompt),
+                tokens=seq.tokens,
+                logprobs=seq.logprobs,
+                written_at=now,
+            )
+            for index, seq in enumerate(result.sequences)
+        ]
+        await asyncio.gather(
+            *(
+                self.bus.put(
+                    subjects.BUCKET_STABILITY,
+                    stability.sequence_key(record.sequence_id),
+                    stability.encode_record(record),
+                )
+                for record in records
+            )
+        )
 
     async def _finish(self, job: SampleJob, msg: Msg, result: SampleOutput | TwinkleError) -> None:
         if isinstance(result, TwinkleError):

@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from protocol import api, paths, rules, subjects
+from protocol import api, paths, rules, stability, subjects
 from protocol.errors import RateLimited, UserError
 from protocol.jobs import SampleJob, SeqClaim
 from protocol.records import SamplerRecord
@@ -138,6 +138,8 @@ async def asample(request: web.Request) -> web.Response:
     return json_response(
         api.UntypedAPIFuture(
             request_id=request_id,
-            sample_sequence_ids=[f"{request_id}-seq{i}" for i in range(body.num_samples)],
+            sample_sequence_ids=[
+                stability.sequence_id(request_id, i) for i in range(body.num_samples)
+            ],
         )
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from protocol import api, paths, rules
+from protocol import api, paths, rules, stability
 from protocol.errors import UserError
 from protocol.jobs import (
     CreateModelJob,
@@ -27,8 +27,9 @@ from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, Session
 from protocol.tensors import check_budget, scan_forward_backward
 from twinkle_async import quotas
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
+from twinkle_async.gateway.provenance import resolve as resolve_provenance
 from twinkle_async.gateway.sequenced import live_run, owned_run, seq_ref, submit_sequenced
-from twinkle_async.gateway.state import QUOTAS, REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.state import BUS, QUOTAS, REGISTRY, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
 
@@ -171,7 +172,11 @@ async def forward_backward(request: web.Request) -> web.Response:
                     f"tenant {run.tenant_id!r} is over its {limits.tokens_per_minute} training"
                     " tokens per minute; this request is queued"
                 )
+        provenance = b""
+        if summary.loss_fn == stability.LOSS_NAME:
+            provenance = await resolve_provenance(request.app[BUS], raw, run.tenant_id)
         return ForwardBackwardJob(
+            provenance=provenance,
             request_id=request_id,
             model_id=run.model_id,
             tenant_id=run.tenant_id,

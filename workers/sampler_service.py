@@ -306,11 +306,17 @@ class SamplerService:
         elapsed_s = time.perf_counter() - started
         self.metrics.observe_batch(elapsed_s, results)
         for item, result in zip(batch, results, strict=True):
-            await self._finish(item.job, item.msg, result)
+            await self._finish(item.job, item.msg, result, item.spec)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
 
-    async def _finish(self, job: SampleJob, msg: Msg, result: SampleOutput | TwinkleError) -> None:
+    async def _finish(
+        self,
+        job: SampleJob,
+        msg: Msg,
+        result: SampleOutput | TwinkleError,
+        spec: SampleSpec | None = None,
+    ) -> None:
         if isinstance(result, TwinkleError):
             outcome = Outcome(
                 request_id=job.request_id,
@@ -331,7 +337,7 @@ class SamplerService:
                 request_id=job.request_id,
                 state="done",
                 request_type="sample",
-                payload=encode_sample_response(result),
+                payload=encode_sample_response(result, spec),
                 payload_type="proto",
                 finished_at=time.time(),
                 tenant_id=job.tenant_id,

@@ -3,10 +3,17 @@ the protobuf `SampleResponse` the SDK requires.
 
 Both sampler backends (torch in the trainer, vLLM in its own process) take a `SampleSpec` and
 return a `SampleOutput`; the sampler service encodes it with `encode_sample_response`.
+
+Invariants: every per-position width a client picks (top-k prompt and sample logprobs, the
+columns of `target_prompt_logprobs`, `prompt_alt_tokens_k`) is at most `MAX_LOGPROBS_K`, so a
+request's extra output is bounded by its own prompt and completion lengths; every token id a
+client names is inside the vocabulary. Logprobs are the raw model distribution (before
+temperature, top-k and top-p), as the trainer's forward computes them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,6 +26,34 @@ from protocol.errors import UserError
 
 MAX_NUM_SAMPLES = 128
 DEFAULT_MAX_TOKENS = 128
+# The widest per-position top-k, target-id row or alternative-token draw a request may ask for.
+MAX_LOGPROBS_K = 20
+# The placeholder of an empty top-k slot (the SDK's `MASK_LOGPROB`, token id 0).
+TOPK_MASK_LOGPROB = -99999.0
+
+
+@dataclass(frozen=True)
+class TargetIds:
+    """`target_prompt_logprobs`, validated: token ids to score at prompt positions.
+
+    `values` are the request's own cells in its layout: all `rows * cols` of them row-major when
+    dense, else the listed cells of a CSR matrix (`crow`, `col`). A cell of -1 asks nothing.
+    Row i scores prompt position i + 1. The answer has the same layout (`cells` order).
+    """
+
+    rows: int
+    cols: int
+    values: tuple[int, ...]
+    crow: tuple[int, ...] | None = None
+    col: tuple[int, ...] | None = None
+
+    def cells(self) -> tuple[list[int], list[int]]:
+        """(row, token id) of every value in `values` order; -1 where nothing is asked."""
+        if self.crow is None:
+            rows = [i // self.cols for i in range(len(self.values))]
+        else:
+            rows = [r for r in range(self.rows) for _ in range(self.crow[r], self.crow[r + 1])]
+        return rows, list(self.values)
 
 
 @dataclass(frozen=True)
@@ -39,16 +74,33 @@ class SampleSpec:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     record_stability_info: bool = False  # keep each sequence for stable_reinforce
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: TargetIds | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt tokens
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Whether any output needs the model's distribution at the prompt positions."""
+        return (
+            self.prompt_logprobs
+            or self.target_prompt_logprobs is not None
+            or self.prompt_alt_tokens_k > 0
+        )
+
+
+TopK = list[tuple[int, float]]  # (token id, raw logprob), most likely first
 
 
 @dataclass
 class SampledSequence:
     """One completion: its tokens, the raw logprob of each (model distribution, before
-    temperature), and why it ended."""
+    temperature), why it ended and, when asked, each position's top-k."""
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
+    topk_logprobs: list[TopK] | None = None
 
 
 @dataclass
@@ -57,7 +109,11 @@ class SampleOutput:
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None  # first entry None (nothing predicts it)
-    topk_prompt_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
+    topk_prompt_logprobs: list[TopK] | None = field(default=None)
+    target_prompt_logprobs: list[float] | None = None  # one per `TargetIds.values`, 0.0 at -1
+    # [len(prompt) - 1][k] draws and their raw logprobs; row i is for prompt position i + 1
+    prompt_alt_tokens: list[list[int]] | None = None
+    prompt_alt_logprobs: list[list[float]] | None = None
 
 
 def sample_spec(
@@ -86,16 +142,25 @@ def sample_spec(
         raise UserError(f"sampling_params.top_p: {params.top_p} must be in (0, 1]")
     if params.top_k == 0 or params.top_k < -1:
         raise UserError(f"sampling_params.top_k: {params.top_k} must be -1 (off) or >= 1")
-    if body.topk_prompt_logprobs < 0:
-        raise UserError("topk_prompt_logprobs: must be >= 0")
-    if (
-        body.prompt_alt_tokens_k
-        or body.target_prompt_logprobs is not None
-        or body.prompt_logprobs_last_n
-    ):
-        raise UserError(
-            "prompt_alt_tokens_k, target_prompt_logprobs and prompt_logprobs_last_n are not supported yet"
-        )
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        _check_width(name, getattr(body, name))
+    wants_prompt = bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None:
+        if not wants_prompt:
+            raise UserError(
+                "prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs"
+            )
+        if not 1 <= last_n <= len(prompt) - 1:
+            raise UserError(
+                f"prompt_logprobs_last_n: {last_n} is out of range 1..{len(prompt) - 1} "
+                "(len(prompt) - 1)"
+            )
+    target = (
+        None
+        if body.target_prompt_logprobs is None
+        else _target_ids(body.target_prompt_logprobs, len(prompt), vocab_size)
+    )
     stop = params.stop
     strings: tuple[str, ...] = ()
     token_ids: tuple[int, ...] = ()
@@ -121,15 +186,101 @@ def sample_spec(
         stop_strings=strings,
         stop_token_ids=token_ids,
         stop_at_eos=stop is None,
-        prompt_logprobs=bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0,
+        prompt_logprobs=wants_prompt,
         topk_prompt_logprobs=body.topk_prompt_logprobs,
         record_stability_info=bool(body.record_stability_info),
+        topk_sample_logprobs=body.topk_sample_logprobs,
+        target_prompt_logprobs=target,
+        prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+        prompt_logprobs_last_n=last_n,
     )
 
 
-def encode_sample_response(output: SampleOutput) -> bytes:
-    """The protobuf `SampleResponse`: int32 tokens, float32 logprobs, NaN where not computed."""
+def _check_width(name: str, k: int) -> None:
+    if not 0 <= k <= MAX_LOGPROBS_K:
+        raise UserError(f"{name}: {k} is out of range 0..{MAX_LOGPROBS_K}")
+
+
+def _target_ids(tensor: api.TensorData, prompt_len: int, vocab_size: int | None) -> TargetIds:
+    """`target_prompt_logprobs` checked: int64, [len(prompt) - 1, K <= MAX_LOGPROBS_K], dense
+    or a well-formed CSR matrix, ids in the vocabulary or -1, at least one id."""
+    name = "target_prompt_logprobs"
+    if tensor.dtype != "int64":
+        raise UserError(f"{name}: dtype must be int64 token ids, not {tensor.dtype}")
+    shape = tensor.shape
+    if shape is None or len(shape) != 2:
+        raise UserError(f"{name}: shape must be [len(prompt) - 1, K], got {shape}")
+    rows, cols = shape
+    if rows != prompt_len - 1:
+        raise UserError(
+            f"{name}: {rows} rows for a prompt of {prompt_len} tokens; "
+            f"len(prompt) - 1 = {prompt_len - 1} are needed"
+        )
+    if not 1 <= cols <= MAX_LOGPROBS_K:
+        raise UserError(f"{name}: K = {cols} ids per position is out of range 1..{MAX_LOGPROBS_K}")
+    values = tensor.data
+    if any(type(v) is not int for v in values):
+        raise UserError(f"{name}: data must be integer token ids")
+    crow, col = tensor.sparse_crow_indices, tensor.sparse_col_indices
+    if (crow is None) != (col is None):
+        raise UserError(f"{name}: sparse_crow_indices and sparse_col_indices go together")
+    if crow is None or col is None:
+        if len(values) != rows * cols:
+            raise UserError(f"{name}: {len(values)} values for shape [{rows}, {cols}]")
+    else:
+        _check_csr(name, crow, col, rows, cols, len(values))
+    limit = vocab_size if vocab_size is not None else 2**63
+    bad = next((v for v in values if v != -1 and not 0 <= v < limit), None)
+    if bad is not None:
+        raise UserError(f"{name}: token id {bad} is outside the vocabulary (size {vocab_size})")
+    if all(v == -1 for v in values):
+        raise UserError(f"{name}: names no token id (every cell is -1)")
+    return TargetIds(
+        rows,
+        cols,
+        tuple(int(v) for v in values),
+        None if crow is None else tuple(crow),
+        None if col is None else tuple(col),
+    )
+
+
+def _check_csr(name: str, crow: list[int], col: list[int], rows: int, cols: int, nnz: int) -> None:
+    """A CSR layout: rows + 1 nondecreasing row pointers from 0 to nnz, and within each row
+    strictly increasing column indices in [0, cols)."""
+    if len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != nnz or len(col) != nnz:
+        raise UserError(
+            f"{name}: sparse_crow_indices must be {rows + 1} row pointers from 0 to the "
+            f"{nnz} values, with one sparse_col_indices entry per value"
+        )
+    for r in range(rows):
+        start, end = crow[r], crow[r + 1]
+        if end < start:
+            raise UserError(f"{name}: sparse_crow_indices must not decrease")
+        row = col[start:end]
+        if any(not 0 <= c < cols for c in row) or any(a >= b for a, b in itertools.pairwise(row)):
+            raise UserError(
+                f"{name}: sparse_col_indices of row {r} must increase strictly within 0..{cols - 1}"
+            )
+
+
+def keep_last_n(spec: SampleSpec, output: SampleOutput) -> None:
+    """Blank the prompt logprobs (NaN) and top-k rows before the last
+    `prompt_logprobs_last_n` prompt tokens, as the SDK requires."""
+    n = spec.prompt_logprobs_last_n
+    if n is None:
+        return
+    cut = len(spec.prompt) - n
+    if output.prompt_logprobs is not None:
+        output.prompt_logprobs[:cut] = [None] * cut
+    if output.topk_prompt_logprobs is not None:
+        output.topk_prompt_logprobs[:cut] = [[] for _ in range(cut)]
+
+
+def encode_sample_response(output: SampleOutput, spec: SampleSpec | None = None) -> bytes:
+    """The protobuf `SampleResponse`: int32 tokens, float32 logprobs, NaN where not computed;
+    `spec` gives the layout of `target_prompt_logprobs` (and the sampled top-k width)."""
     msg = pb.SampleResponse()
+    sample_k = 0 if spec is None else spec.topk_sample_logprobs
     for seq in output.sequences:
         item = msg.sequences.add()
         item.stop_reason = (
@@ -137,18 +288,52 @@ def encode_sample_response(output: SampleOutput) -> bytes:
         )
         item.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
         item.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.topk_logprobs is not None:
+            _fill_topk(item.topk_sampled_logprobs, seq.topk_logprobs, sample_k)
     if output.prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in output.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
     if output.topk_prompt_logprobs is not None:
-        k = max((len(row) for row in output.topk_prompt_logprobs), default=0)
-        ids = np.zeros((len(output.topk_prompt_logprobs), k), dtype="<i4")
-        lps = np.full((len(output.topk_prompt_logprobs), k), -99999.0, dtype="<f4")
-        for i, row in enumerate(output.topk_prompt_logprobs):
-            for j, (token, lp) in enumerate(row):
-                ids[i, j], lps[i, j] = token, lp
-        msg.topk_prompt_logprobs.token_ids = ids.tobytes()
-        msg.topk_prompt_logprobs.logprobs = lps.tobytes()
-        msg.topk_prompt_logprobs.k = k
-        msg.topk_prompt_logprobs.length = len(output.topk_prompt_logprobs)
+        _fill_topk(msg.topk_prompt_logprobs, output.topk_prompt_logprobs, 0)
+    target = None if spec is None else spec.target_prompt_logprobs
+    if output.target_prompt_logprobs is not None and target is not None:
+        values_f4 = np.asarray(output.target_prompt_logprobs, dtype="<f4")
+        tensor = msg.target_prompt_logprobs
+        tensor.dtype = pb.DTYPE_FLOAT32
+        tensor.shape.extend([target.rows, target.cols])
+        if target.crow is None or target.col is None:
+            tensor.dense = values_f4.tobytes()
+        else:
+            tensor.sparse_csr.values = values_f4.tobytes()
+            tensor.sparse_csr.crow_indices = np.asarray(target.crow, dtype="<i8").tobytes()
+            tensor.sparse_csr.col_indices = np.asarray(target.col, dtype="<i8").tobytes()
+    if output.prompt_alt_tokens is not None and output.prompt_alt_logprobs is not None:
+        rows = len(output.prompt_alt_tokens)
+        k = 0 if spec is None else spec.prompt_alt_tokens_k
+        alt = msg.prompt_alt_tokens
+        alt.tokens.dtype = pb.DTYPE_INT64
+        alt.tokens.shape.extend([rows, k])
+        alt.tokens.dense = (
+            np.asarray(output.prompt_alt_tokens, dtype="<i8").reshape(rows, k).tobytes()
+        )
+        alt.logprobs.dtype = pb.DTYPE_FLOAT32
+        alt.logprobs.shape.extend([rows, k])
+        alt.logprobs.dense = (
+            np.asarray(output.prompt_alt_logprobs, dtype="<f4").reshape(rows, k).tobytes()
+        )
     return bytes(msg.SerializeToString())
+
+
+def _fill_topk(msg: pb.TopkLogprobs, rows: list[TopK], k: int) -> None:
+    """Dense [len(rows), k] matrices (k: the widest row if 0); short rows are padded with the
+    SDK's empty-slot placeholder (token 0, TOPK_MASK_LOGPROB)."""
+    k = max(k, max((len(row) for row in rows), default=0))
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), TOPK_MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, lp) in enumerate(row):
+            ids[i, j], lps[i, j] = token, lp
+    msg.token_ids = ids.tobytes()
+    msg.logprobs = lps.tobytes()
+    msg.k = k
+    msg.length = len(rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound
-from protocol.sampling import SampleOutput, SampleSpec
+from protocol.sampling import SampleOutput, SampleSpec, TargetIds
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine import Engine
 from workers.sampling_batch import mergeable
@@ -500,3 +501,103 @@ def test_a_cache_that_cannot_merge_joins_only_an_empty_batch(
         got = answers[ticket]
         assert isinstance(got, SampleOutput)
         assert_same(got, want)
+
+
+# -- 8. the prompt and sample options: top-k sampled, target ids, alternative draws, last n ----
+
+
+def test_sample_options_equal_the_engine_forward(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    engine, sampler = make_setup()
+    sampler.load_adapter("policy@1", adapter(engine, "policy", 8, tmp_path / "policy"))
+    tokens = prompt(11, 7)
+    ids = np.full((6, 3), -1, dtype=np.int64)
+    ids[0] = [5, 9, 400]
+    ids[4, 1] = 77
+    target = TargetIds(6, 3, tuple(ids.ravel().tolist()))
+    # the same cells as CSR: rows 0 and 4 only
+    sparse = TargetIds(6, 3, (5, 9, 400, 77), (0, 3, 3, 3, 3, 4, 4), (0, 1, 2, 1))
+    spec = SampleSpec(
+        tokens,
+        num_samples=2,
+        max_tokens=5,
+        seed=21,
+        temperature=0.8,
+        prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+        topk_sample_logprobs=4,
+        target_prompt_logprobs=target,
+        prompt_alt_tokens_k=3,
+        prompt_logprobs_last_n=2,
+    )
+    [output, sparse_output] = sampler.sample(
+        [(spec, "policy@1"), (replace(spec, target_prompt_logprobs=sparse), "policy@1")]
+    )
+    full = forward_logprobs(engine, "policy", list(tokens))
+
+    # last n: only the last 2 prompt positions are scored, the top-k rows likewise
+    assert output.prompt_logprobs is not None and output.topk_prompt_logprobs is not None
+    assert output.prompt_logprobs[:5] == [None] * 5
+    assert max_diff(output.prompt_logprobs[5:], full[[4, 5], list(tokens[5:])]) <= TOLERANCE
+    assert output.topk_prompt_logprobs[:5] == [[]] * 5
+    assert (
+        max_diff([lp for _, lp in output.topk_prompt_logprobs[6]], np.sort(full[5])[::-1][:2])
+        <= TOLERANCE
+    )
+
+    # target ids: the engine's logprob at each named cell, 0.0 where -1; sparse gives the same
+    assert output.target_prompt_logprobs is not None
+    got = np.asarray(output.target_prompt_logprobs).reshape(6, 3)
+    want = np.where(ids >= 0, full[np.arange(6)[:, None], np.maximum(ids, 0)], 0.0)
+    assert max_diff(got, want) <= TOLERANCE
+    assert sparse_output.target_prompt_logprobs is not None
+    assert max_diff(sparse_output.target_prompt_logprobs, want[ids >= 0]) <= TOLERANCE
+
+    # alternative tokens: k draws per position after the first, each with its raw logprob
+    alt, alt_lps = output.prompt_alt_tokens, output.prompt_alt_logprobs
+    assert alt is not None and alt_lps is not None
+    assert np.asarray(alt).shape == (6, 3)
+    assert max_diff(alt_lps, full[np.arange(6)[:, None], np.asarray(alt)]) <= TOLERANCE
+    assert sparse_output.prompt_alt_tokens == alt  # seeded: the same draws
+
+    # top-k of every sampled position: the engine's k most likely tokens there
+    for seq in output.sequences:
+        assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
+        forced = forward_logprobs(engine, "policy", [*tokens, *seq.tokens])[len(tokens) - 1 :]
+        for row, pairs in zip(forced, seq.topk_logprobs, strict=True):
+            assert len(pairs) == 4
+            assert max_diff([lp for _, lp in pairs], np.sort(row)[::-1][:4]) <= TOLERANCE
+            assert max_diff([lp for _, lp in pairs], row[[t for t, _ in pairs]]) <= TOLERANCE
+
+    # greedy alternatives are the most likely token, k times
+    [greedy] = sampler.sample([(replace(spec, temperature=0.0, num_samples=1), "policy@1")])
+    assert greedy.prompt_alt_tokens == [[int(np.argmax(row))] * 3 for row in full]
+
+
+def test_seeded_samples_repeat_under_continuous_batching(
+    make_setup: Callable[..., Setup], tmp_path: Path
+) -> None:
+    """20 seeded requests of 3 samples, each joining the running generation at a different
+    step among other requests, give the tokens of the request alone."""
+    engine, sampler = make_setup()
+    sampler.load_adapter("a", adapter(engine, "a", 9, tmp_path / "a"))
+    spec = SampleSpec(prompt(12, 6), num_samples=3, max_tokens=8, seed=99, stop_at_eos=False)
+    [alone] = sampler.sample([(spec, "a")])
+    assert len({tuple(seq.tokens) for seq in alone.sequences}) == 3
+    rng = np.random.default_rng(5)
+    tickets = []
+    answers: dict[int, object] = {}
+    for repetition in range(20):
+        for n in range(int(rng.integers(0, 3))):
+            other = SampleSpec(prompt(100 + repetition, 3 + n), max_tokens=int(rng.integers(2, 12)))
+            sampler.submit(other, "a" if n % 2 else None)
+        tickets.append(sampler.submit(spec, "a"))
+        for _ in range(int(rng.integers(0, 4))):
+            answers.update(sampler.step())
+    while sampler.busy:
+        answers.update(sampler.step())
+    for ticket in tickets:
+        output = answers[ticket]
+        assert isinstance(output, SampleOutput)
+        assert [seq.tokens for seq in output.sequences] == [seq.tokens for seq in alone.sequences]

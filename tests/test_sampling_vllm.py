@@ -38,7 +38,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from protocol.api import AdamParams, LoraConfig  # noqa: E402
 from protocol.errors import UserError  # noqa: E402
-from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
+from protocol.sampling import SampleOutput, SampleSpec, TargetIds  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.sampling_vllm import (  # noqa: E402
@@ -333,3 +333,99 @@ def test_sampling_params_mapping() -> None:
     assert scored.prompt_logprobs == 5
     with pytest.raises(UserError, match="not a valid regex"):
         trains_unembed("(unclosed", None)
+
+
+def full_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.ndarray:
+    """The trainer's logprob of every vocabulary token after each prefix: [len(tokens) - 1, V]."""
+    n, vocab = len(tokens) - 1, engine.vocab_size
+    every = np.broadcast_to(np.arange(vocab, dtype=np.int64), (n, vocab)).copy()
+    datum = DatumArrays(np.asarray(tokens[:-1], np.int32), {"target_tokens": every})
+    request = FwdBwdRequest(model_id, 0, "cross_entropy", True, {}, [datum])
+    (result,) = engine.forward_backward([(model_id, request)])
+    return result.loss_fn_outputs[0]["logprobs"]
+
+
+@on_module_loop
+async def test_sample_options_match_the_trainer(
+    sampler: VllmSampler, checkpoints: Checkpoints
+) -> None:
+    prompt = PROMPTS[1]  # 9 tokens: 8 scored rows
+    ids = np.full((8, 2), -1, dtype=np.int64)
+    ids[0] = [5, 300]
+    ids[6, 1] = 42
+    spec = SampleSpec(
+        prompt=prompt,
+        num_samples=2,
+        max_tokens=4,
+        seed=5,
+        temperature=0.8,
+        stop_at_eos=False,
+        prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+        topk_sample_logprobs=3,
+        target_prompt_logprobs=TargetIds(8, 2, tuple(ids.ravel().tolist())),
+        prompt_alt_tokens_k=4,
+        prompt_logprobs_last_n=3,
+    )
+    output = await sampler.sample(spec, *_adapter(checkpoints, "a"))
+    full = full_logprobs(checkpoints.engine, "a", list(prompt))
+    assert output.prompt_logprobs is not None and output.topk_prompt_logprobs is not None
+    assert output.prompt_logprobs[:6] == [None] * 6
+    np.testing.assert_allclose(
+        output.prompt_logprobs[6:], full[[5, 6, 7], list(prompt[6:])], atol=TOLERANCE
+    )
+    assert output.topk_prompt_logprobs[:6] == [[]] * 6
+    assert all(len(row) == 2 for row in output.topk_prompt_logprobs[6:])
+
+    assert output.target_prompt_logprobs is not None
+    want = np.where(ids >= 0, full[np.arange(8)[:, None], np.maximum(ids, 0)], 0.0)
+    np.testing.assert_allclose(
+        np.reshape(output.target_prompt_logprobs, (8, 2)), want, atol=TOLERANCE
+    )
+
+    alt, alt_lps = output.prompt_alt_tokens, output.prompt_alt_logprobs
+    assert alt is not None and alt_lps is not None and np.shape(alt) == (8, 4)
+    np.testing.assert_allclose(alt_lps, full[np.arange(8)[:, None], alt], atol=TOLERANCE)
+    again = await sampler.sample(spec, *_adapter(checkpoints, "a"))
+    assert again.prompt_alt_tokens == alt  # seeded draws repeat
+
+    for seq in output.sequences:
+        assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
+        forced = full_logprobs(checkpoints.engine, "a", [*prompt, *seq.tokens])
+        for row, pairs in zip(forced[len(prompt) - 1 :], seq.topk_logprobs, strict=True):
+            assert len(pairs) == 3
+            np.testing.assert_allclose(
+                [lp for _, lp in pairs], np.sort(row)[::-1][:3], atol=TOLERANCE
+            )
+            np.testing.assert_allclose(
+                [lp for _, lp in pairs], row[[t for t, _ in pairs]], atol=TOLERANCE
+            )
+
+
+@on_module_loop
+async def test_seeded_samples_repeat_20_times_under_concurrent_load(
+    sampler: VllmSampler, checkpoints: Checkpoints
+) -> None:
+    seeded = SampleSpec(prompt=PROMPTS[0], num_samples=3, max_tokens=8, seed=77, stop_at_eos=False)
+    load = [
+        SampleSpec(prompt=PROMPTS[1], num_samples=2, max_tokens=16, stop_at_eos=False),
+        SampleSpec(prompt=PROMPTS[0], max_tokens=1, prompt_logprobs=True),
+        SampleSpec(prompt=PROMPTS[1], max_tokens=6, temperature=0.5, top_k=20, top_p=0.9),
+    ]
+    rng = np.random.default_rng(3)
+
+    async def later(spec: SampleSpec, name: str | None) -> SampleOutput:
+        await asyncio.sleep(float(rng.random()) * 0.05)
+        return await sampler.sample(spec, *_adapter(checkpoints, name))
+
+    runs = []
+    for repetition in range(10):
+        calls = [later(seeded, "a"), later(seeded, "a")]
+        calls += [
+            later(spec, (None, "a", "b")[(repetition + i) % 3]) for i, spec in enumerate(load)
+        ]
+        outputs = await asyncio.gather(*calls)
+        runs += [_tokens(output) for output in outputs[:2]]
+    assert len(runs) == 20
+    assert all(run == runs[0] for run in runs), {tuple(map(tuple, run)) for run in runs}
+    assert len({tuple(tokens) for tokens in runs[0]}) == 3

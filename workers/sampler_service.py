@@ -312,7 +312,7 @@ class SamplerService:
                 except Exception:  # the bus failed: the sample fails, it is not half-answered
                     log.exception("recording stability info of %s failed", item.job.request_id)
                     result = ServerError("could not record the samples' stability info; retry")
-            await self._finish(item.job, item.msg, result)
+            await self._finish(item.job, item.msg, result, item.spec)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
 
@@ -343,7 +343,13 @@ class SamplerService:
             )
         )
 
-    async def _finish(self, job: SampleJob, msg: Msg, result: SampleOutput | TwinkleError) -> None:
+    async def _finish(
+        self,
+        job: SampleJob,
+        msg: Msg,
+        result: SampleOutput | TwinkleError,
+        spec: SampleSpec | None = None,
+    ) -> None:
         if isinstance(result, TwinkleError):
             outcome = Outcome(
                 request_id=job.request_id,
@@ -364,7 +370,7 @@ class SamplerService:
                 request_id=job.request_id,
                 state="done",
                 request_type="sample",
-                payload=encode_sample_response(result),
+                payload=encode_sample_response(result, spec),
                 payload_type="proto",
                 finished_at=time.time(),
                 tenant_id=job.tenant_id,

@@ -10,8 +10,11 @@ the per-row token draw.
 - `keep`: finished rows leave; leading columns that are padding in every remaining row go too.
 - `split` / `joined`: rows in groups, each with its own copy of their cache rows, and back; for a
   decode step whose snapshots do not all fit in the engine's slots at once.
+- `fill_prompt_outputs`: what a request asks of its prompt, from its prefill logits.
 - `draw`: each row draws its next token with its own generator (the exponential race over its
-  temperature-scaled, top-k/top-p-filtered distribution) and checks its stops.
+  temperature-scaled, top-k/top-p-filtered distribution), records its raw logprob (and the raw
+  top-k when asked) and checks its stops. A row's noise comes only from its generator, seeded
+  from (seed, sample index), so its tokens do not depend on which rows share its steps.
 
 Invariants:
 - Every row's last real token is in the last column (left padding), so one decode step appends
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PretrainedConfig, PreTrainedTokenizerBase
@@ -41,7 +45,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from protocol.sampling import SampledSequence, SampleOutput, SampleSpec
+from protocol.sampling import SampledSequence, SampleOutput, SampleSpec, TopK, keep_last_n
 
 _MERGEABLE_LAYERS = (DynamicLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer)
 
@@ -60,7 +64,10 @@ class Request:
         """Record a finished row; whether it was the request's last."""
         assert row.stop_reason is not None
         self.sequences[row.sample_index] = SampledSequence(
-            row.tokens, row.logprobs, row.stop_reason
+            row.tokens,
+            row.logprobs,
+            row.stop_reason,
+            row.topk_logprobs if self.spec.topk_sample_logprobs > 0 else None,
         )
         if len(self.sequences) < self.spec.num_samples:
             return False
@@ -80,6 +87,7 @@ class Row:
     stop_window: int  # tokens detokenized for the stop-string check
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk_logprobs: list[TopK] = field(default_factory=list)  # when the spec asks for them
     stop_reason: Literal["stop", "length"] | None = None
 
     @property
@@ -182,11 +190,18 @@ class RunningBatch:
                 noise[j].exponential_(generator=rows[i].generator)
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)
             chosen[index] = (probs / noise).argmax(dim=-1)
-        raw = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None])[:, 0]
+        all_raw = torch.log_softmax(logits, dim=-1)
+        raw = all_raw.gather(-1, chosen[:, None])[:, 0]
+        width = min(max(row.spec.topk_sample_logprobs for row in rows), all_raw.shape[-1])
+        top = all_raw.topk(width, dim=-1) if width > 0 else None
         tokens: list[int] = chosen.tolist()
-        for row, token, logprob in zip(rows, tokens, raw.tolist(), strict=True):
+        for i, (row, token, logprob) in enumerate(zip(rows, tokens, raw.tolist(), strict=True)):
             row.tokens.append(token)
             row.logprobs.append(logprob)
+            k = min(row.spec.topk_sample_logprobs, width)
+            if top is not None and k > 0:
+                ids, values = top.indices[i, :k].tolist(), top.values[i, :k].tolist()
+                row.topk_logprobs.append(list(zip(ids, values, strict=True)))
             if token in row.stop_ids or _completes_stop_string(row, tokenizer):
                 row.stop_reason = "stop"
             elif len(row.tokens) >= row.spec.max_tokens:
@@ -210,6 +225,50 @@ class RunningBatch:
 def mergeable(config: PretrainedConfig) -> bool:
     """Whether a model's cache is made only of layers `RunningBatch.merge` knows."""
     return all(type(layer) in _MERGEABLE_LAYERS for layer in DynamicCache(config=config).layers)
+
+
+def fill_prompt_outputs(output: SampleOutput, spec: SampleSpec, logits: torch.Tensor) -> None:
+    """Prompt logprobs, target-id logprobs and alternative-token draws from the prefill logits
+    of one prompt ([len(prompt), vocab]); all raw, as the trainer's forward computes them."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts prompt[i+1]
+    if spec.prompt_logprobs:
+        targets = torch.tensor(spec.prompt[1:], device=logits.device, dtype=torch.long)
+        values = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+        output.prompt_logprobs = [None, *values]
+    if spec.topk_prompt_logprobs > 0:
+        k = min(spec.topk_prompt_logprobs, logprobs.shape[-1])
+        top = logprobs.topk(k, dim=-1)
+        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        output.topk_prompt_logprobs = [[]] + [
+            list(zip(ids, values, strict=True)) for ids, values in pairs
+        ]
+    keep_last_n(spec, output)
+    if spec.target_prompt_logprobs is not None:
+        rows, ids = spec.target_prompt_logprobs.cells()
+        index = torch.tensor(ids, device=logits.device, dtype=torch.long)
+        picked = logprobs[torch.tensor(rows, device=logits.device), index.clamp(min=0)]
+        output.target_prompt_logprobs = picked.masked_fill(index < 0, 0.0).tolist()
+    if spec.prompt_alt_tokens_k > 0:
+        k = spec.prompt_alt_tokens_k
+        if spec.temperature > 0 and logprobs.shape[0] > 0:
+            generator = torch.Generator(device=logits.device)
+            if spec.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(_alt_seed(spec.seed))
+            probs = torch.softmax(logits[:-1].float() / spec.temperature, dim=-1)
+            draws = torch.multinomial(probs, k, replacement=True, generator=generator)
+        else:  # greedy: every draw is the most likely token
+            draws = logprobs.argmax(dim=-1, keepdim=True).expand(-1, k)
+        output.prompt_alt_tokens = draws.tolist()
+        output.prompt_alt_logprobs = logprobs.gather(-1, draws).tolist()
+
+
+def _alt_seed(seed: int) -> int:
+    """The generator seed of a seeded request's alternative-token draws: a stream apart from
+    every sample's (`_row_seed`)."""
+    sequence = np.random.SeedSequence([seed % 2**64, 2**32])
+    return int(sequence.generate_state(1, np.uint64)[0])
 
 
 def _completes_stop_string(row: Row, tokenizer: PreTrainedTokenizerBase) -> bool:

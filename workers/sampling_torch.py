@@ -12,7 +12,8 @@ Step 1 (admit): waiting requests join in arrival order while their snapshots fit
         an inference-only snapshot slot of the engine's bank (`Engine.load_snapshot`), by key.
 Step 2 (prefill): one row per admitted request, left-padded, rows grouped by slot so each slot
         is one routing segment; position ids count real tokens only. The logits give the prompt
-        logprobs and each request's first-token distribution. The cache's rows are repeated to
+        logprobs (top-k, target ids, alternative-token draws, the last n only when asked) and
+        each request's first-token distribution. The cache's rows are repeated to
         one row per sample, and the batch merges into the running one
         (`workers.sampling_batch.RunningBatch.merge`: the narrower side is left-padded further).
 Step 3 (draw): each row draws its token, records the token's raw logprob and checks its stops.
@@ -57,7 +58,7 @@ from protocol.errors import NotFound, TwinkleError
 from protocol.sampling import SampleOutput, SampleSpec
 from workers.engine import Engine
 from workers.lora import BASE_SLOT, Segment
-from workers.sampling_batch import Request, Row, RunningBatch, mergeable
+from workers.sampling_batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
 
 # A stop string of n characters spans at most 4n tokens (a character has at most four bytes, a
 # token at least one); the margin is slack. Only this tail of a row is detokenized each step.
@@ -219,7 +220,7 @@ class TorchSampler:
             for sample_index in range(r.spec.num_samples)
         ]
         self._slots(rows)
-        want_prompt = any(r.spec.prompt_logprobs or r.spec.topk_prompt_logprobs for r in requests)
+        want_prompt = any(r.spec.needs_prompt_rows for r in requests)
         cache = DynamicCache(config=self.engine.model.config)
         logits, attention_mask = self._prefill(
             [r.spec.prompt for r in requests],
@@ -231,9 +232,9 @@ class TorchSampler:
         width = logits.shape[1]
         for prefill_row, request in enumerate(requests):
             spec = request.spec
-            if want_prompt:
+            if spec.needs_prompt_rows:
                 prompt_logits = logits[prefill_row, width - len(spec.prompt) :]
-                _fill_prompt_logprobs(request.output, spec, prompt_logits)
+                fill_prompt_outputs(request.output, spec, prompt_logits)
             source += [prefill_row] * spec.num_samples
         expand = torch.tensor(source, device=device)
         # `reorder_cache` is annotated LongTensor; any int64 index tensor is what it takes.
@@ -338,22 +339,6 @@ class TorchSampler:
         longest = max((len(stop) for stop in spec.stop_strings), default=0)
         window = _BYTES_PER_CHAR * longest + _STOP_WINDOW_MARGIN
         return Row(request, sample_index, BASE_SLOT, generator, stop_ids, window)
-
-
-def _fill_prompt_logprobs(output: SampleOutput, spec: SampleSpec, logits: torch.Tensor) -> None:
-    """Prompt logprobs from the prefill logits of one prompt ([len(prompt), vocab])."""
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts prompt[i+1]
-    if spec.prompt_logprobs:
-        targets = torch.tensor(spec.prompt[1:], device=logits.device, dtype=torch.long)
-        values = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
-        output.prompt_logprobs = [None, *values]
-    if spec.topk_prompt_logprobs > 0:
-        k = min(spec.topk_prompt_logprobs, logprobs.shape[-1])
-        top = logprobs.topk(k, dim=-1)
-        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
-        output.topk_prompt_logprobs = [[]] + [
-            list(zip(ids, values, strict=True)) for ids, values in pairs
-        ]
 
 
 def _segments(slots: Sequence[int]) -> list[Segment]:

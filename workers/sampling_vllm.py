@@ -10,8 +10,16 @@ Step 2 (`sample`): resolve the adapter: read its `adapter_config.json` once, ref
         engine cannot serve, and give it a `LoRARequest` with a stable int id, cached by
         `adapter_key`. vLLM loads it from the path on first use and keeps it (LRU).
 Step 3: map the spec to `SamplingParams`, run one `generate` to its final output.
-Step 4: map the `RequestOutput` to `SampleOutput`: sampled tokens, their raw logprobs, the stop
-        reason, prompt logprobs (first entry None) and top-k prompt logprobs (first row empty).
+Step 4: map the `RequestOutput` to `SampleOutput`: sampled tokens, their raw logprobs (and
+        top-k), the stop reason, prompt logprobs (first entry None) and top-k prompt logprobs
+        (first row empty), blanked before the last n when asked.
+
+Target-id logprobs and alternative-token draws need the whole distribution at every prompt
+position, which vLLM's V1 CPU runner gives only as full-vocabulary prompt logprobs (its
+`prompt_logprob_token_ids` needs the V2 runner, i.e. Triton). So such a request asks for
+full rows, bounded: (len(prompt) - 1) x vocabulary cells at most `MAX_FULL_ROW_CELLS`, else a
+`UserError` (the torch sampler serves any length). The draws are made here, from those rows,
+with a generator seeded from the request's seed.
 
 Work-arounds for vLLM 0.32 (see the reference environment notes, §5):
 - `lora_target_modules` is pinned to the attention and MLP projections. Without it, vLLM wraps
@@ -42,6 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from vllm import SamplingParams
 from vllm.config.lora import MaxLoRARanks
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -53,7 +62,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from protocol.errors import ServerError, UserError
-from protocol.sampling import SampledSequence, SampleOutput, SampleSpec
+from protocol.sampling import SampledSequence, SampleOutput, SampleSpec, TopK, keep_last_n
 from workers.checkpoints import ADAPTER_CONFIG
 
 logger = logging.getLogger(__name__)
@@ -73,6 +82,8 @@ _UNEMBED_PATHS = (
 # vLLM samples greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`).
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = 2**63
+# Full-vocabulary prompt rows one request may ask vLLM for (target ids, alternative draws).
+MAX_FULL_ROW_CELLS = 2**22
 VLLM_LORA_RANKS: tuple[int, ...] = tuple(sorted(typing.get_args(MaxLoRARanks)))
 
 
@@ -181,6 +192,9 @@ class VllmSampler:
             max_lora_rank=self.engine_lora_rank,  # type: ignore[arg-type]
             max_loras=self.max_loras,
             lora_target_modules=list(LORA_TARGET_MODULES),
+            # Full rows for target ids and alternative draws; clients' widths are capped at
+            # protocol.sampling.MAX_LOGPROBS_K before they get here.
+            max_logprobs=-1,
             logprobs_mode="raw_logprobs",
             kv_cache_memory_bytes=(
                 None if self.kv_cache_gib is None else int(self.kv_cache_gib * 2**30)
@@ -228,6 +242,18 @@ class VllmSampler:
         `adapter_key` names the checkpoint for caching (the directory path when None).
         """
         engine = self._started()
+        if needs_full_rows(spec):
+            cells = (len(spec.prompt) - 1) * self.vocab_size
+            if cells > MAX_FULL_ROW_CELLS:
+                field = (
+                    "target_prompt_logprobs"
+                    if spec.target_prompt_logprobs is not None
+                    else "prompt_alt_tokens_k"
+                )
+                raise UserError(
+                    f"{field}: the vLLM sampler scores whole vocabulary rows; "
+                    f"(len(prompt) - 1) x vocabulary = {cells} exceeds {MAX_FULL_ROW_CELLS}"
+                )
         lora = None
         if adapter_dir is not None:
             lora = await self._lora_request(Path(adapter_dir), adapter_key or str(adapter_dir))
@@ -296,6 +322,11 @@ def is_greedy(spec: SampleSpec) -> bool:
     return spec.temperature < GREEDY_TEMPERATURE
 
 
+def needs_full_rows(spec: SampleSpec) -> bool:
+    """Whether `spec` needs every vocabulary logprob at its prompt positions."""
+    return spec.target_prompt_logprobs is not None or spec.prompt_alt_tokens_k > 0
+
+
 def sampling_params(spec: SampleSpec) -> SamplingParams:
     """vLLM's parameters for one spec: n samples, final output only, sampled-token logprobs.
 
@@ -314,8 +345,15 @@ def sampling_params(spec: SampleSpec) -> SamplingParams:
         stop=list(spec.stop_strings) or None,
         stop_token_ids=list(spec.stop_token_ids) or None,
         ignore_eos=not spec.stop_at_eos,
-        logprobs=0,  # the sampled token's own logprob, nothing more
-        prompt_logprobs=spec.topk_prompt_logprobs if spec.prompt_logprobs else None,
+        logprobs=spec.topk_sample_logprobs,  # and always the sampled token's own
+        prompt_logprobs=(
+            -1
+            if needs_full_rows(spec)
+            else spec.topk_prompt_logprobs
+            if spec.prompt_logprobs
+            else None
+        ),
+        flat_logprobs=needs_full_rows(spec),
         # Text is only needed to find stop strings.
         detokenize=bool(spec.stop_strings),
         output_kind=RequestOutputKind.FINAL_ONLY,
@@ -326,11 +364,19 @@ def sample_output(spec: SampleSpec, output: RequestOutput) -> SampleOutput:
     """The protocol's view of a finished `RequestOutput`."""
     # parallel samples can finish in any order; `index` is sample i (seeded with seed + i)
     completions = sorted(output.outputs, key=lambda completion: completion.index)
-    sequences = [_sequence(output.request_id, completion) for completion in completions]
+    sequences = [
+        _sequence(output.request_id, completion, spec.topk_sample_logprobs)
+        for completion in completions
+    ]
     if is_greedy(spec) and len(sequences) == 1:
         (only,) = sequences
         sequences = [
-            replace(only, tokens=list(only.tokens), logprobs=list(only.logprobs))
+            replace(
+                only,
+                tokens=list(only.tokens),
+                logprobs=list(only.logprobs),
+                topk_logprobs=None if only.topk_logprobs is None else list(only.topk_logprobs),
+            )
             for _ in range(spec.num_samples)
         ]
     if len(sequences) != spec.num_samples:
@@ -338,10 +384,12 @@ def sample_output(spec: SampleSpec, output: RequestOutput) -> SampleOutput:
             f"{output.request_id}: {len(sequences)} sequences for num_samples={spec.num_samples}"
         )
     result = SampleOutput(sequences=sequences)
-    if spec.prompt_logprobs:
-        rows = output.prompt_logprobs
-        if rows is None or len(rows) != len(spec.prompt):
-            raise ServerError(f"{output.request_id}: vLLM returned no prompt logprobs")
+    rows = output.prompt_logprobs
+    if spec.needs_prompt_rows and (rows is None or len(rows) != len(spec.prompt)):
+        raise ServerError(f"{output.request_id}: vLLM returned no prompt logprobs")
+    if rows is not None and needs_full_rows(spec):
+        _fill_from_full_rows(spec, result, [rows[i] for i in range(1, len(spec.prompt))])
+    if rows is not None and spec.prompt_logprobs:
         values: list[float | None] = [None]
         topk: list[list[tuple[int, float]]] = [[]]
         for token, row in zip(spec.prompt[1:], rows[1:], strict=True):
@@ -357,10 +405,43 @@ def sample_output(spec: SampleSpec, output: RequestOutput) -> SampleOutput:
         result.prompt_logprobs = values
         if spec.topk_prompt_logprobs > 0:
             result.topk_prompt_logprobs = topk
+        keep_last_n(spec, result)
     return result
 
 
-def _sequence(request_id: str, completion: CompletionOutput) -> SampledSequence:
+def _fill_from_full_rows(spec: SampleSpec, result: SampleOutput, rows: list[Any]) -> None:
+    """Target-id logprobs and alternative draws from full-vocabulary prompt rows (row i is
+    the distribution over prompt token i + 1)."""
+    if not rows:
+        table = np.zeros((0, 1))
+    else:
+        width = max(max(row) for row in rows) + 1
+        table = np.full((len(rows), width), -np.inf)
+        for i, row in enumerate(rows):
+            for token_id, logprob in row.items():
+                table[i, token_id] = logprob.logprob
+    target = spec.target_prompt_logprobs
+    if target is not None:
+        positions, ids = target.cells()
+        result.target_prompt_logprobs = [
+            0.0 if token < 0 else float(table[r, token])
+            for r, token in zip(positions, ids, strict=True)
+        ]
+    k = spec.prompt_alt_tokens_k
+    if k > 0:
+        if is_greedy(spec) or not rows:
+            draws = np.repeat(table.argmax(axis=1)[:, None], k, axis=1)[: len(rows)]
+        else:
+            rng = np.random.default_rng(None if spec.seed is None else [spec.seed % 2**64, 2**32])
+            scaled = table / spec.temperature
+            probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)
+            draws = np.stack([rng.choice(probs.shape[1], size=k, p=p) for p in probs])
+        result.prompt_alt_tokens = draws.tolist()
+        result.prompt_alt_logprobs = np.take_along_axis(table, draws, axis=1).tolist()
+
+
+def _sequence(request_id: str, completion: CompletionOutput, top: int = 0) -> SampledSequence:
     stop_reason: Literal["stop", "length"]
     if completion.finish_reason == "stop":
         stop_reason = "stop"
@@ -373,11 +454,23 @@ def _sequence(request_id: str, completion: CompletionOutput) -> SampledSequence:
     if len(steps) != len(tokens):
         raise ServerError(f"{request_id}: {len(steps)} logprobs for {len(tokens)} tokens")
     logprobs: list[float] = []
+    topk: list[TopK] = []
     for token, step in zip(tokens, steps, strict=True):
         if step is None:
             raise ServerError(f"{request_id}: no logprob for sampled token {token}")
         logprobs.append(float(step[token].logprob))
-    return SampledSequence(tokens=tokens, logprobs=logprobs, stop_reason=stop_reason)
+        ranked = sorted(
+            (lp.rank, token_id, float(lp.logprob))
+            for token_id, lp in step.items()
+            if lp.rank is not None and lp.rank <= top
+        )
+        topk.append([(token_id, logprob) for _, token_id, logprob in ranked])
+    return SampledSequence(
+        tokens=tokens,
+        logprobs=logprobs,
+        stop_reason=stop_reason,
+        topk_logprobs=topk if top > 0 else None,
+    )
 
 
 def _read_adapter_config(directory: Path) -> dict[str, Any]:

@@ -189,3 +189,25 @@ def test_bad_provenance_is_a_user_error_and_the_client_keeps_training(
 
     assert client.forward_backward([good], "stable_reinforce").result().metrics["loss:sum"]
     assert train_steps(client, toy_batch(n=2), 1)
+
+
+def test_the_vllm_sampler_records_stability_info_too(
+    vllm_cluster: Cluster, tiny_model: Path
+) -> None:
+    service = tinker.ServiceClient(base_url=vllm_cluster.base_url, api_key=vllm_cluster.api_key)
+    try:
+        client = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=8, seed=7, train_unembed=False
+        ).result()
+        seqs = sample(client, 2, seed=14)
+        data = [rl_datum(s, a) for s, a in zip(seqs, [1.0, -1.0], strict=True)]
+        out = client.forward_backward(data, "stable_reinforce").result()
+        expected = 0.0
+        for datum, lp in zip(data, logprobs_of(out), strict=True):
+            q = np.asarray(datum.loss_fn_inputs["logprobs"].data, dtype=np.float64)
+            adv = np.asarray(datum.loss_fn_inputs["advantages"].data, dtype=np.float64)
+            ratio = np.where(adv != 0, np.exp(lp - q), 1.0)
+            expected += float(np.sum(-np.minimum(ratio, TRUNCATION) * adv))
+        assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    finally:
+        service.close("success").result()

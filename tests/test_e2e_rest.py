@@ -464,3 +464,24 @@ def test_an_expired_checkpoint_is_swept(
     assert kept in {
         c.tinker_path for c in mine.list_checkpoints(trained.run_id).result().checkpoints
     }
+
+
+def test_the_rest_of_the_sdk_surface(trained: Trained, rest: tinker.RestClient) -> None:
+    """The calls no other test makes: a run by checkpoint path, a sampler's record, a sampling
+    client's base model and tokenizer, an `inflight` sampling client, and the two session
+    calls this server refuses (projects, trace export) with their reasons."""
+    run = rest.get_training_run_by_tinker_path(trained.state).result()
+    assert run.training_run_id == trained.run_id
+    sampling = trained.client.save_weights_and_get_sampling_client(kind="inflight").result()
+    info = rest.get_sampler(sampling._sampling_session_id).result()  # the SDK's own id
+    assert info.base_model == sampling.get_base_model() == run.base_model
+    tokenizer = sampling.get_tokenizer()
+    assert tokenizer.decode(tokenizer.encode("abc")) == "abc"
+    out = sampling.sample(
+        types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=3, seed=1)
+    ).result()
+    assert [len(seq.tokens) for seq in out.sequences] == [3, 3]
+    with pytest.raises(tinker.BadRequestError, match="projects are not supported"):
+        rest.assign_session_project(trained.session_id, "p1").result()
+    with pytest.raises(tinker.BadRequestError, match="trace export is not supported"):
+        rest.export_session_trace(trained.session_id).result()

@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 
 from protocol.api import AdamParams, LoraConfig
+from protocol.custom_loss import CustomLoss
 from protocol.errors import ErrorCategory
 from protocol.tensors import DEFAULT_MAX_REQUEST_ELEMENTS
 
@@ -49,6 +50,8 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
     # the tenant's rate limit lets it start then (Unix seconds; 0: at once), and why
     not_before: float = 0.0
     queue_reason: str = ""
+    # loss_fn "custom": the validated graph its loss_id names, so the worker looks nothing up
+    custom_loss: CustomLoss | None = None
 
 
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):

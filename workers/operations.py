@@ -109,7 +109,7 @@ class EngineOps:
             assert isinstance(job, ForwardBackwardJob)
             try:
                 self._require_model(job)
-                request = decode_forward_backward(job.body, job.max_elements)
+                request = decode_forward_backward(job.body, job.max_elements, job.custom_loss)
                 self.engine.validate(job.model_id, request)
             except TwinkleError as err:
                 outcomes[i] = failed_outcome(job, err)

@@ -269,8 +269,6 @@ LOSSES: dict[str, LossFn] = {
 _UNSUPPORTED: dict[str, str] = {
     # The objective is unpublished (§2.7), so parity with the service is impossible.
     "stable_reinforce": "its objective is not published; use importance_sampling or ppo",
-    "custom": "server-side custom losses are not available; use forward_backward_custom, "
-    "which runs client-side",
 }
 
 

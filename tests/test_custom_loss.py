@@ -377,3 +377,13 @@ def test_the_loss_must_be_a_float_scalar() -> None:
     node = {"op": "call_function", "name": "x", "target": "torch.exp", "args": [{"ref": "old"}]}
     with pytest.raises(CustomLossError, match="floating-point scalar"):
         run(program_with(node, "x"))
+
+
+def test_value_dependent_shapes_are_refused_clearly() -> None:
+    def masked(logprobs, weights):  # type: ignore[no-untyped-def]
+        return -logprobs[weights > 0].sum(), {}
+
+    program = LossProgram(upload(masked, {"logprobs": 1, "weights": 1}))
+    values = [torch.zeros(4), torch.tensor([1.0, 0.0, 1.0, 0.0])]
+    with pytest.raises(CustomLossError, match="shape depends on tensor values"):
+        program.run(values, ElementBudget(10_000))

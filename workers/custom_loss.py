@@ -176,6 +176,14 @@ class LossProgram:
                 raise CustomLossError(f"node {step.name!r} ({step.target}): {err}") from None
             except torch.OutOfMemoryError:
                 raise
+            except NotImplementedError:
+                if budget is None:
+                    raise
+                # On meta tensors: a shape that depends on values cannot be bounded beforehand.
+                raise CustomLossError(
+                    f"node {step.name!r} ({step.target}): its result's shape depends on tensor"
+                    " values (boolean-mask indexing, say); multiply by the mask or use torch.where"
+                ) from None
             except Exception as exc:  # noqa: BLE001 - any failure of the graph is the tenant's
                 raise CustomLossError(
                     f"node {step.name!r} ({step.target}) raised {type(exc).__name__}:"

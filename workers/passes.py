@@ -10,8 +10,11 @@ Step 3: pick each datum's hidden states out of the rows, then compute the log-pr
         every target token in chunks of `chunk_tokens` tokens: output layer (its LoRA term per
         slot included), logsumexp and gather per chunk, recomputed chunk by chunk in the
         backward. A pass never holds [tokens, vocab] logits, only [chunk, vocab].
-Step 4: each datum's elementwise loss (`workers.losses`); one backward per pass of the sum of
-        the finite losses of training datums, so gradients of every pass add up in the slots.
+Step 4: each datum's elementwise loss (`workers.losses`), or for loss_fn "custom" the
+        request's own graph run on the datum (`workers.custom_loss`; a graph that fails fails
+        its request alone and none of its datums adds gradient); one backward per pass of the
+        sum of the finite losses of training datums, so gradients of every pass add up in the
+        slots.
 
 What the engine's transaction needs back: per item its outputs (or the non-finite error of a
 training item) and which items put gradient into their slot (`PassResults.contributed`).

@@ -45,10 +45,10 @@ def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
     client.close("success").result()
 
 
-def rl_data(seed: int) -> list[types.Datum]:
+def rl_data(seed: int, n: int = 3) -> list[types.Datum]:
     rng = np.random.default_rng(seed)
     data = []
-    for i, datum in enumerate(toy_batch(n=3, seed=seed)):
+    for i, datum in enumerate(toy_batch(n=n, seed=seed)):
         n = len(datum.loss_fn_inputs["target_tokens"].data)
         advantages = np.full(n, 1.0 if i % 2 == 0 else -0.7, dtype=np.float32)
         old = (-5.3 + rng.normal(0, 0.05, n)).astype(np.float32)  # near a fresh model's logprobs
@@ -117,6 +117,35 @@ def test_server_side_custom_loss_matches_the_client_side_path(
     for mine, theirs, old in zip(after_server, after_client, before, strict=True):
         assert np.abs(mine - old).max() > 1e-3  # the step moved the model
         np.testing.assert_allclose(mine, theirs, atol=1e-5)
+
+
+def test_chunked_calls_combine_like_the_client_side_path(
+    chunked_cluster: Cluster, tiny_model: Path
+) -> None:
+    """Chunks of 3 datums: a `:mean` metric of 7 datums combines across chunks to the value the
+    client-side path computes over all of them, and each chunk spends one seq id."""
+    service = tinker.ServiceClient(
+        base_url=chunked_cluster.base_url, api_key=chunked_cluster.api_key
+    )
+    try:
+        handle = service.create_custom_loss(clipped_surrogate, RANKS).result()
+        server = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=8, seed=2
+        ).result()
+        client = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=8, seed=3
+        ).result()
+        data = rl_data(seed=7, n=7)
+        seq_before = server._request_id_counter
+        got = server.forward_backward_custom(data, handle).result()
+        assert server._request_id_counter == seq_before + 3  # 3 chunks, no forward
+        want = client.forward_backward_custom(data, dataclasses.replace(handle, loss_id=None))
+        want_out = want.result()
+        for key in ("loss:sum", "custom/ratio:mean", "custom/clipped:sum"):
+            assert got.metrics[key] == pytest.approx(want_out.metrics[key], abs=1e-5), key
+        assert len(got.loss_fn_outputs) == 7
+    finally:
+        service.close("success").result()
 
 
 def test_a_failing_custom_loss_is_a_user_error_of_its_request(

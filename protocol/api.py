@@ -22,6 +22,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from protocol.custom_loss import LossGraph, LossInput
 from protocol.errors import ErrorCategory, UserError
 
 T = TypeVar("T")
@@ -594,6 +595,22 @@ class SampleRequest(_Request, frozen=True, tag_field="type", tag="sample"):
 
 
 # -- REST: one checkpoint's lifecycle, exports, copies, sessions ------------------------------
+
+
+class CreateCustomLossRequest(_Request, frozen=True, tag_field="type", tag="create_custom_loss"):
+    """Upload a traced loss (`ServiceClient.create_custom_loss`); see `protocol.custom_loss`."""
+
+    session_id: str
+    custom_loss_seq_id: int
+    name: str
+    inputs: list[LossInput]
+    graph: LossGraph
+
+
+class CreateCustomLossResponse(_Response, frozen=True, tag_field="type", tag="create_custom_loss"):
+    """The future result of `create_custom_loss`: the id `forward_backward` names it by."""
+
+    loss_id: str
 
 
 class CheckpointTtlRequest(_Request, frozen=True):

@@ -18,6 +18,7 @@ from typing import Literal
 import msgspec
 
 from protocol.api import AdamParams, LoraConfig
+from protocol.custom_loss import CustomLoss
 from protocol.errors import ErrorCategory
 from protocol.tensors import DEFAULT_MAX_REQUEST_ELEMENTS
 
@@ -52,6 +53,8 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
     # stable_reinforce: the recorded runs behind the datums' sampled spans
     # (`protocol.stability.encode_slices`), resolved by the gateway
     provenance: bytes = b""
+    # loss_fn "custom": the validated graph its loss_id names, so the worker looks nothing up
+    custom_loss: CustomLoss | None = None
 
 
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):

@@ -20,6 +20,7 @@ import numpy as np
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # no stubs here
 
 from protocol import tinker_wire_pb2 as pb
+from protocol.custom_loss import CustomLoss
 from protocol.errors import PayloadTooLarge, UserError
 
 # Wire dtype -> how its bytes read; the widened result is float32 or int64.
@@ -65,6 +66,8 @@ class FwdBwdRequest:
     forward_only: bool
     loss_fn_config: dict[str, float | str]  # v2 preferred, legacy numeric map merged under it
     datums: list[DatumArrays]
+    custom_loss: CustomLoss | None = None  # loss_fn "custom": the graph the job carries
+    max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # the request's element budget
 
     @property
     def n_tokens(self) -> int:
@@ -214,6 +217,7 @@ class FwdBwdSummary:
     n_datums: int
     n_tokens: int
     n_elements: int
+    loss_id: str = ""  # loss_fn_config_v2["loss_id"] (text), which names a custom loss
 
 
 def _parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
@@ -257,7 +261,15 @@ def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
         n_datums=len(msg.data),
         n_tokens=tokens,
         n_elements=elements + tokens,
+        loss_id=_text_setting(msg, "loss_id"),
     )
+
+
+def _text_setting(msg: pb.ForwardBackwardRequest, key: str) -> str:
+    if key not in msg.loss_fn_config_v2:
+        return ""
+    value = msg.loss_fn_config_v2[key]
+    return str(value.text) if value.WhichOneof("value") == "text" else ""
 
 
 def check_budget(summary: FwdBwdSummary, max_elements: int) -> None:
@@ -276,11 +288,14 @@ def scan_forward_backward(body: bytes) -> FwdBwdSummary:
 
 
 def decode_forward_backward(
-    body: bytes, max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
+    body: bytes,
+    max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS,
+    custom_loss: CustomLoss | None = None,
 ) -> FwdBwdRequest:
     """Decode the SDK's protobuf `ForwardBackwardRequest` (already decompressed).
 
-    The declared sizes are checked against `max_elements` before any tensor is densified.
+    The declared sizes are checked against `max_elements` before any tensor is densified;
+    `custom_loss` is the graph a `custom` request's job carries.
     """
     msg = _parse_forward_backward(body)
     check_budget(_summarise(msg), max_elements)
@@ -308,6 +323,8 @@ def decode_forward_backward(
         forward_only=bool(msg.forward_only),
         loss_fn_config=config,
         datums=datums,
+        custom_loss=custom_loss,
+        max_elements=max_elements,
     )
 
 

@@ -172,7 +172,21 @@ SAMPLE_PARAMS = {"max_tokens": 1, "temperature": 1.0, "top_k": -1, "top_p": 1.0}
 # Valid bodies use far-ahead seq ids, so a repeat is deduplicated and no step runs that the fuzzed
 # model did not ask for; creations take fresh numbers, so each stores (and reads back) a record.
 CREATED = itertools.count(1000)
+NLL_GRAPH = {"format": 1, "nodes": [
+    {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}},
+    {"op": "call_method", "name": "s", "target": "sum", "args": [{"ref": "logprobs"}], "kwargs": {}},
+    {"op": "output", "name": "output", "target": "output",
+     "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}], "kwargs": {}},
+]}
 JSON_ROUTES = [
+    JsonRoute(
+        "create_custom_loss",
+        lambda t: {"session_id": t.session, "custom_loss_seq_id": next(CREATED) % 256, "name": "nll",
+                   "inputs": [{"name": "logprobs", "rank": 1}], "graph": copy.deepcopy(NLL_GRAPH),
+                   "type": "create_custom_loss"},
+        {"session_id": "session", "custom_loss_seq_id": "int", "name": "str", "inputs": "list",
+         "graph": "dict", "graph.format": "int", "graph.nodes": "list", "type": "str"},
+    ),
     JsonRoute("client/config", lambda t: {"sdk_version": "0.38.0"}, {"sdk_version": "str"}),
     JsonRoute("client/dynamic_config", lambda t: {"sdk_version": "0.38.0"}, {"sdk_version": "str"}),
     JsonRoute(
@@ -546,7 +560,7 @@ KNOWN_PATHS = sorted(
 UNKNOWN_PATHS = [
     f"{API}/{name}"
     for name in (
-        "nope", "retrieve_futures", "cancel_future", "create_custom_loss",
+        "nope", "retrieve_futures", "cancel_future",
         "join_sampling_session", "auth/token", "forward", "sessions/search",
         "training_runs/x/checkpoints/weights/y/z", "", "/", "..", "healthz/x",
     )

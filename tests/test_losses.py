@@ -487,7 +487,8 @@ def test_invalid_inputs_name_the_loss_and_the_key(
 @pytest.mark.parametrize(
     ("loss_fn", "fragments"),
     [
-        ("custom", ["'custom'", "not supported", "forward_backward_custom", "client-side"]),
+        # A custom loss the gateway did not resolve (no create_custom_loss behind it).
+        ("custom", ["loss_fn_config.loss_id", "ServiceClient.create_custom_loss"]),
         (
             "grpo",
             ["unknown loss_fn 'grpo'", "cross_entropy, importance_sampling, ppo, cispo, dro, gspo"],

@@ -501,6 +501,7 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
         types.GetSessionResponse,
     ),
     (api.GetSessionResponse(training_run_ids=[], sampler_ids=[]), types.GetSessionResponse),
+    (api.CreateCustomLossResponse(loss_id="sess-1:loss:0"), types.CreateCustomLossResponse),
 ]
 
 

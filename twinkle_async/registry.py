@@ -15,6 +15,7 @@ import msgspec
 from nats.aio.subscription import Subscription
 
 from protocol import records, rules, subjects
+from protocol.custom_loss import CustomLossRecord
 from protocol.errors import NotFound, Unavailable, UserError
 from protocol.records import (
     CheckpointRecord,
@@ -137,6 +138,23 @@ class Registry:
         found = [records.decode(value, SamplerRecord) for value in values]
         mine = [sampler for sampler in found if sampler.session_id == session_id]
         return sorted(mine, key=lambda sampler: sampler.created_at)
+
+    # -- custom losses (per session, in tw_sessions) -----------------------------------------
+
+    async def create_custom_loss(self, record: CustomLossRecord) -> CustomLossRecord:
+        """Store a session's custom loss unless its id exists; the record stored either way."""
+        key = _custom_loss_key(record.loss.loss_id)
+        if await self.bus.create(subjects.BUCKET_SESSIONS, key, records.encode(record)):
+            return record
+        found = await self.find_custom_loss(record.loss.loss_id)
+        if found is None:  # deleted between the two calls: the caller's retry stores it
+            raise Unavailable(f"custom loss {record.loss.loss_id!r} is changing; retry")
+        return found
+
+    async def find_custom_loss(self, loss_id: str) -> CustomLossRecord | None:
+        """The stored loss of that id, whoever owns it (the caller checks the owner)."""
+        data = await self.bus.get(subjects.BUCKET_SESSIONS, _custom_loss_key(loss_id))
+        return records.decode(data, CustomLossRecord) if data else None
 
     # -- tenants -----------------------------------------------------------------------------
 
@@ -305,3 +323,8 @@ class Registry:
         await self.bus.delete(
             subjects.BUCKET_CHECKPOINTS, subjects.checkpoint_key(run_id, checkpoint_id)
         )
+
+
+def _custom_loss_key(loss_id: str) -> str:
+    """KV key of a custom loss in `tw_sessions` (dotted: not a session record)."""
+    return f"loss.{subjects.token(loss_id)}"

@@ -44,11 +44,12 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from workers.custom_loss import check_request as check_custom_request
 from workers.lora import LoraBank, SlotRouting
 from workers.losses import check_inputs, get_loss, resolve_config
 from workers.optimizer import SlotAdamW
 from workers.parking import ParkedAdapters
-from workers.passes import PassResults, PassRunner, not_finite
+from workers.passes import CUSTOM, PassResults, PassRunner, not_finite
 from workers.residency import Residency
 from workers.slot_checkpoints import SlotCheckpoints
 
@@ -189,14 +190,18 @@ class Engine:
     def validate(self, model_id: str, req: FwdBwdRequest) -> None:
         """Raise a `UserError` naming the field if `req` cannot run; changes nothing."""
         self.slots.spec(model_id)
-        loss = get_loss(req.loss_fn)
-        settings = resolve_config(loss, req.loss_fn_config)
+        custom = req.loss_fn == CUSTOM  # its checks need the datums' tokens checked first
+        loss = None if custom else get_loss(req.loss_fn)
+        settings = {} if loss is None else resolve_config(loss, req.loss_fn_config)
         if not req.datums:
             raise UserError("datums: the request has no datums")
         for index, datum in enumerate(req.datums):
             self._check_tokens(index, datum)
-            n_tokens = int(datum.tokens.shape[0])
-            check_inputs(loss, settings, index, n_tokens, datum.inputs, self.vocab_size)
+            if loss is not None:
+                n_tokens = int(datum.tokens.shape[0])
+                check_inputs(loss, settings, index, n_tokens, datum.inputs, self.vocab_size)
+        if custom:
+            check_custom_request(req, self.vocab_size)
 
     def _check_tokens(self, index: int, datum: DatumArrays) -> None:
         field = f"datums[{index}].model_input"

@@ -305,21 +305,12 @@ LOSSES: dict[str, LossFn] = {
     for loss in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO, STABLE_REINFORCE)
 }
 
-# Names the Tinker API defines that this server does not run: rejected with the alternative,
-# never silently replaced by another loss.
-_UNSUPPORTED: dict[str, str] = {
-    "custom": "server-side custom losses are not available; use forward_backward_custom, "
-    "which runs client-side",
-}
-
 
 def get_loss(name: str) -> LossFn:
-    """The registered loss, or a `UserError` naming the alternative or the supported names."""
+    """The registered loss, or a `UserError` naming the supported names."""
     loss = LOSSES.get(name)
     if loss is not None:
         return loss
-    if name in _UNSUPPORTED:
-        raise UserError(f"loss_fn {name!r} is not supported by this server: {_UNSUPPORTED[name]}")
     raise UserError(f"unknown loss_fn {name!r}; supported: {', '.join(LOSSES)}")
 
 

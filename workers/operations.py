@@ -109,7 +109,7 @@ class EngineOps:
             assert isinstance(job, ForwardBackwardJob)
             try:
                 self._require_model(job)
-                request = decode_forward_backward(job.body, job.max_elements)
+                request = decode_forward_backward(job.body, job.max_elements, job.custom_loss)
                 if request.loss_fn == stability.LOSS_NAME:
                     stability.apply_slices(request, stability.decode_slices(job.provenance))
                 self.engine.validate(job.model_id, request)

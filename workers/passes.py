@@ -10,8 +10,11 @@ Step 3: pick each datum's hidden states out of the rows, then compute the log-pr
         every target token in chunks of `chunk_tokens` tokens: output layer (its LoRA term per
         slot included), logsumexp and gather per chunk, recomputed chunk by chunk in the
         backward. A pass never holds [tokens, vocab] logits, only [chunk, vocab].
-Step 4: each datum's elementwise loss (`workers.losses`); one backward per pass of the sum of
-        the finite losses of training datums, so gradients of every pass add up in the slots.
+Step 4: each datum's elementwise loss (`workers.losses`), or for loss_fn "custom" the
+        request's own graph run on the datum (`workers.custom_loss`; a graph that fails fails
+        its request alone and none of its datums adds gradient); one backward per pass of the
+        sum of the finite losses of training datums, so gradients of every pass add up in the
+        slots.
 
 What the engine's transaction needs back: per item its outputs (or the non-finite error of a
 training item) and which items put gradient into their slot (`PassResults.contributed`).
@@ -35,9 +38,42 @@ from torch.utils.checkpoint import checkpoint
 
 from protocol.errors import TwinkleError, UserError
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
+from workers.custom_loss import (
+    BUDGET_FACTOR,
+    CustomLossError,
+    ElementBudget,
+    LossProgram,
+    metric_values,
+)
+from workers.custom_loss import failed as custom_failed
 from workers.lora import MultiSlotLoraLinear, Segment, SlotRouting
 from workers.losses import TARGET_TOKENS, LossFn, Settings, get_loss, resolve_config
 from workers.packing import PassLayout, Piece, layout
+
+CUSTOM = "custom"
+CUSTOM_OUTPUT_TYPE = "CustomLossReturn"
+
+
+@dataclass
+class _Custom:
+    """A `custom` item's state across its passes: its program, budget, metrics and failure."""
+
+    program: LossProgram
+    budget: ElementBudget
+    metrics: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    error: TwinkleError | None = None
+
+
+ItemLoss = tuple[LossFn, Settings] | _Custom
+
+
+def _item_loss(req: FwdBwdRequest) -> ItemLoss:
+    if req.loss_fn == CUSTOM:
+        assert req.custom_loss is not None  # checked by `Engine.validate`
+        budget = ElementBudget(req.max_elements * BUDGET_FACTOR)
+        return _Custom(LossProgram(req.custom_loss), budget)
+    loss = get_loss(req.loss_fn)
+    return loss, resolve_config(loss, req.loss_fn_config)
 
 
 @dataclass
@@ -88,27 +124,36 @@ class PassRunner:
             self.pass_tokens,
             pack=self.packs,
         )
-        losses_of = [
-            (get_loss(req.loss_fn), resolve_config(get_loss(req.loss_fn), req.loss_fn_config))
-            for _, req in batch
-        ]
+        losses_of = [_item_loss(req) for _, req in batch]
         for one_pass in passes:
             self._run_one(batch, losses_of, one_pass, outputs, losses, contributed)
         results: list[FwdBwdOutput | TwinkleError] = []
         for index in range(n_items):
             req = batch[index][1]
+            item_loss = losses_of[index]
+            if isinstance(item_loss, _Custom) and item_loss.error is not None:
+                results.append(item_loss.error)
+                continue
             total = float(torch.stack(losses[index]).sum())
             if not req.forward_only and not math.isfinite(total):
                 results.append(not_finite("loss", f"loss:sum = {total}"))
                 continue
-            output_type = get_loss(req.loss_fn).output_type
+            if isinstance(item_loss, _Custom):
+                sums = {
+                    key: float(torch.stack(values).sum())
+                    for key, values in item_loss.metrics.items()
+                }
+                metrics = {**metric_values(sums, len(req.datums)), "loss:sum": total}
+                results.append(FwdBwdOutput(outputs[index], metrics, CUSTOM_OUTPUT_TYPE))
+                continue
+            output_type = item_loss[0].output_type
             results.append(FwdBwdOutput(outputs[index], {"loss:sum": total}, output_type))
         return PassResults(results, contributed)
 
     def _run_one(
         self,
         batch: Sequence[tuple[str, FwdBwdRequest]],
-        losses_of: Sequence[tuple[LossFn, Settings]],
+        losses_of: Sequence[ItemLoss],
         one_pass: PassLayout,
         outputs: list[list[dict[str, np.ndarray]]],
         losses: list[list[torch.Tensor]],
@@ -145,8 +190,13 @@ class PassRunner:
                 rows = logprobs[start:stop]
                 datum_lp = rows[:, 0] if target.ndim == 1 else rows[:, : target.shape[1]]
                 start = stop
-                loss_fn, settings = losses_of[piece.item]
+                item_loss = losses_of[piece.item]
                 inputs = {name: self._tensor(array) for name, array in datum.inputs.items()}
+                if isinstance(item_loss, _Custom):
+                    datum_losses.append(_custom_datum(item_loss, piece.datum, datum_lp, inputs))
+                    outputs[piece.item][piece.datum] = {"logprobs": _to_numpy(datum_lp)}
+                    continue
+                loss_fn, settings = item_loss
                 elementwise = loss_fn.elementwise(datum_lp, inputs, settings)
                 datum_losses.append(elementwise.sum())
                 outputs[piece.item][piece.datum] = {
@@ -158,6 +208,9 @@ class PassRunner:
             backward: list[torch.Tensor] = []
             for piece, loss, value, ok in zip(pieces, datum_losses, values, finite, strict=True):
                 losses[piece.item][piece.datum] = value
+                item_loss = losses_of[piece.item]
+                if isinstance(item_loss, _Custom) and item_loss.error is not None:
+                    continue  # failed on some datum: none of its datums adds gradient
                 if ok and not batch[piece.item][1].forward_only:
                     backward.append(loss)
                     contributed.add(piece.item)
@@ -236,6 +289,22 @@ class PassRunner:
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         dtype = torch.int64 if array.dtype.kind in "iu" else torch.float32
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
+
+
+def _custom_datum(
+    item: _Custom, index: int, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """One datum's custom loss, its metrics added to the item's; a failure marks the item."""
+    if item.error is not None:
+        return logprobs.new_zeros(())
+    try:
+        loss, metrics = item.program.run(item.program.inputs_of(logprobs, inputs), item.budget)
+    except CustomLossError as err:
+        item.error = custom_failed(item.program.loss, index, err)
+        return logprobs.new_zeros(())
+    for key, value in metrics.items():
+        item.metrics.setdefault(key, []).append(value.detach().float().reshape(()).cpu())
+    return loss
 
 
 def target_logprobs(

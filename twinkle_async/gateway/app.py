@@ -18,6 +18,7 @@ from twinkle_async.gateway import (
     admin_routes,
     admin_store_routes,
     checkpoint_routes,
+    custom_loss_routes,
     download_routes,
     futures_routes,
     metrics_routes,
@@ -98,6 +99,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
     for module in (
         service_routes,
         training_routes,
+        custom_loss_routes,
         sampling_routes,
         futures_routes,
         rest_routes,

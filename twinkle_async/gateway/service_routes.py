@@ -27,6 +27,7 @@ async def client_config(request: web.Request) -> web.Response:
             fwdbwd_max_chunk_len=settings.fwdbwd_max_chunk_len,
             fwdbwd_max_chunk_bytes_count=settings.fwdbwd_max_chunk_bytes,
             sample_use_retrieve_futures=False,
+            custom_loss_server_side=True,
         )
     )
 

@@ -27,6 +27,7 @@ from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, Session
 from protocol.tensors import check_budget, scan_forward_backward
 from twinkle_async import quotas
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
+from twinkle_async.gateway.custom_loss_routes import custom_loss_for
 from twinkle_async.gateway.provenance import resolve as resolve_provenance
 from twinkle_async.gateway.sequenced import live_run, owned_run, seq_ref, submit_sequenced
 from twinkle_async.gateway.state import BUS, QUOTAS, REGISTRY, SETTINGS, TENANT
@@ -157,6 +158,9 @@ async def forward_backward(request: web.Request) -> web.Response:
             raise UserError("forward_backward: data is empty")
         budget = request.app[SETTINGS].request_elements_budget
         check_budget(summary, budget)
+        custom_loss = None
+        if summary.loss_fn == "custom":
+            custom_loss = await custom_loss_for(request, run, summary.loss_id)
         limits = await request.app[QUOTAS].limits(run.tenant_id)
         quotas.check_limit(
             "max_tokens_per_request", summary.n_tokens, limits.max_tokens_per_request
@@ -188,6 +192,7 @@ async def forward_backward(request: web.Request) -> web.Response:
             max_elements=budget,
             not_before=not_before,
             queue_reason=reason,
+            custom_loss=custom_loss,
         )
 
     return await submit_sequenced(request, run, summary.seq_id, kind, raw, build)

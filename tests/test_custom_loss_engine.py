@@ -1,0 +1,167 @@
+"""Custom losses in the trainer engine (fp32, CPU): a custom loss trains exactly like the built-in
+loss it spells out, and one that raises or goes non-finite fails its own request alone, leaving
+its slot bit-identical and every other tenant of the shared pass as it would be without it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.errors import UserError
+from protocol.tensors import FwdBwdOutput, FwdBwdRequest
+from tests.test_custom_loss import upload
+from tests.test_engine import make_request, perturb_b
+from tests.test_fault_isolation import (
+    SPECS,
+    assert_same_bits,
+    assert_same_output,
+    slot_state,
+    train_round,
+)
+from workers.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+
+@pytest.fixture(params=["one-pass", "split"])
+def make_engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Callable[[], Engine]:
+    """Engines holding the fault-isolation tenants; "split" cuts passes at 9 token positions,
+    so a request's datums land in several passes."""
+    pass_tokens = 9 if request.param == "split" else 16384
+
+    def make() -> Engine:
+        engine = Engine(str(random_qwen3), max_slots=3, max_rank=8, pass_tokens=pass_tokens)
+        for index, (model_id, lora) in enumerate(SPECS.items()):
+            engine.create(model_id, lora)
+            perturb_b(engine, model_id, seed=10 + index)
+        return engine
+
+    return make
+
+
+def weighted_nll(logprobs, weights):  # type: ignore[no-untyped-def]
+    loss = -(logprobs * weights).sum()
+    return loss, {"custom/nll:sum": loss, "custom/tokens:mean": torch.ones_like(weights).sum()}
+
+
+def out_of_range(logprobs, weights):  # type: ignore[no-untyped-def]
+    return -(logprobs[40] * weights[0]), {}
+
+
+def not_finite(logprobs, weights):  # type: ignore[no-untyped-def]
+    return torch.sqrt(logprobs).sum() + weights.sum(), {}
+
+
+def as_custom(req: FwdBwdRequest, fn: Callable[..., Any]) -> FwdBwdRequest:
+    loss = upload(fn, {"logprobs": 1, "weights": 1})
+    return dataclasses.replace(
+        req, loss_fn="custom", loss_fn_config={"loss_id": loss.loss_id}, custom_loss=loss
+    )
+
+
+def test_a_custom_loss_trains_like_the_builtin_it_spells_out(
+    make_engine: Callable[..., Engine],
+) -> None:
+    custom_engine, builtin_engine = make_engine(), make_engine()
+    rng = np.random.default_rng(4)
+    builtin = make_request("a", [5, 3, 6], rng)
+    other = make_request("b", [4], rng)
+    [got, got_other] = custom_engine.forward_backward(
+        [("a", as_custom(builtin, weighted_nll)), ("b", other)]
+    )
+    [want, want_other] = builtin_engine.forward_backward([("a", builtin), ("b", other)])
+
+    assert isinstance(got, FwdBwdOutput) and isinstance(want, FwdBwdOutput)
+    assert got.loss_fn_output_type == "CustomLossReturn"
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], abs=1e-5)
+    assert got.metrics["custom/nll:sum"] == pytest.approx(want.metrics["loss:sum"], abs=1e-5)
+    assert got.metrics["custom/tokens:mean"] == pytest.approx((5 + 3 + 6) / 3)
+    for mine, theirs in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        assert set(mine) == {"logprobs"}
+        np.testing.assert_allclose(mine["logprobs"], theirs["logprobs"], atol=1e-6)
+    torch.testing.assert_close(
+        custom_engine.bank.grads[custom_engine.slot("a")],
+        builtin_engine.bank.grads[builtin_engine.slot("a")],
+        rtol=0,
+        atol=1e-6,
+    )
+    assert_same_output(got_other, want_other)
+
+
+@pytest.mark.parametrize(
+    ("fn", "fragment"),
+    [
+        (out_of_range, "node 'getitem' (operator.getitem) raised IndexError"),
+        (not_finite, "the loss is not finite"),
+    ],
+    ids=["raises", "non-finite"],
+)
+def test_a_failing_custom_loss_fails_alone(
+    make_engine: Callable[..., Engine], fn: Callable[..., Any], fragment: str
+) -> None:
+    faulty, reference = make_engine(), make_engine()
+    for engine in (faulty, reference):
+        train_round(engine, seed=5)  # pending gradients from an earlier pass, in both slots
+    b_before = slot_state(faulty, "b")
+    rng = np.random.default_rng(6)
+    a_request = make_request("a", [5, 3], rng)
+    b_request = as_custom(make_request("b", [4, 6], rng), fn)
+    b_evaluation = make_request("b", [7], rng, forward_only=True)
+
+    a_result, b_result, b_evaluated = faulty.forward_backward(
+        [("a", a_request), ("b", b_request), ("b", b_evaluation)]
+    )
+    [a_solo] = reference.forward_backward([("a", a_request)])
+    [b_evaluated_solo] = reference.forward_backward([("b", b_evaluation)])
+
+    assert_same_output(a_result, a_solo)
+    assert_same_bits(slot_state(faulty, "a"), slot_state(reference, "a"))
+    assert isinstance(b_result, UserError) and b_result.category == "user"
+    assert fragment in b_result.message, b_result.message
+    assert_same_output(b_evaluated, b_evaluated_solo)
+    assert_same_bits(slot_state(faulty, "b"), b_before)
+
+
+def test_a_custom_request_must_carry_what_its_loss_reads(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine()
+    rng = np.random.default_rng(7)
+    request = as_custom(make_request("a", [5], rng), weighted_nll)
+    no_inputs = dataclasses.replace(
+        request, datums=[dataclasses.replace(request.datums[0], inputs={})]
+    )
+    targets = {"target_tokens": request.datums[0].inputs["target_tokens"]}
+    no_weights = dataclasses.replace(
+        request, datums=[dataclasses.replace(request.datums[0], inputs=targets)]
+    )
+    wrong_rank = dataclasses.replace(
+        request,
+        datums=[
+            dataclasses.replace(
+                request.datums[0],
+                inputs={**request.datums[0].inputs, "weights": np.zeros((5, 2), np.float32)},
+            )
+        ],
+    )
+    unresolved = dataclasses.replace(request, custom_loss=None)
+    extra_setting = dataclasses.replace(
+        request, loss_fn_config={**request.loss_fn_config, "beta": 0.1}
+    )
+    cases = [
+        (no_inputs, "datums[0].loss_fn_inputs.target_tokens: missing"),
+        (no_weights, "datums[0].loss_fn_inputs.weights: missing; loss 'weighted_nll' takes it"),
+        (wrong_rank, "datums[0].loss_fn_inputs.weights: shape (5, 2)"),
+        (unresolved, "loss_fn_config.loss_id"),
+        (extra_setting, "takes only loss_id"),
+    ]
+    for bad, fragment in cases:
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            engine.validate("a", bad)

@@ -1,7 +1,8 @@
 """The sampling options through the official SDK and a real cluster, on both sampler backends:
 top-k sampled logprobs, target-id prompt logprobs (dense and sparse), alternative prompt
 tokens and the last-n prompt logprobs, each against the trainer's forward; hostile option
-values as 400s; and a seeded 3-sample request repeated 20 times under concurrent load."""
+values as 400s; a seeded 3-sample request repeated 20 times under concurrent load; and only
+the backend a cluster was started with takes its sample jobs."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 import torch
 from tinker import types
 
-from tests.conftest import Cluster
+from tests.conftest import ADMIN_KEY, Cluster
 from tests.sdk_helpers import toy_batch, train_steps
 
 pytestmark = pytest.mark.e2e
@@ -148,16 +150,10 @@ def test_hostile_option_values_are_400s(
 
 
 def test_seeded_samples_repeat_20_times_under_load(
-    setup: tuple[tinker.TrainingClient, tinker.SamplingClient], request: pytest.FixtureRequest
+    setup: tuple[tinker.TrainingClient, tinker.SamplingClient],
 ) -> None:
-    if request.node.callspec.params["setup"] == "vllm":
-        # Seen failing: some repetitions return exactly the base model's seeded tokens, i.e.
-        # the snapshot's LoRA was not applied to them (an adapter problem under concurrent
-        # load in the vLLM worker process, not seeding); the in-process engine test
-        # (test_sampling_vllm) repeats. Open.
-        request.applymarker(
-            pytest.mark.xfail(reason="vLLM drops the LoRA under load", strict=False)
-        )
+    """On a vLLM cluster every request is served by the vLLM sampler: a trainer that also took
+    some (with its torch sampler, another RNG) gave a second token set for the same seed."""
     _, sampler = setup
     prompt = types.ModelInput.from_ints(PROMPT)
     seeded = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1234, stop=[])
@@ -174,3 +170,19 @@ def test_seeded_samples_repeat_20_times_under_load(
         future.result()
     assert all(run == tokens[0] for run in tokens), {str(run) for run in tokens}
     assert len({tuple(sample) for sample in tokens[0]}) == 3
+
+
+@pytest.mark.parametrize(("fixture", "backend"), [("cluster", "torch"), ("vllm_cluster", "vllm")])
+def test_one_backend_serves_the_pool(
+    request: pytest.FixtureRequest, tiny_model: Path, fixture: str, backend: str
+) -> None:
+    """Only the backend `up --sampler` names takes the pool's sample jobs (with a vLLM sampler
+    the trainer's torch sampler once took a share, so a seed's tokens depended on the process)."""
+    cluster: Cluster = request.getfixturevalue(fixture)
+    answer = httpx.get(
+        f"{cluster.base_url}/admin/v1/workers", headers={"X-Admin-Key": ADMIN_KEY}, timeout=30
+    )
+    assert answer.status_code == 200, answer.text
+    rows = [row for row in answer.json()["workers"] if row["base_model"] == str(tiny_model)]
+    assert {row["role"] for row in rows} >= {"trainer"}
+    assert {row["sampler_backend"] for row in rows} - {""} == {backend}, rows

@@ -136,23 +136,47 @@ def test_bad_command_lines_are_usage_errors(argv: list[str]) -> None:
         worker_main.parse_args(argv)
 
 
-def test_every_flag_up_passes_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("backend", "trainer_sampler", "roles"),
+    [
+        ("torch", "torch", ["trainer"]),
+        ("vllm", "", ["trainer", "sampler"]),
+        ("none", "", ["trainer"]),
+    ],
+)
+def test_every_flag_up_passes_parses(
+    monkeypatch: pytest.MonkeyPatch, backend: str, trainer_sampler: str, roles: list[str]
+) -> None:
+    """Also: only the sampler `up --sampler` names serves the pool's sample jobs (with a vLLM
+    sampler the trainer's torch sampler is off: two backends draw different tokens for one seed)."""
     seen: list[UpOptions] = []
 
     async def fake_run_up(options: UpOptions) -> None:
         seen.append(options)
 
     monkeypatch.setattr("twinkle_async.up.run_up", fake_run_up)
-    argv = ["up", "--base-model", "m", "--max-parked", "5", "--threads", "2", "--sampler", "vllm"]
+    argv = ["up", "--base-model", "m", "--max-parked", "5", "--threads", "2", "--sampler", backend]
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 0, result.output
     (options,) = seen
     parsers = {"workers": worker_main.parse_args, "workers.sampler_main": sampler_main.parse_args}
-    for role, command in _commands("m", "nats://127.0.0.1:4222", options):
+    commands = _commands("m", "nats://127.0.0.1:4222", options)
+    assert [role for role, _ in commands] == roles
+    for role, command in commands:
         module, args = command[2], command[3:]
         settings = parsers[module](args)
         assert settings.base_model == "m"
         if role == "trainer":
             assert (settings.max_parked, settings.threads) == (5, 2)
+            assert settings.sampler == trainer_sampler
         else:
             assert settings.sampler == "vllm"
+
+
+def test_up_refuses_an_unknown_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def fake_run_up(options: UpOptions) -> None:
+        raise AssertionError("up ran")
+
+    monkeypatch.setattr("twinkle_async.up.run_up", fake_run_up)
+    result = CliRunner().invoke(app, ["up", "--base-model", "m", "--sampler", "vlm"])
+    assert result.exit_code == 2, result.output

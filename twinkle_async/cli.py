@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -110,7 +110,8 @@ def up(
         int, typer.Option(min=0, help="token positions of one pass (0: measured per device)")
     ] = 0,
     sampler: Annotated[
-        str, typer.Option(help="torch (in the trainer), vllm (own process) or none")
+        Literal["torch", "vllm", "none"],
+        typer.Option(help="torch (in the trainer), vllm (own process) or none"),
     ] = "torch",
     checkpoint_sweep_s: Annotated[
         float, typer.Option(min=0, help="seconds between sweeps of expired checkpoints (0: none)")
@@ -144,6 +145,11 @@ def up(
         "--log-level",
         log_level,
     ]
+    if sampler != "torch":
+        # Only the sampler asked for serves the pool: a trainer that also took sample jobs
+        # would answer some of them with the other backend (another RNG: a seeded request's
+        # tokens would depend on which process took it; adapters vLLM refuses would pass).
+        worker_args += ["--sampler", "none"]
     if threads:
         worker_args += ["--threads", str(threads)]
     if token_budget:

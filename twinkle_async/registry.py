@@ -138,6 +138,13 @@ class Registry:
         mine = [sampler for sampler in found if sampler.session_id == session_id]
         return sorted(mine, key=lambda sampler: sampler.created_at)
 
+    async def tenant_samplers(self, tenant_id: str) -> list[SamplerRecord]:
+        """The tenant's sampling sessions, oldest first."""
+        values = await self.bus.values(subjects.BUCKET_SESSIONS, "sampler")
+        found = [records.decode(value, SamplerRecord) for value in values]
+        mine = [sampler for sampler in found if sampler.tenant_id == tenant_id]
+        return sorted(mine, key=lambda sampler: sampler.created_at)
+
     # -- tenants -----------------------------------------------------------------------------
 
     async def create_tenant(self, tenant: TenantRecord) -> bool:

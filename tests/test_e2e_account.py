@@ -333,6 +333,7 @@ def test_hostile_parameters_get_a_4xx_naming_them(account_cluster: Cluster) -> N
     usage = "/api/v1/billing/usage/events"
     refused("GET", usage, 400, "starting_on", params={"ending_before": ok})
     for bad in (
+        "0001-01-01T00:00:00+14:00",
         "yesterday",
         "2026-13-01T00:00:00Z",
         "x" * 200,
@@ -344,6 +345,10 @@ def test_hostile_parameters_get_a_4xx_naming_them(account_cluster: Cluster) -> N
         "GET", usage, 400, "starting_on", params={"starting_on": future, "ending_before": future}
     )
     refused("GET", usage, 400, "ending_before", params={"starting_on": ok, "ending_before": ok})
+    end_of_time = "9999-12-31T23:00:00-05:00"
+    refused(
+        "GET", usage, 400, "ending_before", params={"starting_on": ok, "ending_before": end_of_time}
+    )
     long_ago = (hour - timedelta(days=15)).isoformat()
     refused(
         "GET", usage, 400, "ending_before", params={"starting_on": long_ago, "ending_before": ok}

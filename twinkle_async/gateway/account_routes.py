@@ -62,9 +62,9 @@ def hour_param(request: web.Request, name: str) -> datetime:
         if len(raw) > _MAX_PARAM_CHARS:
             raise ValueError
         when = datetime.fromisoformat(raw)
-    except ValueError:
+        when = (when if when.tzinfo else when.replace(tzinfo=UTC)).astimezone(UTC)
+    except (ValueError, OverflowError):  # overflow: an offset that leaves the years 1..9999
         raise UserError(f"query parameter {name}: {_shown(raw)} is not an RFC 3339 time") from None
-    when = (when if when.tzinfo else when.replace(tzinfo=UTC)).astimezone(UTC)
     if (when.minute, when.second, when.microsecond) != (0, 0, 0):
         raise UserError(f"query parameter {name}: {_shown(raw)} is not on a whole UTC hour")
     return when

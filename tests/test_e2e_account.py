@@ -23,7 +23,7 @@ from tinker import types
 from protocol import records
 from protocol.api import LoraConfig
 from protocol.records import CheckpointRecord, UsageHistory, UsageRecord
-from tests.conftest import OTHER_TENANT_KEY, Cluster, start_cluster, stop_cluster
+from tests.conftest import ADMIN_KEY, OTHER_TENANT_KEY, Cluster, start_cluster, stop_cluster
 from tests.sdk_helpers import toy_batch, train_steps
 from twinkle_async.gateway.account_views import _storage_gb_hours
 from twinkle_async.usage_history import add_snapshot, hourly_usage
@@ -258,9 +258,25 @@ def test_audit_log_lists_the_tenants_own_events(account_cluster: Cluster, worked
         e.timestamp.date() == yesterday for e in admin.get_audit_log(day=yesterday).result().entries
     )
 
+    sampling = [e for e in entries if e.event == "sampling_session_create"]
+    assert any(e.event_details["session_id"] == worked.session_id for e in sampling)
+    assert all(None not in e.event_details.values() for e in entries)
+
+    # an operator gives the other tenant a key, then revokes it: only that tenant sees it
+    ops = httpx.Client(
+        base_url=account_cluster.base_url, headers={"X-Admin-Key": ADMIN_KEY}, timeout=30
+    )
+    made = ops.post("/admin/v1/keys", json={"tenant": "other", "label": "audited"})
+    assert made.status_code == 200, made.text
+    key_id = made.json()["key_id"]
+    assert ops.post(f"/admin/v1/keys/{key_id}/revoke").status_code == 200
     theirs = admin_client(account_cluster, OTHER_TENANT_KEY).get_audit_log().result().entries
+    key_events = [e.event for e in theirs if e.event_details.get("key_id") == key_id]
+    assert key_events == ["api_key_create", "api_key_revoke"]
     assert all(e.event_details.get("tenant") == "other" for e in theirs)
     assert not any(worked.run_id in str(e.model_dump()) for e in theirs)
+    ours = admin.get_audit_log().result().entries
+    assert not any(e.event_details.get("key_id") == key_id for e in ours)
 
 
 def test_search_sessions_filters_and_pages(account_cluster: Cluster, worked: Worked) -> None:

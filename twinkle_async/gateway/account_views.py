@@ -246,7 +246,7 @@ def audit_entries(
         api.AuditLogEntry(
             timestamp=from_micros(micros(ts)),
             event=event,
-            event_details=details,
+            event_details={key: value for key, value in details.items() if value is not None},
             model_id=model_id,
             tinker_path=path,
         )

@@ -169,6 +169,22 @@ class UsageRecord(msgspec.Struct):
     updated_at: float = 0.0
 
 
+class UsageHistory(msgspec.Struct):
+    """Hourly snapshots of one worker's counters for one tenant (`tw_usage`,
+    `hist.<tenant>.<worker_token>`), kept by the gateways for the billing usage API.
+
+    `snapshots` holds, per UTC hour, the last cumulative `UsageRecord` seen in that hour, oldest
+    first and at most a bounded number; `baseline` is the last snapshot dropped off the front
+    (None: the counters started from zero), so the first kept hour still has a difference.
+    """
+
+    tenant_id: str
+    worker_id: str
+    snapshots: list[UsageRecord] = []
+    baseline: UsageRecord | None = None
+    base_model: str = ""
+
+
 class RateBucket(msgspec.Struct):
     """A tenant's training-token bucket (`tw_usage`, `rate.<tenant>`): level and when measured.
 

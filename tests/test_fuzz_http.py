@@ -298,6 +298,16 @@ JSON_ROUTES = [
     JsonRoute(
         "weights_info", lambda t: {"tinker_path": t.checkpoint}, {"tinker_path": "path"}
     ),
+    JsonRoute(
+        # a search only filters: another tenant's session id finds nothing (a 200), so ids are
+        # fuzzed as plain strings here
+        "sessions/search",
+        lambda t: {"limit": 5, "owner": {"type": "own"}, "user_metadata": {}},
+        {"limit": "int", "session_id": "str", "display_name": "str", "project_ids": "list",
+         "user_metadata": "dict", "user_metadata.k": "str", "owner": "dict", "owner.type": "str",
+         "owner.owner_urns": "list", "statuses": "list", "cursor": "dict",
+         "cursor.last_created_at": "str", "cursor.last_session_id": "str"},
+    ),
 ]
 # fmt: on
 DELETE = object()
@@ -525,14 +535,20 @@ def test_fuzz_path_parameters(fuzzer: Fuzzer, data: st.DataObject) -> None:
 
 @given(
     params=st.dictionaries(
-        st.sampled_from(["limit", "offset", "access_scope", "project_id", "cursor"]),
+        st.sampled_from(
+            ["limit", "offset", "access_scope", "project_id", "cursor", "starting_on",
+             "ending_before", "day", "event_type"]
+        ),
         st.sampled_from(
             ["-1", "0", "1", "1e3", "0x10", "1_000", " 5", "\uff19", "9" * 4400, "", "owned",
              "public", "\x00", str(2**64), "nan"]
         )
         | st.text(max_size=10),
     ),
-    listing=st.sampled_from(["training_runs", "checkpoints", "sessions"]),
+    listing=st.sampled_from(
+        ["training_runs", "checkpoints", "sessions", "audit", "billing/usage/events",
+         "billing/usage/checkpoints/current"]
+    ),
 )  # fmt: skip
 @fuzz_settings(300)
 def test_fuzz_query_parameters(fuzzer: Fuzzer, params: dict[str, str], listing: str) -> None:
@@ -552,7 +568,8 @@ KNOWN_PATHS = sorted(
             "save_weights_external", "copy_weights", "unload_model", "checkpoints", "sessions",
             "sessions/x", "training_runs/x/checkpoints/weights/y",
             "training_runs/x/checkpoints/weights/y/publish",
-            "training_runs/x/checkpoints/weights/y/ttl",
+            "training_runs/x/checkpoints/weights/y/ttl", "sessions/search", "audit",
+            "billing/usage/events", "billing/usage/checkpoints/current",
         )
     }
     | {"/files/v1/checkpoints/x/weights/y/adapter_config.json", "/files/v1/archives/x/weights/y"}
@@ -561,7 +578,7 @@ UNKNOWN_PATHS = [
     f"{API}/{name}"
     for name in (
         "nope", "retrieve_futures", "cancel_future",
-        "join_sampling_session", "auth/token", "forward", "sessions/search",
+        "join_sampling_session", "auth/token", "forward",
         "training_runs/x/checkpoints/weights/y/z", "", "/", "..", "healthz/x",
     )
 ] + ["/", "/api", "/api/v2/create_session", "/API/V1/healthz", "/files/v1/x"]  # fmt: skip

@@ -368,6 +368,95 @@ RUN = api.TrainingRun(
 )
 CURSOR = api.Cursor(offset=0, limit=20, total_count=1)
 
+TRAINED = api.BillingUsageEvent(
+    bucket_start=NOW,
+    bucket_end=NOW,
+    event_info=api.TrainingBillingEvent(token_count=120),
+    base_model="b",
+    user_id="tenant-a",
+    project_id="tenant-a",
+)
+STORED = api.BillingUsageEvent(
+    bucket_start=NOW, bucket_end=NOW, event_info=api.StorageBillingEvent(gigabyte_hours=0.5)
+)
+STORAGE_ITEM = api.CurrentCheckpointStorageUsageItem(
+    checkpoint_count=2, size_bytes=10, size_gigabytes=1e-8, project_id="tenant-a"
+)
+AUDIT_ENTRY = api.AuditLogEntry(
+    timestamp=NOW,
+    event="checkpoint_create",
+    event_details={"tenant": "tenant-a", "size_bytes": 10, "public": False},
+    model_id="sess-1:train:0",
+    tinker_path="tinker://sess-1:train:0/weights/a",
+)
+SEARCH_CURSOR = api.SessionSearchCursor(last_created_at=NOW, last_session_id="sess-1")
+SUMMARY = api.SessionSummary(
+    session_id="sess-1",
+    created_at=NOW,
+    owner="tenant-a",
+    project_id="tenant-a",
+    checkpoints_count=1,
+    status=api.ClientSessionFinished(reason={"type": "interrupted"}),
+    user_metadata={"a": "b"},
+    checkpoint_storage_bytes=10,
+)
+ACCOUNT_RESPONSES: list[tuple[Any, type[Any]]] = [
+    (api.TrainingBillingEvent(token_count=3), types.TrainingBillingEvent),
+    (api.SamplingSampleBillingEvent(token_count=3), types.SamplingSampleBillingEvent),
+    (api.CheckpointBillingEvent(count=2), types.CheckpointBillingEvent),
+    (api.StorageBillingEvent(gigabyte_hours=1.5), types.StorageBillingEvent),
+    (TRAINED, types.BillingUsageEvent),
+    (STORED, types.BillingUsageEvent),
+    (api.BillingUsageSession(user_metadata={"a": "b"}), types.BillingUsageSession),
+    (
+        api.BillingUsageResponse(
+            data=[
+                TRAINED,
+                api.BillingUsageEvent(
+                    bucket_start=NOW,
+                    bucket_end=NOW,
+                    event_info=api.SamplingSampleBillingEvent(token_count=4),
+                ),
+                api.BillingUsageEvent(
+                    bucket_start=NOW, bucket_end=NOW, event_info=api.CheckpointBillingEvent(count=1)
+                ),
+                STORED,
+            ]
+        ),
+        types.BillingUsageResponse,
+    ),
+    (api.BillingUsageResponse(data=[]), types.BillingUsageResponse),
+    (STORAGE_ITEM, types.CurrentCheckpointStorageUsageItem),
+    (
+        api.CurrentCheckpointStorageUsageResponse(data=[STORAGE_ITEM]),
+        types.CurrentCheckpointStorageUsageResponse,
+    ),
+    (AUDIT_ENTRY, types.AuditLogEntry),
+    (api.AuditLogResponse(entries=[AUDIT_ENTRY]), types.AuditLogResponse),
+    (SEARCH_CURSOR, types.SessionSearchCursor),
+    (api.SessionActive(), types.SessionActive),
+    (api.ClientSessionFinished(reason={"type": "success"}), types.ClientSessionFinished),
+    (SUMMARY, types.SessionSummary),
+    (
+        api.SessionSearchResponse(
+            sessions=[
+                SUMMARY,
+                api.SessionSummary(
+                    session_id="sess-2",
+                    created_at=NOW,
+                    owner="tenant-a",
+                    project_id="tenant-a",
+                    checkpoints_count=0,
+                    status=api.SessionActive(),
+                ),
+            ],
+            next_cursor=SEARCH_CURSOR,
+        ),
+        types.SessionSearchResponse,
+    ),
+    (api.SessionSearchResponse(sessions=[]), types.SessionSearchResponse),
+]
+
 RESPONSES: list[tuple[Any, type[Any]]] = [
     (
         api.ClientConfigResponse(proto_compress_fwdbwd=True, use_pyqwest_transport=False),
@@ -502,6 +591,7 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
     ),
     (api.GetSessionResponse(training_run_ids=[], sampler_ids=[]), types.GetSessionResponse),
     (api.CreateCustomLossResponse(loss_id="sess-1:loss:0"), types.CreateCustomLossResponse),
+    *ACCOUNT_RESPONSES,
 ]
 
 

@@ -156,6 +156,13 @@ class Registry:
         data = await self.bus.get(subjects.BUCKET_SESSIONS, _custom_loss_key(loss_id))
         return records.decode(data, CustomLossRecord) if data else None
 
+    async def tenant_samplers(self, tenant_id: str) -> list[SamplerRecord]:
+        """The tenant's sampling sessions, oldest first."""
+        values = await self.bus.values(subjects.BUCKET_SESSIONS, "sampler")
+        found = [records.decode(value, SamplerRecord) for value in values]
+        mine = [sampler for sampler in found if sampler.tenant_id == tenant_id]
+        return sorted(mine, key=lambda sampler: sampler.created_at)
+
     # -- tenants -----------------------------------------------------------------------------
 
     async def create_tenant(self, tenant: TenantRecord) -> bool:

@@ -15,6 +15,7 @@ from twinkle_async.auth import KeyRing
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
+    account_routes,
     admin_routes,
     admin_store_routes,
     checkpoint_routes,
@@ -96,6 +97,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
     app[METRICS] = GatewayMetrics()  # a registry per app: apps in one process never collide
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(sweeper_ctx)  # after the bus: it sweeps through the registry
+    app.cleanup_ctx.append(account_routes.ledger_ctx)  # after the bus: it watches usage keys
     for module in (
         service_routes,
         training_routes,
@@ -103,6 +105,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         sampling_routes,
         futures_routes,
         rest_routes,
+        account_routes,
         model_routes,
         checkpoint_routes,
         download_routes,

@@ -79,6 +79,19 @@ def logprobs_of(out: types.ForwardBackwardOutput) -> list[np.ndarray]:
     return [np.asarray(o["logprobs"].data, dtype=np.float64) for o in out.loss_fn_outputs]
 
 
+def truncated_loss(data: list[types.Datum], out: types.ForwardBackwardOutput) -> tuple[float, int]:
+    """The loss the formula gives on the returned logprobs, evaluated here independently
+    (Σ −min(exp(lp − q), C)·A, q the sampler's logprobs), and how many tokens were truncated."""
+    expected, truncated = 0.0, 0
+    for datum, lp in zip(data, logprobs_of(out), strict=True):
+        q = np.asarray(datum.loss_fn_inputs["logprobs"].data, dtype=np.float64)
+        adv = np.asarray(datum.loss_fn_inputs["advantages"].data, dtype=np.float64)
+        ratio = np.where(adv != 0, np.exp(lp - q), 1.0)
+        truncated += int(np.sum(ratio > TRUNCATION))
+        expected += float(np.sum(-np.minimum(ratio, TRUNCATION) * adv))
+    return expected, truncated
+
+
 def test_on_policy_it_trains_as_importance_sampling_with_the_recorded_logprobs(
     service: tinker.ServiceClient, tiny_model: Path
 ) -> None:
@@ -125,14 +138,7 @@ def test_off_policy_the_importance_weight_is_truncated(
     train_steps(client, sft, 6, lr=3e-2)
     data = [rl_datum(s, a) for s, a in zip(seqs, [1.0, -2.0, 0.5], strict=True)]
     out = client.forward_backward(data, "stable_reinforce").result()
-    expected = 0.0
-    truncated = 0
-    for datum, lp in zip(data, logprobs_of(out), strict=True):
-        q = np.asarray(datum.loss_fn_inputs["logprobs"].data, dtype=np.float64)
-        adv = np.asarray(datum.loss_fn_inputs["advantages"].data, dtype=np.float64)
-        ratio = np.where(adv != 0, np.exp(lp - q), 1.0)
-        truncated += int(np.sum(ratio > TRUNCATION))
-        expected += float(np.sum(-np.minimum(ratio, TRUNCATION) * adv))
+    expected, truncated = truncated_loss(data, out)
     assert truncated >= 3, "the policy did not move far enough for the test to mean anything"
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
@@ -202,12 +208,7 @@ def test_the_vllm_sampler_records_stability_info_too(
         seqs = sample(client, 2, seed=14)
         data = [rl_datum(s, a) for s, a in zip(seqs, [1.0, -1.0], strict=True)]
         out = client.forward_backward(data, "stable_reinforce").result()
-        expected = 0.0
-        for datum, lp in zip(data, logprobs_of(out), strict=True):
-            q = np.asarray(datum.loss_fn_inputs["logprobs"].data, dtype=np.float64)
-            adv = np.asarray(datum.loss_fn_inputs["advantages"].data, dtype=np.float64)
-            ratio = np.where(adv != 0, np.exp(lp - q), 1.0)
-            expected += float(np.sum(-np.minimum(ratio, TRUNCATION) * adv))
+        expected, _ = truncated_loss(data, out)
         assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5, abs=1e-5)
     finally:
         service.close("success").result()

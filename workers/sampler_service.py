@@ -396,6 +396,7 @@ class SamplerService:
             # the gateway already failed the future; a result that beat the cancel is dropped
             await msg.ack()
             tokens = result.generated_tokens if isinstance(result, Cancelled) else 0
+            log.info("dropped cancelled sample %s (%d tokens generated)", job.request_id, tokens)
             self.metrics.request_cancelled("sampling", tokens)
             return
         if isinstance(result, TwinkleError):

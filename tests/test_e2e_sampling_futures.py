@@ -152,15 +152,20 @@ def test_a_cancelled_sample_stops_the_sampler(
     max_tokens = 4096 - len(PROMPT)
     endless = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=3, stop=[])
     future = sampler.sample(prompt, num_samples=4, sampling_params=endless)
-    time.sleep(0.7)  # generating by now (a tiny model on one CPU thread: ~1000 tokens/s a row)
+    time.sleep(0.7)  # generating by now, unless the sampler is busy with other tests' samples
     assert not future.future().done()
     future.future().cancel()  # what the SDK does with an abandoned sample: cancel_future
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         after = _sampler_counters(urls)
-        moved = after("twinkle_sampler_cancelled_total", stage="sampling") - before(
+        dropped = after("twinkle_sampler_cancelled_total", stage="sampling") - before(
             "twinkle_sampler_cancelled_total", stage="sampling"
         )
+        # a busy sampler may not have taken the job yet: then it is skipped when taken
+        skipped = after("twinkle_sampler_cancelled_total", stage="pickup") - before(
+            "twinkle_sampler_cancelled_total", stage="pickup"
+        )
+        moved = dropped + skipped
         if moved:
             break
         time.sleep(0.2)
@@ -173,7 +178,7 @@ def test_a_cancelled_sample_stops_the_sampler(
         "twinkle_sampler_cancelled_tokens_total"
     )
     assert tokens < 2 * max_tokens  # its 4 rows stopped, on average, before half-way
-    if backend == "torch":
+    if backend == "torch" and dropped:
         assert tokens > 0
     # it was not answered as a finished sample, and the sampler is free again
     assert after("twinkle_sampler_generated_tokens_total") == before(
@@ -241,6 +246,7 @@ def test_hostile_targets_and_ids_get_4xx(
         ("cancel_future", {"request_id": "req/../x"}, 400, "request_id"),
         ("cancel_future", {"request_id": "r" * 500}, 400, "request_id"),
         ("cancel_future", {}, 400, "request_id"),
+        ("cancel_future", {"request_id": "req-0-sample"}, 404, "not found"),
         ("join_sampling_session", {"sampling_session_id": "a b"}, 400, "sampling_session_id"),
         ("join_sampling_session", {"sampling_session_id": "sess-nope:sample:0"}, 404, ""),
         ("join_sampling_session", {"sampling_session_id": session_id, "type": "x"}, 400, ""),
@@ -297,8 +303,13 @@ def test_another_tenant_can_neither_poll_join_nor_cancel(
     assert post(cluster, "retrieve_futures", _poll(session_id, timeout=0), other).status_code == 404
     joined = post(cluster, "join_sampling_session", {"sampling_session_id": session_id}, other)
     assert joined.status_code == 404
-    # another tenant's cancel reads like an unknown id's: accepted, and nothing happens
-    assert post(cluster, "cancel_future", {"request_id": request_id}, other).status_code == 200
+    # another tenant's cancel reads like an unknown id's, and nothing happens
+    foreign = post(cluster, "cancel_future", {"request_id": request_id}, other)
+    unknown = post(cluster, "cancel_future", {"request_id": "req-0-sample"}, other)
+    assert foreign.status_code == unknown.status_code == 404
+    assert foreign.json()["detail"].replace(request_id, "x") == unknown.json()["detail"].replace(
+        "req-0-sample", "x"
+    )
     deadline = time.monotonic() + 120
     completions: list[dict[str, object]] = []
     cursor = 0
@@ -319,9 +330,8 @@ def test_another_tenant_can_neither_poll_join_nor_cancel(
     ]
     result = post(cluster, "retrieve_future", {"request_id": request_id})
     assert result.headers["content-type"].startswith("application/x-protobuf")
-    # cancelling a finished or unknown future is harmless; the acknowledged one is not repeated
+    # cancelling a finished future is harmless; the acknowledged one is not repeated
     assert post(cluster, "cancel_future", {"request_id": request_id}).status_code == 200
-    assert post(cluster, "cancel_future", {"request_id": "req-0-sample"}).status_code == 200
     polled = post(
         cluster,
         "retrieve_futures",

@@ -30,7 +30,7 @@ import nats.errors
 from aiohttp import web
 
 from protocol import rules, subjects
-from protocol.errors import Cancelled, TwinkleError, Unavailable, UserError
+from protocol.errors import Cancelled, NotFound, TwinkleError, Unavailable, UserError
 from protocol.jobs import Outcome, decode_claim, decode_outcome
 from protocol.sampling_futures import (
     MAX_CLONE_ID,
@@ -147,16 +147,15 @@ def _finished_after(outcome: Outcome | None, prev_cursor: int) -> bool:
 
 @routes.post("/api/v1/cancel_future")
 async def cancel_future(request: web.Request) -> web.Response:
-    """Stop a pending sample. An unknown, finished or someone else's future: nothing happens."""
+    """Stop a pending sample; a finished one is left as it is. An unknown or expired id, or
+    another tenant's, is a 404 (the same answer for both) and changes nothing."""
     body = await read_json(request, CancelFutureRequest)
     request_id = rules.check_request_id("request_id", body.request_id)
     tenant = request[TENANT]
     entry = await request.app[BUS].entry(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
-    if entry is None:
-        return json_response({})
-    outcome = decode_outcome(entry[0])
-    if outcome.tenant_id != tenant:
-        return json_response({})  # answered exactly like an unknown id
+    outcome = decode_outcome(entry[0]) if entry is not None else None
+    if entry is None or outcome is None or outcome.tenant_id != tenant:
+        raise NotFound(f"request_id {request_id!r} not found (unknown or expired)")
     if outcome.request_type != "sample":
         raise UserError(
             f"request_id: {request_id!r} is a {outcome.request_type or 'training'} request; only"

@@ -52,6 +52,19 @@ class UserError(TwinkleError):
     status = 400
 
 
+class Cancelled(UserError):
+    """The client cancelled the request (`cancel_future`); its future fails with this.
+
+    `generated_tokens`: what a sampler had generated for it when it stopped (0 if queued).
+    """
+
+    code = "cancelled"
+
+    def __init__(self, message: str = "cancelled by the client", *, generated_tokens: int = 0):
+        super().__init__(message)
+        self.generated_tokens = generated_tokens
+
+
 class NotFound(UserError):
     """An id the client named does not exist, or belongs to another tenant (we never say which)."""
 

@@ -134,6 +134,7 @@ class SampleJob(msgspec.Struct, frozen=True):
     body: bytes = b""
     published_at: float = 0.0
     adapter_content_id: str = ""  # the content the session is bound to ("": current)
+    clone_id: int = 0  # the sampling client's clone (`seq_id // CLONE_SEQ_SPAN`)
 
 
 RequestType = Literal[
@@ -169,6 +170,9 @@ class Outcome(msgspec.Struct, frozen=True):
     # pending in its tenant's rate-limit queue until then (Unix seconds), and why
     not_before: float = 0.0
     queue_reason: str = ""
+    # a sample's sampling session and clone: `retrieve_futures` reports the outcome to them
+    sampling_session_id: str = ""
+    clone_id: int = 0
 
 
 class SeqClaim(msgspec.Struct, frozen=True):

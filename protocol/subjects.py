@@ -15,6 +15,7 @@ STREAM_OPS = "TW_OPS"
 STREAM_SAMPLE = "TW_SAMPLE"
 OPS_PREFIX = "tw.v1.ops"
 SAMPLE_PREFIX = "tw.v1.sample"
+CANCEL_PREFIX = "tw.v1.cancel"
 
 BUCKET_FUTURES = "tw_futures"
 BUCKET_SESSIONS = "tw_sessions"
@@ -74,6 +75,13 @@ def sample_subject(pool: str) -> str:
     return f"{SAMPLE_PREFIX}.{pool}"
 
 
+def sample_cancel_subject(pool: str) -> str:
+    """`tw.v1.cancel.<pool>`: core NATS, a cancelled sample's request id to every sampler of
+    the pool (one still queued in the stream is skipped at pickup: its future is no longer
+    pending)."""
+    return f"{CANCEL_PREFIX}.{pool}"
+
+
 def sample_consumer(pool: str) -> str:
     """The durable pull consumer every sampler of a pool shares."""
     return f"sample-{pool}"
@@ -82,6 +90,16 @@ def sample_consumer(pool: str) -> str:
 def sampler_key(sampling_session_id: str) -> str:
     """KV key of a sampling session in `tw_sessions`."""
     return f"sampler.{token(sampling_session_id)}"
+
+
+def clone_counter_key(sampling_session_id: str) -> str:
+    """KV key (in `tw_sessions`) of the last clone id `join_sampling_session` handed out."""
+    return f"clones.{token(sampling_session_id)}"
+
+
+def seq_prefix(model_id: str) -> str:
+    """The prefix of every `seq_key` of a model or sampling session (for a key listing)."""
+    return f"seq.{token(model_id)}"
 
 
 def msg_id(model_id: str, seq_id: int) -> str:
@@ -96,7 +114,7 @@ def future_key(request_id: str) -> str:
 
 def seq_key(model_id: str, seq_id: int) -> str:
     """KV key mapping `(model_id, seq_id)` to the request id that first claimed it."""
-    return f"seq.{token(model_id)}.{seq_id}"
+    return f"{seq_prefix(model_id)}.{seq_id}"
 
 
 def highest_seq_key(model_id: str) -> str:

@@ -15,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
+import msgspec
 from nats.aio.subscription import Subscription
 
 from protocol import rules, subjects
+from protocol.errors import ErrorCategory
 from protocol.jobs import (
     Outcome,
     SeqClaim,
@@ -52,6 +55,8 @@ class FutureStore:
         # model_id → (highest seq_id, its `tw_runs` revision), as this gateway last saw them
         self._highest_seq: dict[str, tuple[int, int]] = {}
         self._sub: Subscription | None = None
+        # called with every finished outcome the subscription delivers (sampling completions)
+        self.on_finished: list[Callable[[Outcome], None]] = []
 
     async def start(self) -> None:
         self._sub = await self.bus.subscribe_kv(
@@ -76,6 +81,8 @@ class FutureStore:
             return
         self.metrics.future_resolved(outcome.request_type, outcome.state)
         self._wake(request_id, outcome)
+        for listener in self.on_finished:
+            listener(outcome)
 
     def _wake(self, request_id: str, outcome: Outcome) -> None:
         for waiter in self._waiters.pop(request_id, []):
@@ -161,10 +168,13 @@ class FutureStore:
         *,
         not_before: float = 0.0,
         queue_reason: str = "",
+        sampling_session_id: str = "",
+        clone_id: int = 0,
     ) -> None:
         """Write the pending outcome, unless a result is already there (a retried submit).
 
-        `not_before` and `queue_reason` say the request waits in its tenant's rate-limit queue.
+        `not_before` and `queue_reason` say the request waits in its tenant's rate-limit queue;
+        a sample names its sampling session and clone.
         """
         pending = Outcome(
             request_id=request_id,
@@ -175,6 +185,8 @@ class FutureStore:
             tenant_id=tenant_id,
             not_before=not_before,
             queue_reason=queue_reason,
+            sampling_session_id=sampling_session_id,
+            clone_id=clone_id,
         )
         if await self.bus.create(
             subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(pending)
@@ -187,6 +199,19 @@ class FutureStore:
             subjects.BUCKET_FUTURES,
             subjects.future_key(outcome.request_id),
             encode_outcome(outcome),
+        )
+
+    async def cancel(self, pending: Outcome, revision: int, reason: str) -> bool:
+        """Fail a pending future with `reason` unless its outcome moved past `revision` (it
+        finished meanwhile); whether it was this call that failed it."""
+        cancelled = msgspec.structs.replace(
+            pending, state="error", error=reason, category=ErrorCategory.USER, finished_at=now()
+        )
+        return await self.bus.swap(
+            subjects.BUCKET_FUTURES,
+            subjects.future_key(pending.request_id),
+            encode_outcome(cancelled),
+            revision,
         )
 
     async def read(self, request_id: str) -> Outcome | None:

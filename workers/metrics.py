@@ -151,6 +151,22 @@ class SamplerMetrics:
             registry=r,
         )
 
+        self.cancelled = Counter(
+            "twinkle_sampler_cancelled",
+            "Sample requests their client cancelled: skipped at pickup or dropped while sampling.",
+            ["stage"],
+            registry=r,
+        )
+        self.cancelled_tokens = Counter(
+            "twinkle_sampler_cancelled_tokens",
+            "Tokens cancelled requests had generated when the sampler dropped them.",
+            registry=r,
+        )
+
+    def request_cancelled(self, stage: str, generated_tokens: int) -> None:
+        self.cancelled.labels(stage).inc()
+        self.cancelled_tokens.inc(generated_tokens)
+
     def observe_batch(self, seconds: float, results: Sequence[object]) -> None:
         self.batch_seconds.observe(seconds)
         tokens = sum(

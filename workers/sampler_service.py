@@ -12,6 +12,12 @@ one call at a time.)
 A sampling session names an immutable sampler checkpoint; adapters load by its path and are
 cached by it, so training never changes what a session samples.
 Every answered request, its time (`observe_batch` of one) and generated token is observed on `self.metrics`.
+
+Cancels (`cancel_future`): the gateway fails the future itself and names the request on the
+core subject `tw.v1.cancel.<pool>`; every sampler of the pool drops it if it holds it (the
+torch sampler takes its rows out of the running batch at the next step, vLLM aborts the
+request), answers nothing for it, and acks its job. A job taken after its cancel is skipped:
+its request is on the cancelled list, or its future is no longer pending in KV.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -30,8 +37,8 @@ import msgspec
 from nats.aio.msg import Msg
 
 from protocol import api, stability, subjects
-from protocol.errors import ServerError, TwinkleError, UserError
-from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
+from protocol.errors import Cancelled, ServerError, TwinkleError, UserError
+from protocol.jobs import Outcome, SampleJob, decode_outcome, decode_sample_job, encode_outcome
 from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
@@ -41,6 +48,7 @@ from workers.usage import UsageBook
 log = logging.getLogger(__name__)
 
 _FAILED = "the sampler failed on this request; see the sampler log"
+_MAX_CANCELLED = 65536  # request ids of recent cancels a sampler remembers
 
 
 @dataclass
@@ -88,7 +96,23 @@ class TorchBackend:
         self.max_context = int(engine.max_context)
         self._queued: list[tuple[Prepared, Answer]] = []
         self._waiters: dict[int, tuple[Prepared, Answer]] = {}  # by sampler ticket
+        self._cancels: list[int] = []  # tickets to drop from the sampler at the next step
+        self._cancelling: dict[int, tuple[Prepared, Answer]] = {}  # answered once dropped
         self._driver: asyncio.Task[None] | None = None
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request: at once if not yet handed to the sampler, else at the next step."""
+        for n, (item, answer) in enumerate(self._queued):
+            if item.job.request_id == request_id:
+                del self._queued[n]
+                if not answer.done():
+                    answer.set_result(Cancelled())
+                return
+        for ticket, (item, _) in list(self._waiters.items()):
+            if item.job.request_id == request_id:
+                self._cancelling[ticket] = self._waiters.pop(ticket)
+                self._cancels.append(ticket)
+                return
 
     async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
         loop = asyncio.get_running_loop()
@@ -101,7 +125,8 @@ class TorchBackend:
         finally:
             for answer in answers:
                 answer.cancel()  # a no-op once answered
-            awaited = [answer for _, answer in [*self._queued, *self._waiters.values()]]
+            held = [*self._queued, *self._waiters.values(), *self._cancelling.values()]
+            awaited = [answer for _, answer in held]
             driver = self._driver  # None if another caller that finished at once stopped it
             if driver is not None and all(answer.done() for answer in awaited):
                 # Nobody waits: stop driving (the service may be stopping). A later item starts
@@ -114,13 +139,18 @@ class TorchBackend:
         queued: list[tuple[Prepared, Answer]] = []
         try:
             busy = True
-            while busy or self._queued:
+            while busy or self._queued or self._cancels:
                 queued, self._queued = self._queued, []
+                cancels, self._cancels = self._cancels, []
                 stepped = await loop.run_in_executor(
-                    self.executor, self._step, [item for item, _ in queued]
+                    self.executor, self._step, [item for item, _ in queued], cancels
                 )
                 self._waiters.update(zip(stepped.tickets, queued, strict=True))
                 queued = []
+                for ticket, tokens in stepped.cancelled:
+                    cancelled = self._cancelling.pop(ticket, None)
+                    if cancelled is not None and not cancelled[1].done():
+                        cancelled[1].set_result(Cancelled(generated_tokens=tokens))
                 results = stepped.finished
                 if stepped.failed:  # the sampler dropped everything it held
                     log.error(
@@ -134,28 +164,30 @@ class TorchBackend:
                         waiter[1].set_result(result)
                 busy = stepped.busy
         except Exception:
-            waiting = [*self._waiters.values(), *queued, *self._queued]
+            waiting = [*self._waiters.values(), *self._cancelling.values(), *queued, *self._queued]
             log.exception(
                 "the torch sampler's driver failed; failing request_ids %s",
                 [item.job.request_id for item, _ in waiting],
             )
             self._waiters.clear()
+            self._cancelling.clear()
             self._queued.clear()
             for _, answer in waiting:
                 if not answer.done():
                     answer.set_result(ServerError(_FAILED))
 
-    def _step(self, items: list[Prepared]) -> _Stepped:
-        """On the engine thread: submit `items`, then take one step."""
+    def _step(self, items: list[Prepared], cancels: list[int]) -> _Stepped:
+        """On the engine thread: drop `cancels`, submit `items`, then take one step."""
+        cancelled = [(ticket, self.sampler.cancel(ticket) or 0) for ticket in cancels]
         tickets = [
             self.sampler.submit(item.spec, item.adapter_key, item.adapter_dir) for item in items
         ]
         try:
-            return _Stepped(tickets, self.sampler.step(), self.sampler.busy)
+            return _Stepped(tickets, self.sampler.step(), self.sampler.busy, cancelled=cancelled)
         except Exception:
             log.exception("a sampling step failed")
             self.sampler.abort()
-            return _Stepped(tickets, [], busy=False, failed=True)
+            return _Stepped(tickets, [], busy=False, failed=True, cancelled=cancelled)
 
 
 @dataclass
@@ -166,6 +198,7 @@ class _Stepped:
     finished: Sequence[tuple[int, SampleOutput | TwinkleError]]  # (ticket, answer)
     busy: bool  # requests still waiting or generating
     failed: bool = False  # the step raised, and the sampler dropped every request it held
+    cancelled: Sequence[tuple[int, int]] = ()  # (ticket, tokens it had generated), dropped
 
 
 class VllmBackend:
@@ -178,12 +211,32 @@ class VllmBackend:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self._requests: dict[str, asyncio.Task[SampleOutput]] = {}  # by request id
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request: vLLM aborts a generation whose stream is cancelled."""
+        task = self._requests.get(request_id)
+        if task is not None:
+            task.cancel()
 
     async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
         async def one(item: Prepared) -> SampleOutput | TwinkleError:
-            key = item.adapter_key
+            request_id = item.job.request_id
+            task = asyncio.ensure_future(
+                self.sampler.sample(item.spec, item.adapter_dir, item.adapter_key)
+            )
+            self._requests[request_id] = task
             try:
-                result: SampleOutput = await self.sampler.sample(item.spec, item.adapter_dir, key)
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()  # the service is stopping
+                raise
+            finally:
+                self._requests.pop(request_id, None)
+            if task.cancelled():
+                return Cancelled()
+            try:
+                result: SampleOutput = task.result()
             except TwinkleError as err:
                 return err
             return result
@@ -215,6 +268,7 @@ class SamplerService:
         self.checkpoint_root = checkpoint_root
         self._queue: asyncio.Queue[Prepared] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self.served = 0
 
     async def run(self) -> None:
@@ -223,6 +277,10 @@ class SamplerService:
             subjects.sample_subject(self.pool),
             subjects.sample_consumer(self.pool),
             self._on_msg,
+        )
+        assert self.bus.nc is not None
+        cancels = await self.bus.nc.subscribe(
+            subjects.sample_cancel_subject(self.pool), cb=self._on_cancel
         )
         log.info("sampler (%s) serving pool %s", self.backend.name, self.pool)
         if self._owns_usage:
@@ -242,6 +300,7 @@ class SamplerService:
                 else:
                     await self._serve(batch)
         finally:
+            await cancels.unsubscribe()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -254,12 +313,34 @@ class SamplerService:
             except Exception:
                 log.exception("writing sample usage failed; retrying")
 
+    async def _on_cancel(self, msg: Msg) -> None:
+        request_id = msg.data.decode(errors="replace")
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > _MAX_CANCELLED:
+            self._cancelled.popitem(last=False)
+        cancel = getattr(self.backend, "cancel", None)
+        if cancel is not None:
+            cancel(request_id)
+
+    async def _skip_cancelled(self, job: SampleJob, msg: Msg) -> bool:
+        """Ack a job whose request was cancelled before it reached the backend."""
+        if job.request_id not in self._cancelled:
+            data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
+            if not data or decode_outcome(data).state == "pending":
+                return False
+        log.info("skipping sample %s: cancelled by its client", job.request_id)
+        await msg.ack()
+        self.metrics.request_cancelled("pickup", 0)
+        return True
+
     async def _on_msg(self, msg: Msg) -> None:
         try:
             job = decode_sample_job(msg.data)
         except msgspec.DecodeError:
             log.error("dropping undecodable sample job")
             await msg.term()
+            return
+        if await self._skip_cancelled(job, msg):
             return
         try:
             body = api.decode(job.body, api.SampleRequest)
@@ -350,6 +431,13 @@ class SamplerService:
         result: SampleOutput | TwinkleError,
         spec: SampleSpec | None = None,
     ) -> None:
+        if isinstance(result, Cancelled) or job.request_id in self._cancelled:
+            # the gateway already failed the future; a result that beat the cancel is dropped
+            await msg.ack()
+            tokens = result.generated_tokens if isinstance(result, Cancelled) else 0
+            log.info("dropped cancelled sample %s (%d tokens generated)", job.request_id, tokens)
+            self.metrics.request_cancelled("sampling", tokens)
+            return
         if isinstance(result, TwinkleError):
             outcome = Outcome(
                 request_id=job.request_id,
@@ -359,6 +447,8 @@ class SamplerService:
                 category=result.category,
                 finished_at=time.time(),
                 tenant_id=job.tenant_id,
+                sampling_session_id=job.sampling_session_id,
+                clone_id=job.clone_id,
             )
         else:
             self.usage.add(
@@ -374,6 +464,8 @@ class SamplerService:
                 payload_type="proto",
                 finished_at=time.time(),
                 tenant_id=job.tenant_id,
+                sampling_session_id=job.sampling_session_id,
+                clone_id=job.clone_id,
             )
         await self.bus.put(
             subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encode_outcome(outcome)

@@ -125,6 +125,26 @@ class TorchSampler:
                 finished += self._advance(self._running)
         return finished
 
+    def cancel(self, ticket: int) -> int | None:
+        """Drop request `ticket`, waiting or generating (its client cancelled it): the tokens
+        its rows still in generation had drawn, None if the sampler no longer holds it."""
+        for request in self._waiting:
+            if request.ticket == ticket:
+                self._waiting.remove(request)
+                return 0
+        batch = self._running
+        if batch is None:
+            return None
+        keep = [i for i, row in enumerate(batch.rows) if row.request.ticket != ticket]
+        if len(keep) == len(batch.rows):
+            return None
+        tokens = sum(len(row.tokens) for row in batch.rows if row.request.ticket == ticket)
+        if keep:
+            batch.keep(keep)
+        else:
+            self._running = None
+        return tokens
+
     def abort(self) -> None:
         """Drop every waiting and generating request: after a failed step, whose requests may
         be half-way through it, nothing in the sampler is answered."""

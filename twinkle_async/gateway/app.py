@@ -25,13 +25,16 @@ from twinkle_async.gateway import (
     metrics_routes,
     model_routes,
     rest_routes,
+    sampling_futures_routes,
     sampling_routes,
     service_routes,
     training_routes,
     unknown_routes,
 )
+from twinkle_async.gateway.completions import SessionCompletions
 from twinkle_async.gateway.metrics_routes import METRICS, metrics_middleware
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
+from twinkle_async.gateway.sampling_futures_routes import COMPLETIONS
 from twinkle_async.gateway.state import (
     BUS,
     FUTURES,
@@ -57,7 +60,15 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     bus = Bus(settings.bus)
     await bus.connect()
     futures = FutureStore(bus, app[METRICS])
+    completions = SessionCompletions()
+    futures.on_finished.append(completions.record)
     await futures.start()
+
+    async def missed_completions() -> None:  # the subscription missed what NATS carried meanwhile
+        completions.mark_incomplete()
+
+    bus.on_reconnect(missed_completions)
+    app[COMPLETIONS] = completions
     registry = Registry(bus, settings.base_models)
     await registry.start()
     keys = KeyRing(bus, settings.api_keys)
@@ -81,6 +92,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     app[LIFECYCLE] = lifecycle
     yield
     await lifecycle.stop()
+    completions.close()
     await keys.stop()
     await registry.stop()
     await futures.stop()
@@ -103,6 +115,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         training_routes,
         custom_loss_routes,
         sampling_routes,
+        sampling_futures_routes,
         futures_routes,
         rest_routes,
         account_routes,

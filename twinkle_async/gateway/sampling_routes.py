@@ -12,11 +12,12 @@ import time
 
 from aiohttp import web
 
-from protocol import api, paths, rules, stability, subjects
+from protocol import api, paths, stability, subjects
 from protocol.errors import RateLimited, UserError
 from protocol.jobs import SampleJob, SeqClaim
 from protocol.records import SamplerRecord
 from protocol.sampling import sample_spec
+from protocol.sampling_futures import check_sample_seq_id, clone_of
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.sequenced import body_digest
@@ -110,9 +111,13 @@ async def asample(request: web.Request) -> web.Response:
     futures = request.app[FUTURES]
     request_id = new_request_id("sample")
     dedupe = request_id
+    clone_id = 0
     if body.seq_id is not None:
         # A sampling client numbers its samples too; a retry (same body) gets the same future.
-        rules.check_seq_id("seq_id", body.seq_id, first=0)
+        # Clones number theirs in disjoint blocks (`join_sampling_session`), so two clones'
+        # requests never share a key.
+        check_sample_seq_id("seq_id", body.seq_id)
+        clone_id = clone_of(body.seq_id)
         dedupe = f"{sampler.sampling_session_id}/{body.seq_id}"
         mine = SeqClaim(request_id=request_id, request_type="sample", digest=body_digest(raw))
         claim = await futures.claim(sampler.sampling_session_id, body.seq_id, mine)
@@ -122,7 +127,14 @@ async def asample(request: web.Request) -> web.Response:
                 " already used by another sample request"
             )
         request_id = claim.request_id
-    await futures.record_pending(request_id, "sample", "", tenant)
+    await futures.record_pending(
+        request_id,
+        "sample",
+        "",
+        tenant,
+        sampling_session_id=sampler.sampling_session_id,
+        clone_id=clone_id,
+    )
     in_flight.add(tenant, request_id, time.time())
     job = SampleJob(
         request_id=request_id,
@@ -133,6 +145,7 @@ async def asample(request: web.Request) -> web.Response:
         adapter_content_id=sampler.content_id,
         body=raw,
         published_at=time.time(),
+        clone_id=clone_id,
     )
     await request.app[BUS].publish_sample(subjects.pool_of(sampler.base_model), job, dedupe)
     return json_response(

@@ -26,7 +26,8 @@ async def client_config(request: web.Request) -> web.Response:
             parallel_fwdbwd_chunks=True,
             fwdbwd_max_chunk_len=settings.fwdbwd_max_chunk_len,
             fwdbwd_max_chunk_bytes_count=settings.fwdbwd_max_chunk_bytes,
-            sample_use_retrieve_futures=False,
+            sample_use_retrieve_futures=True,
+            sample_join_sampling_session=True,
             custom_loss_server_side=True,
         )
     )
@@ -35,7 +36,7 @@ async def client_config(request: web.Request) -> web.Response:
 @routes.post("/api/v1/client/dynamic_config")
 async def client_dynamic_config(request: web.Request) -> web.Response:
     return json_response(
-        api.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=False)
+        api.ClientDynamicConfigResponse(refresh_interval_sec=300, sample_cancel_enabled=True)
     )
 
 

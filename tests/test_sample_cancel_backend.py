@@ -1,0 +1,92 @@
+"""Cancelling a sample in the trainer's torch sampler (`TorchBackend.cancel`, then
+`TorchSampler.cancel` on the engine thread): a queued request never reaches the sampler, a
+generating one leaves the running batch at the next step while the rows of other requests
+carry on exactly as they would have, and an unknown request id changes nothing (fp32, CPU, a
+tiny model built offline)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from protocol.errors import Cancelled
+from protocol.sampling import SampleOutput, SampleSpec
+from tests.test_sampler_torch_backend import count_steps, driver_gone, executor, prepared
+from tests.test_sampling_torch import assert_same, prompt, tiny_qwen3
+from workers.engine import Engine
+from workers.sampler_service import TorchBackend
+from workers.sampling_torch import TorchSampler
+
+__all__ = ["executor", "tiny_qwen3"]  # fixtures
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+ENDLESS = SampleSpec(
+    prompt(61, 5), num_samples=2, max_tokens=3000, temperature=0.0, stop_at_eos=False
+)
+SHORT = SampleSpec(prompt(62, 4), max_tokens=24, temperature=0.0, stop_at_eos=False)
+
+
+async def test_a_generating_request_leaves_the_batch_and_the_others_carry_on(
+    tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = TorchSampler(engine)
+    backend = TorchBackend(sampler, engine, executor)
+    [alone] = await backend.sample_many([prepared(SHORT)])
+    loop = asyncio.get_running_loop()
+    stepped = asyncio.Event()
+
+    def on_step(n: int) -> None:
+        if n == 8:  # both requests joined at step 1: 7 tokens each so far
+            loop.call_soon_threadsafe(stepped.set)
+
+    count_steps(monkeypatch, sampler, on_step)
+    endless, short = prepared(ENDLESS), prepared(SHORT)
+    task = asyncio.create_task(backend.sample_many([endless, short]))
+    await asyncio.wait_for(stepped.wait(), 30)
+    backend.cancel(endless.job.request_id)
+    cancelled, output = await asyncio.wait_for(task, 60)
+    assert isinstance(cancelled, Cancelled)
+    # two rows, stopped a few steps in (the cancel lands between two steps)
+    assert 2 * 7 <= cancelled.generated_tokens < 2 * SHORT.max_tokens
+    assert isinstance(output, SampleOutput)
+    assert_same(output, alone)  # the batch it shared lost rows; its own tokens did not change
+    assert not sampler.busy
+    await driver_gone()
+
+
+async def test_a_queued_request_never_reaches_the_sampler(
+    tiny_qwen3: Path, executor: ThreadPoolExecutor
+) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = TorchSampler(engine)
+    backend = TorchBackend(sampler, engine, executor)
+    item = prepared(ENDLESS)
+    task = asyncio.create_task(backend.sample_many([item]))
+    await asyncio.sleep(0)  # queued; the driver has not taken it yet
+    backend.cancel(item.job.request_id)
+    [result] = await asyncio.wait_for(task, 10)
+    assert isinstance(result, Cancelled) and result.generated_tokens == 0
+    assert not sampler.busy
+    await driver_gone()
+
+
+async def test_an_unknown_or_finished_request_changes_nothing(
+    tiny_qwen3: Path, executor: ThreadPoolExecutor
+) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = TorchSampler(engine)
+    backend = TorchBackend(sampler, engine, executor)
+    item = prepared(SHORT)
+    [first] = await backend.sample_many([item])
+    backend.cancel(item.job.request_id)  # finished
+    backend.cancel("req-never-seen")
+    assert sampler.cancel(12345) is None
+    [again] = await backend.sample_many([prepared(SHORT)])
+    assert isinstance(first, SampleOutput) and isinstance(again, SampleOutput)
+    assert_same(again, first)
+    await driver_gone()

@@ -1,0 +1,170 @@
+"""The sampler service and cancels, on a real nats-server (a recording backend stands in for
+the sampling engine): a job whose future was cancelled while it waited in the stream is acked
+at pickup and never reaches the backend, a cancel published on `tw.v1.cancel.<pool>` reaches
+the backend of every sampler of the pool, and the service writes no outcome over the
+gateway's for a cancelled request while it answers the others with their session and clone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import msgspec
+
+from protocol import subjects
+from protocol.errors import Cancelled, ErrorCategory, TwinkleError
+from protocol.jobs import Outcome, SampleJob, decode_outcome, encode_outcome
+from protocol.sampling import SampledSequence, SampleOutput
+from twinkle_async.bus import Bus
+from twinkle_async.nats_server import NatsServer
+from twinkle_async.settings import BusSettings
+from workers.bus import WorkerBus
+from workers.sampler_service import Prepared, SamplerService
+
+POOL = "tiny-pool"
+BODY = json.dumps(
+    {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+        "sampling_params": {"max_tokens": 2, "temperature": 0.0, "stop": []},
+        "seq_id": 3_000_000_001,
+    }
+).encode()
+
+
+class HoldingBackend:
+    """Answers each request when released; records what it was given and what was cancelled."""
+
+    name = "recording"
+    concurrent = True
+    vocab_size = 1000
+    max_context = 512
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.cancelled: list[str] = []
+        self._held: dict[str, asyncio.Future[SampleOutput | TwinkleError]] = {}
+
+    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
+        loop = asyncio.get_running_loop()
+        answers = []
+        for item in items:
+            self.seen.append(item.job.request_id)
+            answers.append(self._held.setdefault(item.job.request_id, loop.create_future()))
+        return list(await asyncio.gather(*answers))
+
+    def release(self, request_id: str) -> None:
+        sequence = SampledSequence([1, 2], [-0.5, -0.5], "length")
+        self._held[request_id].set_result(SampleOutput(sequences=[sequence]))
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+        held = self._held.get(request_id)
+        if held is not None and not held.done():
+            held.set_result(Cancelled(generated_tokens=1))
+
+
+def job(request_id: str) -> SampleJob:
+    return SampleJob(
+        request_id=request_id,
+        tenant_id="t",
+        sampling_session_id="sess-1:sample:0",
+        base_model="m",
+        body=BODY,
+        clone_id=3,
+    )
+
+
+def pending(request_id: str, state: str = "pending") -> Outcome:
+    return Outcome(
+        request_id=request_id,
+        state=state,  # type: ignore[arg-type]
+        request_type="sample",
+        tenant_id="t",
+        sampling_session_id="sess-1:sample:0",
+        clone_id=3,
+        category=ErrorCategory.USER if state == "error" else None,
+    )
+
+
+async def outcome_of(bus: Bus, request_id: str) -> Outcome | None:
+    data = await bus.get(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
+    return decode_outcome(data) if data else None
+
+
+async def until(check: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_cancelled_jobs_never_reach_or_leave_the_backend(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    gateway = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway.connect()
+    worker = WorkerBus(nats_server.url)
+    await worker.connect()
+    backend = HoldingBackend()
+    service = SamplerService(worker, backend, POOL, tmp_path)
+    queued, running, kept = "req-queued-sample", "req-running-sample", "req-kept-sample"
+    # cancelled while it waited in the stream: the gateway already failed its future
+    await gateway.put(
+        subjects.BUCKET_FUTURES,
+        subjects.future_key(queued),
+        encode_outcome(pending(queued, "error")),
+    )
+    await gateway.publish_sample(POOL, job(queued), queued)
+    task = asyncio.create_task(service.run())
+    try:
+        for request_id in (running, kept):
+            await gateway.put(
+                subjects.BUCKET_FUTURES,
+                subjects.future_key(request_id),
+                encode_outcome(pending(request_id)),
+            )
+            await gateway.publish_sample(POOL, job(request_id), request_id)
+
+        async def both_seen() -> bool:
+            return sorted(backend.seen) == sorted([running, kept])
+
+        await until(both_seen)
+        # the gateway's cancel: the future fails, then the samplers are told
+        failed = msgspec.structs.replace(pending(running), state="error", error=Cancelled().message)
+        await gateway.put(
+            subjects.BUCKET_FUTURES, subjects.future_key(running), encode_outcome(failed)
+        )
+        assert gateway.nc is not None
+        await gateway.nc.publish(subjects.sample_cancel_subject(POOL), running.encode())
+        await gateway.nc.publish(subjects.sample_cancel_subject("another-pool"), kept.encode())
+
+        async def cancelled() -> bool:
+            value = service.metrics.registry.get_sample_value
+            return value("twinkle_sampler_cancelled_total", {"stage": "sampling"}) == 1
+
+        await until(cancelled)
+        backend.release(kept)
+
+        async def kept_done() -> bool:
+            out = await outcome_of(gateway, kept)
+            return out is not None and out.state == "done"
+
+        await until(kept_done)
+        assert backend.cancelled == [running]  # another pool's cancel is not ours
+        assert queued not in backend.seen
+        value = service.metrics.registry.get_sample_value
+        assert value("twinkle_sampler_cancelled_total", {"stage": "pickup"}) == 1
+        assert value("twinkle_sampler_cancelled_tokens_total") == 1
+        assert await outcome_of(gateway, running) == failed  # not overwritten
+        done = await outcome_of(gateway, kept)
+        assert done is not None
+        assert (done.sampling_session_id, done.clone_id) == ("sess-1:sample:0", 3)
+        stream = await gateway.js.stream_info(subjects.STREAM_SAMPLE)  # type: ignore[union-attr]
+        assert stream.state.messages == 0  # every job acked, the skipped one included
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker.close()
+        await gateway.close()

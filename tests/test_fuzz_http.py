@@ -569,7 +569,8 @@ KNOWN_PATHS = sorted(
             "sessions/x", "training_runs/x/checkpoints/weights/y",
             "training_runs/x/checkpoints/weights/y/publish",
             "training_runs/x/checkpoints/weights/y/ttl", "sessions/search", "audit",
-            "billing/usage/events", "billing/usage/checkpoints/current",
+            "billing/usage/events", "billing/usage/checkpoints/current", "retrieve_futures",
+            "cancel_future", "join_sampling_session",
         )
     }
     | {"/files/v1/checkpoints/x/weights/y/adapter_config.json", "/files/v1/archives/x/weights/y"}
@@ -577,8 +578,7 @@ KNOWN_PATHS = sorted(
 UNKNOWN_PATHS = [
     f"{API}/{name}"
     for name in (
-        "nope", "retrieve_futures", "cancel_future",
-        "join_sampling_session", "auth/token", "forward",
+        "nope", "auth/token", "forward",
         "training_runs/x/checkpoints/weights/y/z", "", "/", "..", "healthz/x",
     )
 ] + ["/", "/api", "/api/v2/create_session", "/API/V1/healthz", "/files/v1/x"]  # fmt: skip

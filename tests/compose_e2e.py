@@ -160,10 +160,13 @@ def apt_mirror() -> str:
 def base_images() -> dict[str, str]:
     """Build arguments naming the base images: the official ones when a registry answers,
     else a Debian bookworm made with debootstrap (its tarball cached)."""
-    pulled = subprocess.run(
-        ["docker", "pull", "-q", "python:3.11-slim"], capture_output=True, timeout=300
-    )
-    if pulled.returncode == 0:
+    try:
+        pulled = subprocess.run(
+            ["docker", "pull", "-q", "python:3.11-slim"], capture_output=True, timeout=120
+        ).returncode
+    except subprocess.TimeoutExpired:
+        pulled = 1
+    if pulled == 0:
         run("docker", "pull", "-q", "nats:2.14-alpine")
         log("registry answers: official base images")
         return {}
@@ -372,6 +375,7 @@ def main() -> int:
             t0 = time.monotonic()
             compose("build", "nats", "gateway", "worker", timeout=3600, quiet=True)
             log(f"images built in {time.monotonic() - t0:.0f} s")
+            run("docker", "image", "prune", "-f", quiet=True)  # earlier builds' layers
             compose("down", "-v", "--remove-orphans", quiet=True)
             try:
                 compose("up", "-d", "nats", "gateway", "worker")

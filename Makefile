@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: install test demo lint format clean
+.PHONY: install test compose-test demo lint format clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ $(STAMP): pyproject.toml requirements.txt
 
 test: install
 	$(PY) -m pytest -q
+
+# compose.yaml built and run for real (a private dockerd; needs root, installs docker.io,
+# docker-compose and debootstrap with apt when missing; caches under ~/.cache/twinkle-compose)
+compose-test: install
+	$(PY) -m tests.compose_e2e
 
 demo: install
 	$(PY) examples/demo.py

@@ -266,7 +266,7 @@ def gateway(
         base_models=tuple(base_model or ()),
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
         max_request_elements=max_request_elements,
-        admin_key=admin_key,
+        admin_key=admin_key or None,  # an empty TWINKLE_ADMIN_KEY leaves the admin API off
         quota_defaults=quota_defaults_from_env(),
         session_timeout_s=session_timeout_s,
         sweep_interval_s=sweep_interval_s,

@@ -81,7 +81,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     if request.path.startswith("/admin/"):
         admin_key = request.app[SETTINGS].admin_key
-        if admin_key is None:
+        if not admin_key:  # None, or an empty variable: never a key that "" would match
             raise Forbidden("the admin API is off: start the gateway with --admin-key")
         if not same_secret(request.headers.get("X-Admin-Key", ""), admin_key):
             raise Unauthorized("invalid or missing admin key (send it in X-Admin-Key)")

@@ -60,7 +60,11 @@ def test_fuzz_sampling_routes_one_hostile_field(fuzzer: Fuzzer, data: st.DataObj
         label="value",
     )
     _set(body, dotted, value)
-    fuzzer.post_json(route.route, body, t.names_other(value))
+    # An acknowledged id only drops entries from the caller's own session's log (the session's
+    # owner is checked first), so naming another tenant's request there touches nothing of
+    # theirs and is answered like any id the log no longer holds.
+    acknowledgement = dotted == "retrieved_request_ids.0"
+    fuzzer.post_json(route.route, body, t.names_other(value) and not acknowledgement)
 
 
 @given(data=st.data())

@@ -17,6 +17,7 @@ from twinkle_async.futures import FutureStore
 from twinkle_async.gateway import (
     admin_routes,
     admin_store_routes,
+    admin_transfer_routes,
     checkpoint_routes,
     custom_loss_routes,
     download_routes,
@@ -108,6 +109,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         download_routes,
         admin_routes,
         admin_store_routes,
+        admin_transfer_routes,
         metrics_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):

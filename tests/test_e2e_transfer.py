@@ -83,6 +83,27 @@ picked = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, Non
 print(json.dumps(picked.tolist()))
 """
 
+VLLM_LOGPROBS = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+base, folder, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(model=base, dtype="float32", enforce_eager=True, enable_lora=True, max_lora_rank=8,
+          max_loras=1, max_model_len=256, seed=0, disable_log_stats=True)
+params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+prompt = TokensPrompt(prompt_token_ids=tokens)
+[out] = llm.generate([prompt], params, lora_request=LoRARequest("exported", 1, folder))
+rows = out.prompt_logprobs
+print(json.dumps([rows[i][tokens[i]].logprob for i in range(1, len(tokens))]))
+"""
+VLLM_ENV = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
 
 def cli(cluster: Cluster, *args: str) -> Result:
     argv = ["--gateway", cluster.base_url, "--admin-key", cluster.admin_key, *args]
@@ -104,13 +125,13 @@ def refused(result: Result, *details: str) -> None:
     assert all(detail in lines[0] for detail in details), lines[0]
 
 
-def torch_child(script: str, *args: str) -> Any:
+def torch_child(script: str, *args: str, env: dict[str, str] | None = None) -> Any:
     done = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -177,6 +198,18 @@ def test_export_loads_in_peft_and_merged_in_transformers(
     result = cli(cluster, "checkpoints", "export", path, str(adapter))
     assert result.exit_code == 2 and "not an empty folder" in result.output
     refused(cli(cluster, "checkpoints", "export", path + "-nope", str(tmp_path / "x")), "not found")
+
+
+def test_exported_adapter_loads_in_vllm(
+    cluster: Cluster, tiny_model: Path, trained: tuple[str, np.ndarray], tmp_path: Path
+) -> None:
+    """Stock vLLM (not our sampler) loads the exported folder as a LoRA as is."""
+    path, expected = trained
+    ok(cluster, "checkpoints", "export", path, str(tmp_path / "adapter"))
+    got = torch_child(
+        VLLM_LOGPROBS, str(tiny_model), str(tmp_path / "adapter"), json.dumps(TOKENS), env=VLLM_ENV
+    )
+    np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)
 
 
 # -- import -------------------------------------------------------------------------------------

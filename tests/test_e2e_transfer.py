@@ -219,7 +219,8 @@ def test_import_peft_adapter_loads_and_trains_on(
     cluster: Cluster, tiny_model: Path, tmp_path: Path
 ) -> None:
     folder = tmp_path / "peft-adapter"
-    targets = json.dumps(list(ATTN + MLP))
+    # some projections of each block, as PEFT adapters often have: the others join at zero
+    targets = json.dumps(["q_proj", "v_proj", "down_proj"])
     expected = torch_child(TRAIN_PEFT, str(tiny_model), str(folder), json.dumps(TOKENS), targets)
     service = tenant(cluster, "xfer-import")
     answer = ok(cluster, "checkpoints", "import", str(folder), "--tenant", "xfer-import",

@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.jobs import (
     ExportMergedJob,
@@ -42,16 +46,25 @@ from protocol.jobs import (
 )
 from protocol.paths import CONTENT_ID_FILE, TinkerPath, checkpoint_dir, parse_path
 from protocol.records import CheckpointRecord
+from protocol.rules import check_lora_config
 from workers.checkpoints import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MOMENTS,
+    AdapterCheckpoint,
     adapter_key,
+    match_layers,
+    read_checkpoint,
     target_modules_for,
     write_checkpoint,
 )
 from workers.engine import Engine
+from workers.lora import LayerGroup, LayerLayout
+from workers.parking import GROUP_FLAGS
 from workers.slot_checkpoints import StoredAdapter
+
+_PREFIX = "base_model.model."
+_BASE_COPY = ".base_layer.weight"
 
 
 def _adaptable(engine: Engine) -> list[str]:
@@ -82,19 +95,80 @@ def check_target_modules(config: dict[str, Any], adaptable: list[str]) -> None:
 
 
 def _checked_adapter(engine: Engine, directory: Path) -> StoredAdapter:
-    """The adapter in `directory`, checked against this model; a `UserError` otherwise."""
-    config_path = directory / ADAPTER_CONFIG
+    """The adapter in `directory`, checked against this model; a `UserError` otherwise.
+
+    The tensor file's header is checked first (names and shapes, no data read), so a file
+    that does not fit this model costs no memory; only then are the tensors loaded.
+    """
+    config = _read_config(directory / ADAPTER_CONFIG)
+    check_target_modules(config, _adaptable(engine))
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+        raise UserError(f"{ADAPTER_CONFIG}: lora_alpha {alpha!r} is not a positive number")
+    layouts = engine.bank.layouts
+    header = _header(directory / ADAPTER_WEIGHTS, layouts, _rank(config))
+    _match(engine, header, config)  # raises before any tensor is read
+    checkpoint = read_checkpoint(directory, with_optimizer=False)
+    _complete(checkpoint.tensors, layouts, checkpoint.rank, meta=False)
+    groups = _match(engine, checkpoint.tensors, config)
+    spec = LoraConfig(
+        rank=checkpoint.rank, **{flag: group in groups for group, flag in GROUP_FLAGS.items()}
+    )
+    check_lora_config(spec, engine.bank.max_rank)
+    for key, tensor in checkpoint.tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise UserError(f"{ADAPTER_WEIGHTS}: {key} holds non-finite values (NaN or inf)")
+    return StoredAdapter(checkpoint, spec, frozenset(groups))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{ADAPTER_CONFIG}: missing") from None
     except (OSError, ValueError) as error:
         raise UserError(f"{ADAPTER_CONFIG}: not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise UserError(f"{ADAPTER_CONFIG}: expected a JSON object")
-    check_target_modules(config, _adaptable(engine))
+    return config
+
+
+def _rank(config: dict[str, Any]) -> int:
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise UserError(f"{ADAPTER_CONFIG}: r {rank!r} is not a positive integer")
+    return rank
+
+
+def _header(path: Path, layouts: Sequence[LayerLayout], rank: int) -> dict[str, torch.Tensor]:
+    """The file's tensors as shapes only (`meta` tensors), completed like the real ones."""
     try:
-        stored = engine.slots.files.read(directory, with_optimizer=False)
+        with safetensors.safe_open(str(path), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except FileNotFoundError:
+        raise UserError(f"{ADAPTER_WEIGHTS}: missing") from None
+    except (OSError, safetensors.SafetensorError) as error:
+        raise UserError(f"{ADAPTER_WEIGHTS}: unreadable ({error})") from None
+    sizes = {layout.path: (layout.out_features, layout.in_features) for layout in layouts}
+    for key, shape in shapes.items():
+        if key.endswith(_BASE_COPY):  # PEFT's copy of an adapted lm_head's base weight
+            module = key[len(_PREFIX) : -len(_BASE_COPY)]
+            if sizes.get(module) != shape:
+                raise UserError(f"{ADAPTER_WEIGHTS}: unexpected tensor {key!r} {shape}")
+    tensors = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
+    _complete(tensors, layouts, rank, meta=True)
+    return tensors
+
+
+def _match(
+    engine: Engine, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+) -> set[LayerGroup]:
+    """`match_layers` on these tensors, saying so when the shapes are another model's."""
+    probe = AdapterCheckpoint(
+        base_model="", rank=_rank(config), lora_alpha=1.0, target_modules=[], tensors=tensors
+    )
+    try:
+        return match_layers(probe, engine.bank.layouts, max_rank=engine.bank.max_rank)
     except UserError as error:
         if "has shape" in error.message:
             raise UserError(
@@ -102,10 +176,33 @@ def _checked_adapter(engine: Engine, directory: Path) -> StoredAdapter:
                 f" than {engine.base_model!r}"
             ) from None
         raise
-    for key, tensor in stored.checkpoint.tensors.items():
-        if not bool(torch.isfinite(tensor).all()):
-            raise UserError(f"{ADAPTER_WEIGHTS}: {key} holds non-finite values (NaN or inf)")
-    return stored
+
+
+def _complete(
+    tensors: dict[str, torch.Tensor], layouts: Sequence[LayerLayout], rank: int, *, meta: bool
+) -> None:
+    """Give the layers an adapter left out of a layer group it trains a zero update.
+
+    PEFT adapters often train some projections of a block (`q_proj`, `v_proj`); a slot trains
+    whole groups. A left-out layer gets A as a fresh adapter has it (kaiming-uniform, seeded)
+    and B = 0: the adapter computes exactly what it did, and those layers train from here on.
+    """
+    present = {key[len(_PREFIX) :].rpartition(".lora_")[0] for key in tensors if "lora_" in key}
+    covered = {layout.group for layout in layouts if layout.path in present}
+    generator = torch.Generator().manual_seed(0)
+    for layout in layouts:
+        if layout.group not in covered or layout.path in present:
+            continue
+        a_shape, b_shape = (rank, layout.in_features), (layout.out_features, rank)
+        if meta:
+            a = torch.empty(a_shape, device="meta")
+            b = torch.empty(b_shape, device="meta")
+        else:
+            a = torch.empty(a_shape, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            b = torch.zeros(b_shape, dtype=torch.float32)
+        tensors[adapter_key(layout.path, "A")] = a
+        tensors[adapter_key(layout.path, "B")] = b
 
 
 def import_adapter(

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -200,6 +201,23 @@ def test_export_loads_in_peft_and_merged_in_transformers(
     refused(cli(cluster, "checkpoints", "export", path + "-nope", str(tmp_path / "x")), "not found")
 
 
+def test_merged_export_of_a_trained_unembedding(
+    cluster: Cluster, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The tiny model ties lm_head to the embedding: a merged lm_head must come apart from it."""
+    service = tenant(cluster, "xfer-unembed")
+    client = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    train_steps(client, toy_batch(n=2), 3)
+    path = client.save_state("with-unembed").result().path
+    ok(cluster, "checkpoints", "export", path, str(tmp_path / "merged"), "--merged")
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    got = torch_child(
+        LOGPROBS, str(tiny_model), "merged", str(tmp_path / "merged"), json.dumps(TOKENS)
+    )
+    np.testing.assert_allclose(got, sdk_logprobs(client), atol=1e-4, rtol=0)
+
+
 def test_exported_adapter_loads_in_vllm(
     cluster: Cluster, tiny_model: Path, trained: tuple[str, np.ndarray], tmp_path: Path
 ) -> None:
@@ -349,3 +367,34 @@ def test_import_refusals(cluster: Cluster, tiny_model: Path, tmp_path: Path) -> 
     answer = ok(cluster, "checkpoints", "import", str(tmp_path / "big"), "--tenant",
                 "xfer-refused", "--name", "fits")  # fmt: skip
     assert answer["path"].endswith("/weights/fits")
+
+
+def test_import_api_refuses_malformed_uploads(cluster: Cluster, tmp_path: Path) -> None:
+    """What a client other than the CLI may send: each a 4xx naming what is wrong."""
+    tenant(cluster, "xfer-api")
+    params = {"tenant": "xfer-api", "name": "x"}
+    url = f"{cluster.base_url}/admin/v1/checkpoints/import"
+    admin = {"X-Admin-Key": cluster.admin_key}
+
+    def post(files: Any = None, **kwargs: Any) -> httpx.Response:
+        return httpx.post(url, params=params, files=files, timeout=30, **kwargs)
+
+    no_key = post({"adapter_config.json": b"{}"})
+    assert no_key.status_code == 401
+    as_json = post(json={"x": 1}, headers=admin)
+    assert as_json.status_code == 400 and "multipart" in as_json.json()["detail"]
+    stray = post({"model.bin": b"x"}, headers=admin)
+    assert stray.status_code == 400 and "unexpected part" in stray.json()["detail"]
+    huge = post({"adapter_config.json": b" " * (65 << 10)}, headers=admin)
+    assert huge.status_code == 413 and "adapter_config.json" in huge.json()["detail"]
+    only_config = post({"adapter_config.json": b'{"r": 4}'}, headers=admin)
+    assert only_config.status_code == 400
+    assert "adapter_model.safetensors: missing" in only_config.json()["detail"]
+    not_json = post({"adapter_config.json": b"{", "adapter_model.safetensors": b"x"}, headers=admin)
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["detail"]
+    # a request id that is not a transfer
+    unknown = httpx.get(
+        f"{cluster.base_url}/admin/v1/transfers/req-0123-import_adapter", headers=admin
+    )
+    assert unknown.status_code == 404
+    assert not list((cluster.data_dir / "checkpoints" / ".imports").glob("*"))

@@ -337,9 +337,11 @@ async def transfer_state(request: web.Request) -> web.Response:
 
 async def _answer(request: web.Request, request_id: str) -> web.Response:
     """The job's answer once it is done (waiting up to `WAIT_S`), else `pending`."""
-    outcome = await request.app[FUTURES].wait(request_id, WAIT_S)
+    futures = request.app[FUTURES]
+    outcome = await futures.read(request_id)  # another request's id never waits
     if outcome is None or outcome.request_type not in ("import_adapter", "export_merged"):
         raise NotFound(f"transfer {request_id!r} not found")
+    outcome = await futures.wait(request_id, WAIT_S) or outcome
     if outcome.state == "pending":
         return json_response({"state": "pending", "request_id": request_id})
     if outcome.request_type == "import_adapter":

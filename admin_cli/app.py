@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console, RenderableType
@@ -21,6 +21,7 @@ from admin_cli.client import AdminClient, AdminError, segment
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 PIPE_WIDTH = 1000  # a table written to a pipe or a file: whole lines, no id folded
+T = TypeVar("T")
 
 app = typer.Typer(
     add_completion=False,
@@ -33,7 +34,8 @@ keys_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke tenan
 quotas_app = typer.Typer(no_args_is_help=True, help="Show and set a tenant's limits.")
 runs_app = typer.Typer(no_args_is_help=True, help="Training runs: list, show, unload, delete.")
 checkpoints_app = typer.Typer(
-    no_args_is_help=True, help="Checkpoints: list, delete, publish, unpublish, expire."
+    no_args_is_help=True,
+    help="Checkpoints: list, delete, publish, unpublish, expire, export, import.",
 )
 sessions_app = typer.Typer(no_args_is_help=True, help="Client sessions: list, show.")
 workers_app = typer.Typer(no_args_is_help=True, help="Worker processes and their load.")
@@ -68,12 +70,16 @@ class Admin:
         body: Any = None,
         params: dict[str, str | None] | None = None,
     ) -> Any:
+        return self.use(lambda client: client.call(method, path, body=body, params=params))
+
+    def use(self, action: Callable[[AdminClient], T]) -> T:
+        """`action(client)`; a refused or failed call prints one line and exits 1."""
         if not self.admin_key:
             fail("no admin key: pass --admin-key or set TWINKLE_ADMIN_KEY", code=2)
         if self._client is None:
             self._client = AdminClient(self.gateway, self.admin_key)
         try:
-            return self._client.call(method, path, body=body, params=params)
+            return action(self._client)
         except AdminError as err:
             fail(err.message)
 
@@ -400,6 +406,11 @@ def queues(ctx: typer.Context) -> None:
     """The ops and sample streams, each pool's backlog and every consumer's depths."""
     admin = _admin(ctx)
     admin.show(admin.call("GET", "queues"), tables.queues)
+
+
+from admin_cli import transfer  # noqa: E402 - registers `checkpoints export` and `import`
+
+transfer.register(checkpoints_app)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ wrong (a refused request, an unreachable gateway, an answer that is not JSON) is
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -55,8 +56,49 @@ class AdminClient:
     ) -> Any:
         """`method /admin/v1/<path>`; query parameters given as None are left out."""
         query = {k: v for k, v in (params or {}).items() if v is not None}
+        return self._send(
+            lambda: self._http.request(method, f"{API_PREFIX}/{path}", json=body, params=query)
+        )
+
+    def upload(self, path: str, files: dict[str, Path], params: dict[str, str | None]) -> Any:
+        """`POST /admin/v1/<path>` with `files` as multipart parts, streamed from disk."""
+        query = {k: v for k, v in params.items() if v is not None}
+        handles = {name: source.open("rb") for name, source in files.items()}
         try:
-            resp = self._http.request(method, f"{API_PREFIX}/{path}", json=body, params=query)
+            parts = {
+                name: (name, handle, "application/octet-stream") for name, handle in handles.items()
+            }
+            return self._send(
+                lambda: self._http.post(f"{API_PREFIX}/{path}", files=parts, params=query)
+            )
+        finally:
+            for handle in handles.values():
+                handle.close()
+
+    def fetch(self, url: str, target: Path) -> int:
+        """Download a signed URL (no admin key needed) into `target`; bytes written."""
+        written = 0
+
+        def stream() -> httpx.Response:
+            nonlocal written
+            with httpx.stream("GET", url, timeout=self._http.timeout) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    return resp
+                with target.open("wb") as out:
+                    for chunk in resp.iter_bytes(1 << 20):
+                        out.write(chunk)
+                        written += len(chunk)
+                return resp
+
+        resp = self._send(stream, raw=True)
+        if not resp.is_success:
+            _answer(resp)
+        return written
+
+    def _send(self, call: Any, raw: bool = False) -> Any:
+        try:
+            resp = call()
         except httpx.TimeoutException as exc:
             raise AdminError(
                 f"cannot reach the gateway at {self.gateway}: timed out ({type(exc).__name__})"
@@ -64,7 +106,7 @@ class AdminClient:
         except (httpx.TransportError, httpx.InvalidURL) as exc:
             reason = _one_line(str(exc)) or type(exc).__name__
             raise AdminError(f"cannot reach the gateway at {self.gateway}: {reason}") from None
-        return _answer(resp)
+        return resp if raw else _answer(resp)
 
 
 def _answer(resp: httpx.Response) -> Any:

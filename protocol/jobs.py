@@ -13,6 +13,7 @@ bytes). Fields are appended with defaults only, so old and new processes can tal
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -108,6 +109,32 @@ class TombstoneJob(JobBase, frozen=True, tag="tombstone"):
     category: ErrorCategory = ErrorCategory.USER
 
 
+class ImportAdapterJob(JobBase, frozen=True, tag="import_adapter"):
+    """Make an uploaded PEFT adapter the training checkpoint `tinker://<model_id>/weights/<name>`.
+
+    The gateway staged the upload's two files in `<checkpoint root>/.imports/<staging_id>/`;
+    the worker checks them against its model (shapes, rank cap, finite values), writes the
+    checkpoint with fresh optimizer state and answers its record. Seq 0 of a run that is never
+    trained: the tenant loads the checkpoint into a new training client.
+    """
+
+    staging_id: str = ""
+    name: str = ""
+    base_model: str = ""
+    max_bytes: int = 0  # the checkpoint's files may not take more (0: no limit)
+
+
+class ExportMergedJob(JobBase, frozen=True, tag="export_merged"):
+    """Merge a checkpoint's adapter into the base model and write the whole model
+    (safetensors, config, tokenizer) to `<checkpoint root>/.exports/<export_id>/`.
+
+    `model_id` is a one-off id of the export, not a run: the job is its only op.
+    """
+
+    path: str = ""  # the checkpoint, tinker://...
+    export_id: str = ""
+
+
 Job = (
     CreateModelJob
     | ForwardBackwardJob
@@ -116,6 +143,8 @@ Job = (
     | LoadWeightsJob
     | UnloadModelJob
     | TombstoneJob
+    | ImportAdapterJob
+    | ExportMergedJob
 )
 
 
@@ -147,6 +176,8 @@ RequestType = Literal[
     "load_weights",
     "unload_model",
     "save_weights_external",
+    "import_adapter",
+    "export_merged",
 ]
 
 
@@ -185,6 +216,20 @@ class SeqClaim(msgspec.Struct, frozen=True):
     request_id: str
     request_type: str
     digest: str
+
+
+IMPORTS_DIR = ".imports"  # under the checkpoint root; never a run id (ids start alphanumeric)
+EXPORTS_DIR = ".exports"
+
+
+def import_staging_dir(root: Path, staging_id: str) -> Path:
+    """Where the gateway stages an uploaded adapter for `ImportAdapterJob`."""
+    return root / IMPORTS_DIR / staging_id
+
+
+def merged_export_dir(root: Path, export_id: str) -> Path:
+    """Where a worker writes the merged model of `ExportMergedJob`."""
+    return root / EXPORTS_DIR / export_id
 
 
 _JOB_ENCODER = msgspec.msgpack.Encoder()

@@ -204,6 +204,15 @@ class Registry:
         await self.bus.put(subjects.BUCKET_RUNS, subjects.token(run.model_id), records.encode(run))
         self._remember_run(run.model_id, run)
 
+    async def create_run(self, run: RunRecord) -> bool:
+        """Store a new run; False when its model_id is taken (an import never replaces one)."""
+        stored = await self.bus.create(
+            subjects.BUCKET_RUNS, subjects.token(run.model_id), records.encode(run)
+        )
+        if stored:
+            self._remember_run(run.model_id, run)
+        return stored
+
     async def delete_run(self, model_id: str) -> None:
         """A run's record and its seq count."""
         await self.bus.delete(subjects.BUCKET_RUNS, subjects.highest_seq_key(model_id))

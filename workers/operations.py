@@ -3,7 +3,7 @@
 `TrainerService` (transport, ordering, cycles) hands each planned group of jobs to one of these
 methods on the engine's single thread: `shared_pass` (every forward/forward_backward of a cycle,
 across tenants), `optim_steps` (the cycle's fused step), `other` (create, save, load, unload, a
-tombstone). Each returns one outcome per job, in order, with a checkpoint record where a save
+tombstone, an adapter import or a merged export: `workers.transfer`). Each returns one outcome per job, in order, with a checkpoint record where a save
 wrote one. A bad job fails alone with a `user` error; an engine call that raises is re-run in
 halves until the jobs that make it fail are alone (`workers.isolation`).
 
@@ -26,7 +26,9 @@ from protocol import api, stability
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.jobs import (
     CreateModelJob,
+    ExportMergedJob,
     ForwardBackwardJob,
+    ImportAdapterJob,
     Job,
     LoadWeightsJob,
     OptimStepJob,
@@ -49,6 +51,7 @@ from workers.engine import Engine
 from workers.isolation import isolate
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
+from workers.transfer import export_merged, import_adapter
 
 Result = tuple[Outcome, CheckpointRecord | None]
 C = TypeVar("C")  # one engine call's item: (model_id, request) or (model_id, AdamParams)
@@ -203,6 +206,14 @@ class EngineOps:
                 return [(self._load(job), None)]
             if isinstance(job, UnloadModelJob):
                 return [self._unload(job)]
+            root = self.settings.checkpoint_root
+            if isinstance(job, ImportAdapterJob):
+                answer, record = import_adapter(self.engine, root, job)
+                return [(done_outcome(job, api.encode(answer)), record)]
+            if isinstance(job, ExportMergedJob):
+                return [
+                    (done_outcome(job, api.encode(export_merged(self.engine, root, job))), None)
+                ]
             raise ServerError(f"op {type(job).__name__} cannot run here")
         except TwinkleError as err:
             return [(failed_outcome(job, err), None)]

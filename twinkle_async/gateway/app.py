@@ -18,6 +18,7 @@ from twinkle_async.gateway import (
     account_routes,
     admin_routes,
     admin_store_routes,
+    admin_transfer_routes,
     checkpoint_routes,
     custom_loss_routes,
     download_routes,
@@ -124,6 +125,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         download_routes,
         admin_routes,
         admin_store_routes,
+        admin_transfer_routes,
         metrics_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):

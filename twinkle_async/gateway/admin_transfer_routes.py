@@ -1,0 +1,383 @@
+"""Adapters out and in, for operators: export a checkpoint as a PEFT folder or a merged model,
+import a PEFT adapter trained elsewhere as a tenant's training checkpoint.
+
+Guarded by the admin key like the rest of `/admin/v1` (the operator may move any tenant's
+checkpoint); `twinkle-admin checkpoints export|import` wraps these routes over HTTP alone.
+
+1. `POST /admin/v1/checkpoints/export {"path", "merged"}`: an adapter export answers at once
+   with signed URLs of the checkpoint's two PEFT files. A merged export needs torch, so it is an
+   `ExportMergedJob` for a worker of the base model, which writes the whole model under
+   `<root>/.exports/<export_id>/`; the answer is `{"state": "pending", "request_id"}` until it
+   is done, then the files' signed URLs (`GET /files/v1/exports/<id>/<file>`).
+2. `POST /admin/v1/checkpoints/import?tenant=&name=[&base_model=]`, multipart with the parts
+   `adapter_config.json` and `adapter_model.safetensors`: streamed to `<root>/.imports/<id>/`
+   within `MAX_UPLOAD_BYTES` (and the tenant's `max_checkpoint_bytes`), checked here as far as
+   JSON allows (peft type, rank against the worker's cap and the tenant's quota, base model),
+   then an `ImportAdapterJob` on a new, never-trained run of the tenant checks the tensors
+   against the model and writes `tinker://<run>/weights/<name>` with fresh optimizer state.
+3. `GET /admin/v1/transfers/<request_id>`: a pending job's answer, long-polled (`WAIT_S`, under
+   the CLI's timeout). Every await on a worker is bounded by it.
+
+Invariants: the gateway never opens a tensor; an upload costs at most its bound in disk and
+nothing in memory beyond one chunk; a refused import leaves no run, file or record behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import BodyPartReader, web
+
+from protocol import paths, rules, subjects
+from protocol.api import LoraConfig
+from protocol.errors import NotFound, PayloadTooLarge, ServerError, UserError
+from protocol.jobs import (
+    EXPORTS_DIR,
+    ExportMergedJob,
+    ImportAdapterJob,
+    Job,
+    Outcome,
+    import_staging_dir,
+    merged_export_dir,
+)
+from protocol.records import RunRecord
+from twinkle_async.futures import new_request_id
+from twinkle_async.gateway import signed_urls
+from twinkle_async.gateway.admin_routes import _known_tenant
+from twinkle_async.gateway.bodies import json_response, read_body
+from twinkle_async.gateway.checkpoint_files import downloadable_files
+from twinkle_async.gateway.checkpoint_routes import base_url, checkpoint_root
+from twinkle_async.gateway.state import BUS, FUTURES, QUOTAS, REGISTRY, SETTINGS
+from twinkle_async.quotas import check_limit, check_room
+
+routes = web.RouteTableDef()
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+MAX_UPLOAD_BYTES = 4 << 30  # an adapter's tensors: far above any LoRA of a served model
+MAX_CONFIG_BYTES = 64 << 10
+WAIT_S = 20.0  # one long-poll of a transfer job (the CLI waits 30 s for an answer)
+URL_TTL_S = 3600
+EXPORT_KEEP_S = 6 * 3600  # merged exports older than this go when the next one starts
+_CHUNK_BYTES = 1 << 20
+
+
+class ExportRequest(msgspec.Struct, forbid_unknown_fields=True):
+    path: str
+    merged: bool = False
+
+
+# -- export -------------------------------------------------------------------------------------
+
+
+@routes.post("/admin/v1/checkpoints/export")
+async def export_checkpoint(request: web.Request) -> web.Response:
+    try:
+        body = msgspec.json.decode(await read_body(request) or b"{}", type=ExportRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise UserError(f"invalid ExportRequest body: {exc}") from None
+    path = paths.parse_path(body.path)
+    registry = request.app[REGISTRY]
+    ckpt = await registry.find_checkpoint(path.run_id, path.checkpoint_id)
+    if ckpt is None:
+        raise NotFound(f"checkpoint {body.path!r} not found")
+    root = checkpoint_root(request)
+    if not body.merged:
+        found = await asyncio.to_thread(downloadable_files, paths.checkpoint_dir(root, path))
+        files = [f for f in found if f.name in ADAPTER_FILES]
+        if len(files) != len(ADAPTER_FILES):
+            raise NotFound(f"checkpoint {body.path!r} has no PEFT adapter files in the store")
+        settings = request.app[SETTINGS]
+        expires = int(time.time()) + URL_TTL_S
+        listed = [
+            {
+                "name": f.name,
+                "size": f.stat().st_size,
+                "url": signed_urls.file_url(
+                    base_url(request),
+                    settings.download_secret,
+                    path,
+                    f.name,
+                    ckpt.content_id,
+                    expires,
+                ),
+            }
+            for f in files
+        ]
+        return json_response(
+            {"state": "done", "kind": "adapter", "path": ckpt.path, "files": listed}
+        )
+    registry.check_base_model(ckpt.base_model)
+    await asyncio.to_thread(_sweep_exports, root, time.time())
+    export_id = uuid.uuid4().hex
+    job = ExportMergedJob(
+        request_id=new_request_id("export_merged"),
+        model_id=f"export-{export_id}",
+        tenant_id=ckpt.tenant_id,
+        seq_id=0,
+        published_at=time.time(),
+        path=ckpt.path,
+        export_id=export_id,
+    )
+    await _submit(request, ckpt.base_model, job, "export_merged")
+    return await _answer(request, job.request_id)
+
+
+def _sweep_exports(root: Path, now: float) -> None:
+    """Remove merged exports nobody fetched and deleted within `EXPORT_KEEP_S`."""
+    folder = root / EXPORTS_DIR
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        if now - entry.stat().st_mtime > EXPORT_KEEP_S:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _export_resource(export_id: str, file_name: str) -> str:
+    return f"export/{export_id}/{file_name}"
+
+
+@routes.get(f"{signed_urls.FILES_PREFIX}/exports/{{export_id}}/{{file}}")
+async def download_export_file(request: web.Request) -> web.StreamResponse:
+    """One file of a merged export; the signed URL is the permission (no key)."""
+    export_id = rules.check_id("export_id", request.match_info["export_id"])
+    name = request.match_info["file"]
+    directory = merged_export_dir(checkpoint_root(request), export_id)
+    files = {f.name: f for f in await asyncio.to_thread(downloadable_files, directory)}
+    signed_urls.check(
+        request.app[SETTINGS].download_secret,
+        _export_resource(export_id, name),
+        export_id if files else None,
+        request.query,
+        time.time(),
+    )
+    if name not in files:
+        raise NotFound(f"file {name[:80]!r} is not part of export {export_id}")
+    return web.FileResponse(files[name], headers={"Content-Type": "application/octet-stream"})
+
+
+@routes.delete("/admin/v1/exports/{export_id}")
+async def delete_export(request: web.Request) -> web.Response:
+    """Remove a merged export once its files are fetched."""
+    export_id = rules.check_id("export_id", request.match_info["export_id"])
+    directory = merged_export_dir(checkpoint_root(request), export_id)
+    if not directory.is_dir():
+        raise NotFound(f"export {export_id!r} not found")
+    await asyncio.to_thread(shutil.rmtree, directory, True)
+    return json_response({"deleted": export_id})
+
+
+# -- import -------------------------------------------------------------------------------------
+
+
+@routes.post("/admin/v1/checkpoints/import")
+async def import_checkpoint(request: web.Request) -> web.Response:
+    tenant = await _known_tenant(request, request.query.get("tenant", ""))
+    name = rules.check_checkpoint_name("name", request.query.get("name", ""))
+    limits = await request.app[QUOTAS].limits(tenant)
+    stored = sum(c.size_bytes for c in await request.app[REGISTRY].tenant_checkpoints(tenant))
+    check_room("max_checkpoint_bytes", stored, limits.max_checkpoint_bytes)
+    room = None if limits.max_checkpoint_bytes is None else limits.max_checkpoint_bytes - stored
+    max_bytes = min(MAX_UPLOAD_BYTES, room) if room is not None else MAX_UPLOAD_BYTES
+    staging_id = uuid.uuid4().hex
+    staging = import_staging_dir(checkpoint_root(request), staging_id)
+    registry = request.app[REGISTRY]
+    run: RunRecord | None = None
+    try:
+        config = await _receive(request, staging, max_bytes)
+        base_model, rank = _check_config(request, config, request.query.get("base_model"))
+        check_limit("max_rank", rank, limits.max_rank)
+        now = time.time()
+        run = RunRecord(
+            model_id=f"import-{staging_id[:20]}",
+            tenant_id=tenant,
+            session_id="",
+            base_model=base_model,
+            lora=LoraConfig(rank=rank),  # until the worker says which layers it trains
+            created_at=now,
+            last_request_time=now,
+            user_metadata={"imported": name},
+            unloaded_at=now,  # never on a worker: it is loaded into new training clients
+        )
+        if not await registry.create_run(run):
+            run = None
+            raise ServerError("the new run's id is taken; retry")
+        job = ImportAdapterJob(
+            request_id=new_request_id("import_adapter"),
+            model_id=run.model_id,
+            tenant_id=tenant,
+            seq_id=0,
+            published_at=now,
+            staging_id=staging_id,
+            name=name,
+            base_model=base_model,
+            max_bytes=room or 0,
+        )
+        await _submit(request, base_model, job, "import_adapter")
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, staging, True)
+        if run is not None:
+            await registry.delete_run(run.model_id)
+        raise
+    return await _answer(request, job.request_id)
+
+
+async def _receive(request: web.Request, staging: Path, max_bytes: int) -> dict[str, Any]:
+    """Stream the two parts of the upload into `staging`; the adapter config, decoded."""
+    if not request.content_type.startswith("multipart/"):
+        raise UserError(
+            f"upload: expected multipart/form-data with {' and '.join(ADAPTER_FILES)},"
+            f" got {request.content_type or 'no content type'}"
+        )
+    await asyncio.to_thread(staging.mkdir, parents=True)
+    reader = await request.multipart()
+    config_bytes: bytes | None = None
+    weights = False
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader) or part.name not in ADAPTER_FILES:
+            shown = getattr(part, "name", None)
+            raise UserError(f"upload: unexpected part {str(shown)[:60]!r} (only {ADAPTER_FILES})")
+        if part.name == ADAPTER_CONFIG and config_bytes is None:
+            config_bytes = await _read_part(part, MAX_CONFIG_BYTES)
+            await asyncio.to_thread((staging / ADAPTER_CONFIG).write_bytes, config_bytes)
+        elif part.name == ADAPTER_WEIGHTS and not weights:
+            await _store_part(part, staging / ADAPTER_WEIGHTS, max_bytes)
+            weights = True
+        else:
+            raise UserError(f"upload: {part.name} given twice")
+    if config_bytes is None:
+        raise UserError(f"{ADAPTER_CONFIG}: missing from the upload; a PEFT adapter folder has one")
+    if not weights:
+        raise UserError(f"{ADAPTER_WEIGHTS}: missing from the upload (safetensors only)")
+    try:
+        config = json.loads(config_bytes)
+    except ValueError as exc:
+        raise UserError(f"{ADAPTER_CONFIG}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{ADAPTER_CONFIG}: expected a JSON object")
+    return config
+
+
+async def _read_part(part: BodyPartReader, limit: int) -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(_CHUNK_BYTES):
+        data += chunk
+        if len(data) > limit:
+            raise PayloadTooLarge(f"{part.name}: over {limit} bytes")
+    return bytes(data)
+
+
+async def _store_part(part: BodyPartReader, target: Path, limit: int) -> None:
+    written = 0
+    handle = await asyncio.to_thread(open, target, "wb")
+    try:
+        while chunk := await part.read_chunk(_CHUNK_BYTES):
+            written += len(chunk)
+            if written > limit:
+                raise PayloadTooLarge(
+                    f"{part.name}: over {limit} bytes (the upload limit, or the tenant's room"
+                    " under max_checkpoint_bytes)"
+                )
+            await asyncio.to_thread(handle.write, chunk)
+    finally:
+        await asyncio.to_thread(handle.close)
+
+
+def _check_config(
+    request: web.Request, config: dict[str, Any], base_model: str | None
+) -> tuple[str, int]:
+    """The base model the adapter is imported for, and its rank; what JSON alone can refuse."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}, expected LORA")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise UserError(f"{ADAPTER_CONFIG}: r {rank!r} is not a positive integer")
+    declared = config.get("base_model_name_or_path") or ""
+    if not isinstance(declared, str):
+        raise UserError(f"{ADAPTER_CONFIG}: base_model_name_or_path is not a string")
+    if base_model and declared and declared != base_model:
+        raise UserError(
+            f"{ADAPTER_CONFIG}: the adapter was trained on {declared[:200]!r}, not on"
+            f" {base_model!r} (base_model_name_or_path)"
+        )
+    chosen = base_model or declared
+    if not chosen:
+        raise UserError("base_model: the adapter's config names no base model; give one")
+    worker = request.app[REGISTRY].check_base_model(chosen)
+    if worker is not None and rank > worker.max_rank:
+        raise UserError(
+            f"{ADAPTER_CONFIG}: rank {rank} is above the largest rank {worker.max_rank} the"
+            f" workers of {chosen!r} accept"
+        )
+    return chosen, rank
+
+
+# -- jobs and their answers ---------------------------------------------------------------------
+
+
+async def _submit(request: web.Request, base_model: str, job: Job, request_type: str) -> None:
+    futures = request.app[FUTURES]
+    await futures.record_pending(job.request_id, request_type, job.model_id, job.tenant_id)
+    await request.app[BUS].publish_job(subjects.pool_of(base_model), job)
+
+
+@routes.get("/admin/v1/transfers/{request_id}")
+async def transfer_state(request: web.Request) -> web.Response:
+    request_id = rules.check_request_id("request_id", request.match_info["request_id"])
+    return await _answer(request, request_id)
+
+
+async def _answer(request: web.Request, request_id: str) -> web.Response:
+    """The job's answer once it is done (waiting up to `WAIT_S`), else `pending`."""
+    futures = request.app[FUTURES]
+    outcome = await futures.read(request_id)  # another request's id never waits
+    if outcome is None or outcome.request_type not in ("import_adapter", "export_merged"):
+        raise NotFound(f"transfer {request_id!r} not found")
+    outcome = await futures.wait(request_id, WAIT_S) or outcome
+    if outcome.state == "pending":
+        return json_response({"state": "pending", "request_id": request_id})
+    if outcome.request_type == "import_adapter":
+        return json_response(await _import_answer(request, outcome))
+    if outcome.state == "error":
+        _raise(outcome)
+    done = json.loads(outcome.payload)
+    export_id = str(done["export_id"])
+    secret = request.app[SETTINGS].download_secret
+    expires = int(time.time()) + URL_TTL_S
+    prefix = f"{base_url(request)}{signed_urls.FILES_PREFIX}/exports/{export_id}"
+    for entry in done["files"]:
+        sig = signed_urls.signature(
+            secret, _export_resource(export_id, entry["name"]), export_id, expires
+        )
+        entry["url"] = f"{prefix}/{entry['name']}?expires={expires}&sig={sig}"
+    return json_response({"state": "done", "kind": "merged", **done})
+
+
+async def _import_answer(request: web.Request, outcome: Outcome) -> dict[str, Any]:
+    """A finished import: its run gets the checkpoint's LoRA spec, or goes if it failed."""
+    registry = request.app[REGISTRY]
+    run = await registry.find_run(outcome.model_id)
+    if outcome.state == "error":
+        if run is not None and not await registry.checkpoints(run.model_id):
+            await registry.delete_run(run.model_id)
+        _raise(outcome)
+    done = json.loads(outcome.payload)
+    path = paths.parse_path(done["path"])
+    ckpt = await registry.find_checkpoint(path.run_id, path.checkpoint_id)
+    if run is not None and ckpt is not None and run.lora != ckpt.lora:
+        await registry.put_run(msgspec.structs.replace(run, lora=ckpt.lora))
+    return {"state": "done", "kind": "import", "tenant": outcome.tenant_id, **done}
+
+
+def _raise(outcome: Outcome) -> None:
+    if outcome.category is not None and outcome.category.value == "user":
+        raise UserError(outcome.error)
+    raise ServerError(outcome.error)

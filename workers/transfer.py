@@ -1,0 +1,348 @@
+"""Adapters in and out in standard formats: import a PEFT adapter, export a merged model.
+
+Job: the engine-thread half of `twinkle-admin checkpoints import` and `... export --merged`
+(the gateway's `admin_transfer_routes` is the other half).
+
+- `import_adapter`: an adapter trained anywhere, staged by the gateway as PEFT's two files,
+  is checked against this worker's model (`SlotCheckpoints.read`: every tensor a LoRA matrix
+  of an adaptable layer with the right shape, rank within the cap; plus target modules this
+  model has and finite values) and written as a `weights` training checkpoint with fresh
+  optimizer state (zero moments, step 0), so `create_training_client_from_state` trains it on.
+- `export_merged`: a checkpoint's adapter folded into a fresh copy of the base weights
+  (`W + alpha/r · B·A`), written as a whole `transformers` model with its config and tokenizer.
+
+Invariants:
+- Nothing here touches a slot: the tenants training on this worker never see a transfer.
+- An incompatible adapter is a `UserError` that names the file and the reason; the staged
+  upload is removed either way, and nothing is left in the checkpoint store.
+- Both write under a temporary name and rename into place; a retried job rewrites the same
+  result (the names are fixed by the job).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from protocol.api import LoraConfig
+from protocol.errors import UserError
+from protocol.jobs import (
+    ExportMergedJob,
+    ImportAdapterJob,
+    import_staging_dir,
+    merged_export_dir,
+)
+from protocol.paths import CONTENT_ID_FILE, TinkerPath, checkpoint_dir, parse_path
+from protocol.records import CheckpointRecord
+from protocol.rules import check_lora_config
+from workers.checkpoints import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MOMENTS,
+    AdapterCheckpoint,
+    adapter_key,
+    match_layers,
+    read_checkpoint,
+    target_modules_for,
+    write_checkpoint,
+)
+from workers.engine import Engine
+from workers.lora import LayerGroup, LayerLayout
+from workers.parking import GROUP_FLAGS
+from workers.slot_checkpoints import StoredAdapter
+
+_PREFIX = "base_model.model."
+_BASE_COPY = ".base_layer.weight"
+
+
+def _adaptable(engine: Engine) -> list[str]:
+    return [layout.path for layout in engine.bank.layouts]
+
+
+def check_target_modules(config: dict[str, Any], adaptable: list[str]) -> None:
+    """Every module an adapter's config targets must be a linear this server adapts."""
+    targets = config.get("target_modules")
+    if config.get("modules_to_save"):
+        raise UserError(
+            f"{ADAPTER_CONFIG}: modules_to_save {config['modules_to_save']!r} is not supported"
+            " (only LoRA matrices are imported)"
+        )
+    if config.get("bias", "none") != "none":
+        raise UserError(f"{ADAPTER_CONFIG}: bias {config['bias']!r} is not supported (none)")
+    if not isinstance(targets, list):
+        return  # a regex (or "all-linear"): the tensors' own paths are checked one by one
+    leaves = sorted({path.rpartition(".")[2] for path in adaptable})
+    for target in targets:
+        if not isinstance(target, str) or not any(
+            path == target or path.endswith("." + target) for path in adaptable
+        ):
+            raise UserError(
+                f"{ADAPTER_CONFIG}: target module {str(target)[:60]!r} is not a layer this"
+                f" server can adapt (adaptable: {', '.join(leaves)})"
+            )
+
+
+def _checked_adapter(engine: Engine, directory: Path) -> StoredAdapter:
+    """The adapter in `directory`, checked against this model; a `UserError` otherwise.
+
+    The tensor file's header is checked first (names and shapes, no data read), so a file
+    that does not fit this model costs no memory; only then are the tensors loaded.
+    """
+    config = _read_config(directory / ADAPTER_CONFIG)
+    check_target_modules(config, _adaptable(engine))
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+        raise UserError(f"{ADAPTER_CONFIG}: lora_alpha {alpha!r} is not a positive number")
+    layouts = engine.bank.layouts
+    header = _header(directory / ADAPTER_WEIGHTS, layouts, _rank(config))
+    _match(engine, header, config)  # raises before any tensor is read
+    checkpoint = read_checkpoint(directory, with_optimizer=False)
+    _complete(checkpoint.tensors, layouts, checkpoint.rank, meta=False)
+    groups = _match(engine, checkpoint.tensors, config)
+    spec = LoraConfig(
+        rank=checkpoint.rank, **{flag: group in groups for group, flag in GROUP_FLAGS.items()}
+    )
+    check_lora_config(spec, engine.bank.max_rank)
+    for key, tensor in checkpoint.tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise UserError(f"{ADAPTER_WEIGHTS}: {key} holds non-finite values (NaN or inf)")
+    return StoredAdapter(checkpoint, spec, frozenset(groups))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{ADAPTER_CONFIG}: missing") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"{ADAPTER_CONFIG}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{ADAPTER_CONFIG}: expected a JSON object")
+    return config
+
+
+def _rank(config: dict[str, Any]) -> int:
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise UserError(f"{ADAPTER_CONFIG}: r {rank!r} is not a positive integer")
+    return rank
+
+
+def _header(path: Path, layouts: Sequence[LayerLayout], rank: int) -> dict[str, torch.Tensor]:
+    """The file's tensors as shapes only (`meta` tensors), completed like the real ones."""
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except FileNotFoundError:
+        raise UserError(f"{ADAPTER_WEIGHTS}: missing") from None
+    except (OSError, safetensors.SafetensorError) as error:
+        raise UserError(f"{ADAPTER_WEIGHTS}: unreadable ({error})") from None
+    sizes = {layout.path: (layout.out_features, layout.in_features) for layout in layouts}
+    for key, shape in shapes.items():
+        if key.endswith(_BASE_COPY):  # PEFT's copy of an adapted lm_head's base weight
+            module = key[len(_PREFIX) : -len(_BASE_COPY)]
+            if sizes.get(module) != shape:
+                raise UserError(f"{ADAPTER_WEIGHTS}: unexpected tensor {key!r} {shape}")
+    tensors = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
+    _complete(tensors, layouts, rank, meta=True)
+    return tensors
+
+
+def _match(
+    engine: Engine, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+) -> set[LayerGroup]:
+    """`match_layers` on these tensors, saying so when the shapes are another model's."""
+    probe = AdapterCheckpoint(
+        base_model="", rank=_rank(config), lora_alpha=1.0, target_modules=[], tensors=tensors
+    )
+    try:
+        return match_layers(probe, engine.bank.layouts, max_rank=engine.bank.max_rank)
+    except UserError as error:
+        if "has shape" in error.message:
+            raise UserError(
+                f"{error.message}: the adapter was trained on a base model with other shapes"
+                f" than {engine.base_model!r}"
+            ) from None
+        raise
+
+
+def _complete(
+    tensors: dict[str, torch.Tensor], layouts: Sequence[LayerLayout], rank: int, *, meta: bool
+) -> None:
+    """Give the layers an adapter left out of a layer group it trains a zero update.
+
+    PEFT adapters often train some projections of a block (`q_proj`, `v_proj`); a slot trains
+    whole groups. A left-out layer gets A as a fresh adapter has it (kaiming-uniform, seeded)
+    and B = 0: the adapter computes exactly what it did, and those layers train from here on.
+    """
+    present = {key[len(_PREFIX) :].rpartition(".lora_")[0] for key in tensors if "lora_" in key}
+    covered = {layout.group for layout in layouts if layout.path in present}
+    generator = torch.Generator().manual_seed(0)
+    for layout in layouts:
+        if layout.group not in covered or layout.path in present:
+            continue
+        a_shape, b_shape = (rank, layout.in_features), (layout.out_features, rank)
+        if meta:
+            a = torch.empty(a_shape, device="meta")
+            b = torch.empty(b_shape, device="meta")
+        else:
+            a = torch.empty(a_shape, dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            b = torch.zeros(b_shape, dtype=torch.float32)
+        tensors[adapter_key(layout.path, "A")] = a
+        tensors[adapter_key(layout.path, "B")] = b
+
+
+def import_adapter(
+    engine: Engine, root: Path, job: ImportAdapterJob
+) -> tuple[dict[str, Any], CheckpointRecord]:
+    """Write the staged adapter as `tinker://<model_id>/weights/<name>`; its record."""
+    staging = import_staging_dir(root, job.staging_id)
+    try:
+        if not staging.is_dir():
+            raise UserError(f"upload {job.staging_id!r} is gone from the checkpoint store")
+        stored = _checked_adapter(engine, staging)
+        path = TinkerPath(run_id=job.model_id, kind="weights", name=job.name)
+        target = checkpoint_dir(root, path)
+        temporary = target.with_name(target.name + ".tmp")
+        shutil.rmtree(temporary, ignore_errors=True)
+        size = _write_imported(engine, stored, temporary, job)
+        if job.max_bytes and size > job.max_bytes:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise UserError(
+                f"{ADAPTER_WEIGHTS}: the imported checkpoint takes {size} bytes, over the"
+                f" {job.max_bytes} bytes the tenant may still store (max_checkpoint_bytes)"
+            )
+        content_id = uuid.uuid4().hex[:16]
+        (temporary / CONTENT_ID_FILE).write_text(content_id)
+        shutil.rmtree(target, ignore_errors=True)  # a retried job's earlier result
+        os.replace(temporary, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    now = time.time()
+    record = CheckpointRecord(
+        run_id=job.model_id,
+        tenant_id=job.tenant_id,
+        checkpoint_id=path.checkpoint_id,
+        kind="weights",
+        path=str(path),
+        directory=str(target),
+        created_at=now,
+        size_bytes=size,
+        base_model=engine.base_model,
+        lora=stored.spec,
+        with_optimizer=True,
+        user_metadata={"imported": "peft"},
+        content_id=content_id,
+    )
+    answer = {"path": str(path), "size_bytes": size, "rank": stored.spec.rank}
+    return answer, record
+
+
+def _write_imported(
+    engine: Engine, stored: StoredAdapter, directory: Path, job: ImportAdapterJob
+) -> int:
+    checkpoint = stored.checkpoint
+    # PEFT stores a copy of the base weight beside an adapted lm_head: never ours to keep
+    checkpoint.tensors = {
+        key: value.contiguous()
+        for key, value in checkpoint.tensors.items()
+        if not key.endswith(".base_layer.weight")
+    }
+    checkpoint.spec = stored.spec
+    checkpoint.moments = {
+        f"{key}.{moment}": torch.zeros_like(value)
+        for key, value in checkpoint.tensors.items()
+        for moment in MOMENTS
+    }
+    checkpoint.step = 0
+    checkpoint.base_model = engine.base_model
+    trained = [lay.path for lay in engine.bank.layouts if lay.group in stored.groups]
+    checkpoint.target_modules = target_modules_for(trained, engine.slots.files.linear_paths)
+    checkpoint.meta = {
+        "model_id": job.model_id,
+        "seq_id": job.seq_id,
+        "base_model": engine.base_model,
+        "saved_at": time.time(),
+        "imported_from": "peft",
+    }
+    return write_checkpoint(directory, checkpoint, kind="weights")
+
+
+def export_merged(engine: Engine, root: Path, job: ExportMergedJob) -> dict[str, Any]:
+    """Write the base model with the checkpoint's adapter merged in; the files written."""
+    source = checkpoint_dir(root, parse_path(job.path))
+    if not source.is_dir():
+        raise UserError(f"path: checkpoint {job.path!r} has no files in the checkpoint store")
+    stored = engine.slots.files.read(source, with_optimizer=False)
+    target = merged_export_dir(root, job.export_id)
+    temporary = target.with_name(target.name + ".tmp")
+    shutil.rmtree(temporary, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(engine.base_model, dtype=engine.dtype)
+    try:
+        _merge(model, stored)
+        model.save_pretrained(temporary, safe_serialization=True)
+    finally:
+        del model
+        gc.collect()
+    try:
+        AutoTokenizer.from_pretrained(engine.base_model).save_pretrained(temporary)
+    except (OSError, ValueError):
+        pass  # a base model without a tokenizer: the weights and config are the export
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(temporary, target)
+    files = [
+        {"name": entry.name, "size": entry.stat().st_size}
+        for entry in sorted(target.iterdir())
+        if entry.is_file()
+    ]
+    return {"export_id": job.export_id, "files": files}
+
+
+@torch.no_grad()
+def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
+    """`W += alpha/r · B·A` on every adapted linear, computed in fp32."""
+    checkpoint = stored.checkpoint
+    scale = checkpoint.lora_alpha / checkpoint.rank
+    modules = dict(model.named_modules())
+    config = getattr(model, "config", None)
+    for key in checkpoint.tensors:
+        if not key.endswith(".lora_A.weight"):
+            continue
+        path = key[len("base_model.model.") : -len(".lora_A.weight")]
+        linear = modules[path]
+        assert isinstance(linear, torch.nn.Linear)
+        if config is not None and linear is _output_embeddings(model) and _tied(model):
+            # the merged unembedding differs from the embedding: they no longer share a tensor
+            linear.weight = torch.nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+            config.tie_word_embeddings = False
+            config.get_text_config().tie_word_embeddings = False
+        a = checkpoint.tensors[adapter_key(path, "A")]
+        b = checkpoint.tensors[adapter_key(path, "B")]
+        merged = linear.weight.detach().to(torch.float32) + scale * (b @ a)
+        linear.weight.copy_(merged.to(linear.weight.dtype))
+
+
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if get is not None else None
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    output = _output_embeddings(model)
+    get_input = getattr(model, "get_input_embeddings", None)
+    if output is None or get_input is None:
+        return False
+    return bool(output.weight is get_input().weight)

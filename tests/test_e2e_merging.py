@@ -64,8 +64,10 @@ def test_eight_tenants_with_their_own_settings_each_get_their_solo_run(
     solo = [run(*tenant) for tenant in TENANTS]
     with concurrent.futures.ThreadPoolExecutor(len(TENANTS)) as pool:
         together = list(pool.map(lambda tenant: run(*tenant), TENANTS))
+    # A shared pass multiplies other shapes than a solo one, so fp32 sums round in another order:
+    # the bound is 1e-5 relative to the value (log-probs here reach about -9).
     for tenant, a, b in zip(TENANTS, solo, together, strict=True):
-        worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+        worst = max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(a, b, strict=True))
         assert worst <= 1e-5, (tenant, worst)
 
 

@@ -312,13 +312,27 @@ def test_another_tenant_can_neither_poll_join_nor_cancel(
     )
     deadline = time.monotonic() + 120
     completions: list[dict[str, object]] = []
-    cursor = 0
+    cursor = before = 0
     while not completions and time.monotonic() < deadline:
+        before = cursor
         polled = post(
             cluster, "retrieve_futures", _poll(session_id, prev_cursor=cursor, timeout=10)
         )
         assert polled.status_code == 200, polled.text
         completions, cursor = polled.json()["completions"], polled.json()["cursor"]
+    # the other tenant acknowledging this id in its own session's poll drops nothing of ours
+    with tinker.ServiceClient(base_url=cluster.base_url, api_key=other) as other_service:
+        own = other_service.create_sampling_client(base_model=str(tiny_model)).result()
+        acknowledged = post(
+            cluster,
+            "retrieve_futures",
+            _poll(own._sampling_session_id, timeout=0, retrieved_request_ids=[request_id]),
+            other,
+        )
+        assert acknowledged.status_code == 200, acknowledged.text
+        assert acknowledged.json()["completions"] == []
+    again = post(cluster, "retrieve_futures", _poll(session_id, prev_cursor=before, timeout=0))
+    assert again.json()["completions"] == completions
     assert completions == [
         {
             "state": "finished",

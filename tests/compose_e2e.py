@@ -278,8 +278,9 @@ def wait_healthy(services: list[str], timeout_s: float = 300) -> None:
     log(f"healthy: {', '.join(services)}")
 
 
-def drive(base_url: str, api_key: str) -> None:
-    """Train through the published port, SIGKILL and start the worker mid-run, sample."""
+def drive(base_url: str, api_key: str) -> str:
+    """Train through the published port, SIGKILL and start the worker mid-run, sample; the
+    tinker:// path of the trained weights."""
     import tinker
     from tinker import types
 
@@ -333,7 +334,8 @@ def drive(base_url: str, api_key: str) -> None:
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], losses
     log(f"{len(losses)} steps in all, the client saw no error; last loss {losses[-1]:.3f}")
-    sampler = client.save_weights_and_get_sampling_client().result()
+    saved = client.save_weights_for_sampler("compose").result().path
+    sampler = client.create_sampling_client(saved).result()
     result = sampler.sample(
         types.ModelInput.from_ints(batch[0].model_input.to_ints()[:6]),
         num_samples=2,
@@ -341,6 +343,23 @@ def drive(base_url: str, api_key: str) -> None:
     ).result()
     assert len(result.sequences) == 2 and all(len(s.tokens) == 8 for s in result.sequences)
     log(f"sampled {[list(s.tokens) for s in result.sequences]}")
+    return saved
+
+
+def administer(base_url: str, admin_key: str, saved: str) -> None:
+    """twinkle-admin from the host against the published port: the worker is listed, the
+    trained weights come out as a PEFT adapter folder."""
+    admin = [sys.executable, "-m", "admin_cli", "--gateway", base_url, "--admin-key", admin_key]
+    listed = subprocess.run(
+        [*admin, "--json", "workers", "list"], stdout=subprocess.PIPE, check=True, timeout=60
+    )
+    workers = json.loads(listed.stdout)
+    assert any(w["role"] == "trainer" for w in workers["workers"]), workers
+    with tempfile.TemporaryDirectory() as out:
+        run(*admin, "checkpoints", "export", saved, f"{out}/adapter", quiet=True)
+        names = sorted(p.name for p in Path(out, "adapter").iterdir())
+    assert names == ["adapter_config.json", "adapter_model.safetensors"], names
+    log(f"twinkle-admin: {len(workers['workers'])} workers listed, {saved} exported")
 
 
 def _stop(signum: int, frame: object) -> None:
@@ -357,10 +376,11 @@ def main() -> int:
     CACHE.mkdir(parents=True, exist_ok=True)
     models = tiny_model()
     fill_wheelhouse()
-    api_key = f"tml-{secrets.token_hex(16)}"
+    api_key, admin_key = f"tml-{secrets.token_hex(16)}", secrets.token_hex(16)
     port = free_port()
     os.environ.update(
         TWINKLE_API_KEY=api_key,
+        TWINKLE_ADMIN_KEY=admin_key,
         TWINKLE_PORT=str(port),
         TWINKLE_NATS_PORT=str(free_port()),
         TWINKLE_BASE_MODEL=f"/models/{MODEL}",
@@ -380,7 +400,8 @@ def main() -> int:
             try:
                 compose("up", "-d", "nats", "gateway", "worker")
                 wait_healthy(["nats", "gateway", "worker"])
-                drive(f"http://127.0.0.1:{port}", api_key)
+                saved = drive(f"http://127.0.0.1:{port}", api_key)
+                administer(f"http://127.0.0.1:{port}", admin_key, saved)
             except BaseException:
                 print(compose("logs", "--tail", "60", quiet=True)[-12000:], flush=True)
                 raise

@@ -450,10 +450,12 @@ def sweeping_gateway(cluster: Cluster, tmp_path: Path) -> Iterator[str]:
 def test_an_expired_checkpoint_is_swept(
     cluster: Cluster, trained: Trained, rest: tinker.RestClient, sweeping_gateway: str
 ) -> None:
-    path = trained.client.save_state("short-lived", ttl_seconds=4).result().path
+    # The long-lived one first: under load a save can take seconds, and the short-lived one must
+    # still be there when it is looked at right after its own save.
     kept = trained.client.save_state("long-lived", ttl_seconds=3600).result().path
+    path = trained.client.save_state("short-lived", ttl_seconds=8).result().path
     assert checkpoint_dir(cluster, path).is_dir()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 40
     while path in by_path(rest, trained.run_id):
         assert time.monotonic() < deadline, "the expired checkpoint was not swept"
         time.sleep(0.25)

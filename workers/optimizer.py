@@ -212,15 +212,14 @@ class SlotAdamW:
                         "optim_step: the update is not finite (the new weights or Adam moments "
                         "overflow float32); lower learning_rate, or check the gradients' scale"
                     )
-        failed = [j for j, i in enumerate(guarded) if verdicts[i] is not None]
+        failed = [i for i in guarded if verdicts[i] is not None]
         if failed:
-            position = {i: k for k, i in enumerate(guarded_clips)}
-            targets = [t[guarded[j]] for t in (weights, exp_avgs, exp_avg_sqs) for j in failed]
-            sources = [saved[k * g + j] for k in range(3) for j in failed]
-            targets += [grads[guarded[j]] for j in failed if guarded[j] in position]
-            sources += [
-                saved[3 * g + position[guarded[j]]] for j in failed if guarded[j] in position
-            ]
+            row = {i: j for j, i in enumerate(guarded)}  # slot index -> its saved rows
+            clip_row = {i: 3 * g + k for k, i in enumerate(guarded_clips)}
+            targets = [t[i] for t in (weights, exp_avgs, exp_avg_sqs) for i in failed]
+            sources = [saved[k * g + row[i]] for k in range(3) for i in failed]
+            targets += [grads[i] for i in failed if i in clip_row]
+            sources += [saved[clip_row[i]] for i in failed if i in clip_row]
             torch._foreach_copy_(targets, sources)
         passing = [i for i, verdict in enumerate(verdicts) if verdict is None]
         if passing:
@@ -326,9 +325,9 @@ def _bounded(
     computes is bounded, in float64, below `_SAFE`, with the scalars as float32 holds them (an
     eps that rounds to 0, a beta that rounds to 1, a second moment below 0, or any NaN or inf is
     not sure). A row's largest magnitude is bounded by its L2 norm (on CPU one foreach call
-    reads rows 2x faster than `aminmax` and 30x faster than an inf-norm), raised by `_NORM_SLACK` for the sum's rounding and
-    floored at `_NORM_FLOOR` in case squares underflow (a float32 accumulator on GPU). One read of
-    each row and one device sync."""
+    reads rows 2x faster than `aminmax` and 30x faster than an inf-norm), raised by
+    `_NORM_SLACK` for the sum's rounding and floored at `_NORM_FLOOR` in case squares underflow
+    (a float32 accumulator on GPU). One read of each row and one device sync."""
     norms = torch._foreach_norm(weights + exp_avgs + exp_avg_sqs + grads)
     lows = [v.amin() for v in exp_avg_sqs]
     values = torch.stack(list(norms) + lows).tolist()
@@ -344,6 +343,8 @@ def _bounded(
 def _step_is_bounded(
     w: float, m: float, g: float, v_low: float, v_high: float, s: _Scalars
 ) -> bool:
+    """Whether one slot's step stays below `_SAFE`, from its rows' largest magnitudes (`w`,
+    `m`, `g` after clipping, `v_high`) and its second moment's smallest value `v_low`."""
     spec = s.spec
     try:
         beta1, beta2, eps = (_float32(x) for x in (spec.beta1, spec.beta2, spec.eps))

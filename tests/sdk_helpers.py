@@ -6,6 +6,9 @@ import numpy as np
 import tinker
 from tinker import types
 
+from twinkle_async.bus import Bus
+from twinkle_async.settings import bus_from_env
+
 
 def toy_batch(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0) -> list[types.Datum]:
     """Fixed next-token data: each datum is a short repeating pattern, easy to memorise."""
@@ -50,3 +53,15 @@ def train_steps(
         losses.append(f.result().metrics["loss:sum"] / n)
         o.result()
     return losses
+
+
+async def kv_values(nats_url: str, bucket: str, prefix: str = "") -> list[bytes]:
+    """The current values of a KV bucket's keys under `prefix.`, read as the services read them
+    (one stream-info listing, then direct gets). nats-py's `KeyValue.keys()` is not used: its
+    watcher can report "no keys" when the first entries are still on the wire."""
+    bus = Bus(bus_from_env(nats_url))
+    await bus.connect()
+    try:
+        return await bus.values(bucket, prefix)
+    finally:
+        await bus.close()

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 import tinker
 from tinker import types
@@ -28,7 +27,7 @@ from protocol import api, records
 from protocol.api import LoraConfig
 from protocol.records import CheckpointRecord, SessionRecord, UsageHistory, UsageRecord
 from tests.conftest import ADMIN_KEY, OTHER_TENANT_KEY, Cluster, start_cluster, stop_cluster
-from tests.sdk_helpers import toy_batch, train_steps
+from tests.sdk_helpers import kv_values, toy_batch, train_steps
 from twinkle_async.gateway.account_views import _storage_gb_hours, search_sessions
 from twinkle_async.usage_history import add_snapshot, hourly_usage
 
@@ -232,13 +231,8 @@ def test_gateway_keeps_the_hourly_history_in_kv(account_cluster: Cluster, worked
     """Past hours are answered from the history the gateway writes, not the live counters."""
 
     async def histories() -> list[UsageHistory]:
-        nc = await nats.connect(account_cluster.nats_url)
-        try:
-            kv = await nc.jetstream().key_value("tw_usage")
-            keys = [key for key in await kv.keys() if key.startswith("hist.default.")]
-            return [records.decode((await kv.get(key)).value or b"", UsageHistory) for key in keys]
-        finally:
-            await nc.close()
+        values = await kv_values(account_cluster.nats_url, "tw_usage", "hist.default")
+        return [records.decode(value, UsageHistory) for value in values]
 
     deadline = time.monotonic() + 30
     while True:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 import tinker
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,7 +17,7 @@ from tinker import types
 from protocol import records, subjects
 from protocol.records import WorkerRecord
 from tests.conftest import Cluster
-from tests.sdk_helpers import toy_batch
+from tests.sdk_helpers import kv_values, toy_batch
 
 pytestmark = pytest.mark.e2e
 
@@ -44,16 +43,10 @@ def reader(found: Samples) -> Callable[..., float]:
 
 
 async def _trainer_record(nats_url: str, base_model: str) -> WorkerRecord:
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(subjects.BUCKET_WORKERS)
-        for key in await kv.keys():
-            entry = await kv.get(key)
-            record = records.decode(entry.value or b"", WorkerRecord)
-            if record.base_model == base_model and record.role == "trainer":
-                return record
-    finally:
-        await nc.close()
+    for value in await kv_values(nats_url, subjects.BUCKET_WORKERS):
+        record = records.decode(value, WorkerRecord)
+        if record.base_model == base_model and record.role == "trainer":
+            return record
     raise AssertionError(f"no trainer heartbeat for {base_model}")
 
 

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 import tinker
 from tinker import types
@@ -22,6 +21,7 @@ from tinker import types
 from protocol import records, subjects
 from protocol.records import WorkerRecord
 from tests.conftest import OTHER_TENANT_KEY, Cluster
+from tests.sdk_helpers import kv_values
 from tests.test_e2e_metrics import reader, scrape
 
 pytestmark = pytest.mark.e2e
@@ -114,18 +114,12 @@ def test_pickled_clones_join_and_never_collide(
 
 async def _sampler_metrics_urls(nats_url: str, base_model: str) -> list[str]:
     """Every sampler of the model's pool: the trainer's torch sampler, and a vLLM sampler's."""
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(subjects.BUCKET_WORKERS)
-        found = []
-        for key in await kv.keys():
-            entry = await kv.get(key)
-            record = records.decode(entry.value or b"", WorkerRecord)
-            if record.base_model == base_model:
-                found.append(record.metrics_url)
-        return found
-    finally:
-        await nc.close()
+    found = []
+    for value in await kv_values(nats_url, subjects.BUCKET_WORKERS):
+        record = records.decode(value, WorkerRecord)
+        if record.base_model == base_model:
+            found.append(record.metrics_url)
+    return found
 
 
 def _sampler_counters(urls: list[str]) -> Callable[..., float]:

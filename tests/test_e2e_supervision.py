@@ -22,18 +22,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import nats
 import numpy as np
 import pytest
 import tinker
-from nats.js.errors import NoKeysError
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
 from protocol import records, subjects
 from protocol.records import WorkerRecord
 from tests.conftest import Cluster, start_cluster, stop_cluster
-from tests.sdk_helpers import n_targets, toy_batch
+from tests.sdk_helpers import kv_values, n_targets, toy_batch
 from twinkle_async.nats_server import NatsServer
 
 pytestmark = pytest.mark.e2e
@@ -179,32 +177,18 @@ def test_a_killed_gateway_returns_on_its_port_and_the_loop_finishes_exactly(
 async def _fresh_heartbeat(nats_url: str, worker_ids: set[str], since: float) -> bool:
     """A heartbeat written after `since` by one of `worker_ids` (a restarted trainer keeps its
     id: `up` gives each a stable one)."""
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(subjects.BUCKET_WORKERS)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return False
-        for key in keys:
-            record = records.decode((await kv.get(key)).value or b"", WorkerRecord)
-            if record.worker_id in worker_ids and record.heartbeat_at > since:
-                return True
-        return False
-    finally:
-        await nc.close()
+    for value in await kv_values(nats_url, subjects.BUCKET_WORKERS):
+        record = records.decode(value, WorkerRecord)
+        if record.worker_id in worker_ids and record.heartbeat_at > since:
+            return True
+    return False
 
 
 async def _worker_ids(nats_url: str) -> set[str]:
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(subjects.BUCKET_WORKERS)
-        return {
-            records.decode((await kv.get(key)).value or b"", WorkerRecord).worker_id
-            for key in await kv.keys()
-        }
-    finally:
-        await nc.close()
+    return {
+        records.decode(value, WorkerRecord).worker_id
+        for value in await kv_values(nats_url, subjects.BUCKET_WORKERS)
+    }
 
 
 async def test_a_killed_worker_is_restarted_and_the_cluster_trains(

@@ -73,3 +73,30 @@ def test_gateway_never_imports_torch_or_workers() -> None:
     for path in (ROOT / "twinkle_async").rglob("*.py"):
         roots = imported_roots(path)
         assert "torch" not in roots and "workers" not in roots, path
+
+
+def awaited_kv_listings(path: Path) -> list[int]:
+    """Lines awaiting nats-py's `KeyValue.keys()`, `history()` or `watchall()`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Await) and isinstance(node.value, ast.Call)):
+            continue
+        func = node.value.func
+        if not isinstance(func, ast.Attribute):
+            continue
+        bare_keys = func.attr == "keys" and not node.value.args  # `Bus.keys` takes a bucket
+        if bare_keys or func.attr in {"history", "watchall"}:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_kv_listing_through_a_nats_py_watcher() -> None:
+    """nats-py's KV watcher can end its initial replay before entries already on the wire are
+    read (nats-io/nats.py#842), so `keys()` may answer "no keys" for a bucket that has some.
+    Listings go through `Bus.keys` / `Bus.values` (one stream-info request) instead."""
+    found = []
+    for package in [*ALLOWED, "tests", "bench", "examples"]:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)}:{line}" for line in awaited_kv_listings(path)]
+    assert not found, "\n".join(found)

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WORKER_RETRY_S = 300.0  # how long a worker's bus call keeps trying while NATS is away
+_VALUE_HEADROOM_BYTES = 16 * 1024  # a KV subject and headers, well inside this
 
 # What a call raises while NATS is away or coming back (nats-py 2.16: a timeout for every
 # request while disconnected; OutboundBufferLimitError for a publish bigger than the reconnect
@@ -226,6 +227,12 @@ class WorkerBus:
     def _forget_task(self, task: asyncio.Task[None]) -> None:
         if task in self._tasks:
             self._tasks.remove(task)
+
+    def max_value_bytes(self) -> int:
+        """The largest value one KV write carries: the server's `max_payload`, less room for
+        the subject and headers that travel with it."""
+        assert self.nc is not None
+        return self.nc.max_payload - _VALUE_HEADROOM_BYTES
 
     async def put(self, bucket: str, key: str, value: bytes) -> None:
         assert self.nc is not None

@@ -49,6 +49,15 @@ log = logging.getLogger(__name__)
 
 _FAILED = "the sampler failed on this request; see the sampler log"
 _MAX_CANCELLED = 65536  # request ids of recent cancels a sampler remembers
+_REDELIVER_DELAY_S = 1.0  # a job whose answer could not be written runs again after this
+
+
+def _too_large(size: int, limit: int) -> UserError:
+    return UserError(
+        f"the answer to this sample request is {size} bytes, over the {limit} bytes one answer"
+        " may hold; ask for fewer samples (num_samples), shorter ones (max_tokens) or fewer"
+        " logprobs (topk_sample_logprobs, prompt_logprobs) per request"
+    )
 
 
 @dataclass
@@ -393,9 +402,22 @@ class SamplerService:
                 except Exception:  # the bus failed: the sample fails, it is not half-answered
                     log.exception("recording stability info of %s failed", item.job.request_id)
                     result = ServerError("could not record the samples' stability info; retry")
-            await self._finish(item.job, item.msg, result, item.spec)
+            try:
+                await self._finish(item.job, item.msg, result, item.spec)
+            except Exception:
+                # the answer was not written: the job goes back to the stream and runs again
+                # (a concurrent task's exception would otherwise be lost, and a batch's would
+                # stop this service)
+                log.exception("answering sample %s failed; it will run again", item.job.request_id)
+                await self._redeliver(item.msg)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
+
+    async def _redeliver(self, msg: Msg) -> None:
+        try:
+            await msg.nak(delay=_REDELIVER_DELAY_S)
+        except Exception:  # the bus is away: JetStream redelivers after ack_wait all the same
+            log.warning("could not hand a sample job back; it returns after ack_wait")
 
     async def _record_stability(self, item: Prepared, result: SampleOutput) -> None:
         """Keep every sequence for stable_reinforce (`protocol.stability`), before the answer
@@ -451,11 +473,6 @@ class SamplerService:
                 clone_id=job.clone_id,
             )
         else:
-            self.usage.add(
-                job.tenant_id,
-                samples=len(result.sequences),
-                sampled_tokens=sum(len(seq.tokens) for seq in result.sequences),
-            )
             outcome = Outcome(
                 request_id=job.request_id,
                 state="done",
@@ -467,8 +484,16 @@ class SamplerService:
                 sampling_session_id=job.sampling_session_id,
                 clone_id=job.clone_id,
             )
-        await self.bus.put(
-            subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encode_outcome(outcome)
-        )
+        encoded = encode_outcome(outcome)
+        limit = self.bus.max_value_bytes()
+        if len(encoded) > limit:  # what a request asks for may outgrow what one answer holds
+            return await self._finish(job, msg, _too_large(len(encoded), limit))
+        if not isinstance(result, TwinkleError):
+            self.usage.add(
+                job.tenant_id,
+                samples=len(result.sequences),
+                sampled_tokens=sum(len(seq.tokens) for seq in result.sequences),
+            )
+        await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encoded)
         await msg.ack()
         self.metrics.request_finished(outcome.state, outcome.category)

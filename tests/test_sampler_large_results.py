@@ -1,0 +1,176 @@
+"""A sample whose answer cannot be stored, on a real nats-server (a stand-in backend returns
+what the sampling engine would): a response larger than one KV value may hold fails its own
+request with a clear user error, is acked (never redelivered and recomputed), and the service
+answers the next request; a write of an answer that fails is not lost but redelivered, and the
+service keeps serving. Both for a backend that answers each request on its own (`concurrent`)
+and one that answers a batch at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from protocol import subjects
+from protocol.errors import ErrorCategory, TwinkleError
+from protocol.jobs import Outcome, SampleJob, decode_outcome
+from protocol.sampling import SampledSequence, SampleOutput
+from tests.test_sampler_cancel_service import until
+from twinkle_async.bus import Bus
+from twinkle_async.nats_server import NatsServer
+from twinkle_async.settings import BusSettings
+from workers.bus import WorkerBus
+from workers.sampler_service import Prepared, SamplerService
+
+POOL = "tiny-pool"
+
+
+def body(num_samples: int, max_tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+            "num_samples": num_samples,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "stop": []},
+            "seq_id": 3_000_000_001,
+        }
+    ).encode()
+
+
+def job(request_id: str, num_samples: int = 1, max_tokens: int = 2) -> SampleJob:
+    return SampleJob(
+        request_id=request_id,
+        tenant_id="t",
+        sampling_session_id="sess-1:sample:0",
+        base_model="m",
+        body=body(num_samples, max_tokens),
+    )
+
+
+class FullLengthBackend:
+    """Every sample runs to `max_tokens`, as a model that never says EOS would."""
+
+    name = "full-length"
+    vocab_size = 50_000
+    max_context = 1_000_000
+
+    def __init__(self, concurrent: bool) -> None:
+        self.concurrent = concurrent
+        self.seen: list[str] = []
+
+    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
+        answers: list[SampleOutput | TwinkleError] = []
+        for item in items:
+            self.seen.append(item.job.request_id)
+            n = item.spec.max_tokens
+            sequence = SampledSequence(
+                [40_000 + i % 9_000 for i in range(n)], [-1.25] * n, "length"
+            )
+            answers.append(SampleOutput(sequences=[sequence] * item.spec.num_samples))
+        return answers
+
+
+class FlakyWrites(WorkerBus):
+    """The real bus, whose first write of each listed future fails as a dropped write would."""
+
+    def __init__(self, url: str, failing: set[str]) -> None:
+        super().__init__(url, ack_wait_s=120.0)  # redelivered at once, not after ack_wait
+        self.failing = {subjects.future_key(request_id) for request_id in failing}
+
+    async def put(self, bucket: str, key: str, value: bytes) -> None:
+        if bucket == subjects.BUCKET_FUTURES and key in self.failing:
+            self.failing.discard(key)
+            raise ConnectionError(f"write of {key} dropped")
+        await super().put(bucket, key, value)
+
+
+@pytest.fixture
+async def gateway(nats_server: NatsServer) -> AsyncIterator[Bus]:
+    bus = Bus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    yield bus
+    await bus.close()
+
+
+async def outcome(gateway: Bus, request_id: str) -> Outcome | None:
+    data = await gateway.get(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
+    return decode_outcome(data) if data else None
+
+
+async def answered(gateway: Bus, *request_ids: str) -> dict[str, Outcome]:
+    found: dict[str, Outcome] = {}
+
+    async def all_in() -> bool:
+        for request_id in request_ids:
+            out = await outcome(gateway, request_id)
+            if out is not None:
+                found[request_id] = out
+        return len(found) == len(request_ids)
+
+    await until(all_in, timeout_s=30.0)
+    return found
+
+
+@pytest.mark.parametrize("concurrent", [True, False], ids=["concurrent", "batched"])
+async def test_an_answer_too_large_to_store_fails_its_own_request_only(
+    nats_server: NatsServer, gateway: Bus, tmp_path: Path, concurrent: bool
+) -> None:
+    worker = WorkerBus(nats_server.url)
+    await worker.connect()
+    backend = FullLengthBackend(concurrent)
+    service = SamplerService(worker, backend, POOL, tmp_path)
+    task = asyncio.create_task(service.run())
+    try:
+        # 128 samples x 20k tokens: about 20 MB of tokens and logprobs, over the 8 MiB a value
+        # may hold; the request itself is a few hundred bytes
+        await gateway.publish_sample(POOL, job("req-huge", 128, 20_000), "req-huge")
+        await gateway.publish_sample(POOL, job("req-small"), "req-small")
+        found = await answered(gateway, "req-huge", "req-small")
+        huge, small = found["req-huge"], found["req-small"]
+        assert huge.state == "error" and huge.category == ErrorCategory.USER, huge
+        assert "num_samples" in (huge.error or "") and "max_tokens" in (huge.error or "")
+        assert small.state == "done", small
+        assert not task.done()  # the service still serves
+        await gateway.publish_sample(POOL, job("req-after"), "req-after")
+        assert (await answered(gateway, "req-after"))["req-after"].state == "done"
+        await asyncio.sleep(0.5)
+        assert backend.seen.count("req-huge") == 1  # acked: never redelivered and recomputed
+        stream = await gateway.js.stream_info(subjects.STREAM_SAMPLE)  # type: ignore[union-attr]
+        assert stream.state.messages == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker.close()
+
+
+@pytest.mark.parametrize("concurrent", [True, False], ids=["concurrent", "batched"])
+async def test_an_answer_whose_write_fails_is_redelivered_and_the_service_serves_on(
+    nats_server: NatsServer,
+    gateway: Bus,
+    tmp_path: Path,
+    concurrent: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    worker = FlakyWrites(nats_server.url, failing={"req-dropped"})
+    await worker.connect()
+    backend = FullLengthBackend(concurrent)
+    service = SamplerService(worker, backend, POOL, tmp_path)
+    task = asyncio.create_task(service.run())
+    try:
+        with caplog.at_level(logging.ERROR):
+            await gateway.publish_sample(POOL, job("req-dropped"), "req-dropped")
+            await gateway.publish_sample(POOL, job("req-next"), "req-next")
+            found = await answered(gateway, "req-dropped", "req-next")
+        assert found["req-dropped"].state == "done" and found["req-next"].state == "done"
+        assert not task.done()
+        assert backend.seen.count("req-dropped") == 2  # sampled again after the failed write
+        ours = [r for r in caplog.records if r.name == "workers.sampler_service"]
+        assert any("req-dropped" in record.getMessage() for record in ours)
+        assert not [r for r in caplog.records if r.name == "asyncio"]  # no exception lost
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker.close()

@@ -2,7 +2,8 @@
 top-k sampled logprobs, target-id prompt logprobs (dense and sparse), alternative prompt
 tokens and the last-n prompt logprobs, each against the trainer's forward; hostile option
 values as 400s; a seeded 3-sample request repeated 20 times under concurrent load; and only
-the backend a cluster was started with takes its sample jobs."""
+the backend a cluster was started with takes its sample jobs; an answer too large to store fails
+its own request."""
 
 from __future__ import annotations
 
@@ -186,3 +187,20 @@ def test_one_backend_serves_the_pool(
     rows = [row for row in answer.json()["workers"] if row["base_model"] == str(tiny_model)]
     assert {row["role"] for row in rows} >= {"trainer"}
     assert {row["sampler_backend"] for row in rows} - {""} == {backend}, rows
+
+
+def test_an_answer_too_large_to_hold_fails_that_request_only(cluster: Cluster) -> None:
+    """128 samples of 600 tokens with their top-20 logprobs make about 13 MB of answer, over the
+    8 MiB one result may hold: that request fails with a user error naming what to ask less of,
+    at the cost of its own sampling; the sampler answers the next request."""
+    service = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
+    try:
+        sampler = service.create_sampling_client(base_model=cluster.base_models[0]).result()
+        prompt = types.ModelInput.from_ints(PROMPT)
+        huge = types.SamplingParams(max_tokens=600, temperature=1.0, stop=[])
+        with pytest.raises(tinker.RequestFailedError, match="num_samples.*max_tokens"):
+            sampler.sample(prompt, 128, huge, topk_sample_logprobs=20).result(timeout=300)
+        after = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, stop=[])).result()
+        assert [len(seq.tokens) for seq in after.sequences] == [4, 4]
+    finally:
+        service.close("success").result()

@@ -168,3 +168,56 @@ async def test_cancelled_jobs_never_reach_or_leave_the_backend(
         await asyncio.gather(task, return_exceptions=True)
         await worker.close()
         await gateway.close()
+
+
+async def test_a_cancel_whose_message_was_lost_still_stands(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The gateway failed the future, but the cancel message never reached the sampler (a core
+    NATS message is lost across a reconnect): the answer that comes later does not overwrite
+    the cancel, and the job is acked."""
+    gateway = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway.connect()
+    worker = WorkerBus(nats_server.url)
+    await worker.connect()
+    backend = HoldingBackend()
+    service = SamplerService(worker, backend, POOL, tmp_path)
+    lost, kept = "req-lost-cancel", "req-answered"
+    task = asyncio.create_task(service.run())
+    try:
+        for request_id in (lost, kept):
+            await gateway.put(
+                subjects.BUCKET_FUTURES,
+                subjects.future_key(request_id),
+                encode_outcome(pending(request_id)),
+            )
+            await gateway.publish_sample(POOL, job(request_id), request_id)
+
+        async def both_seen() -> bool:
+            return sorted(backend.seen) == sorted([lost, kept])
+
+        await until(both_seen)
+        failed = msgspec.structs.replace(pending(lost), state="error", error=Cancelled().message)
+        await gateway.put(
+            subjects.BUCKET_FUTURES, subjects.future_key(lost), encode_outcome(failed)
+        )
+        backend.release(lost)  # no cancel message: the sampler finishes the sample
+        backend.release(kept)
+
+        async def kept_done() -> bool:
+            out = await outcome_of(gateway, kept)
+            return out is not None and out.state == "done"
+
+        await until(kept_done)
+
+        async def all_acked() -> bool:
+            stream = await gateway.js.stream_info(subjects.STREAM_SAMPLE)  # type: ignore[union-attr]
+            return stream.state.messages == 0
+
+        await until(all_acked)
+        assert await outcome_of(gateway, lost) == failed
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker.close()
+        await gateway.close()

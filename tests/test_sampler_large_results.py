@@ -80,11 +80,11 @@ class FlakyWrites(WorkerBus):
         super().__init__(url, ack_wait_s=120.0)  # redelivered at once, not after ack_wait
         self.failing = {subjects.future_key(request_id) for request_id in failing}
 
-    async def put(self, bucket: str, key: str, value: bytes) -> None:
+    async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
         if bucket == subjects.BUCKET_FUTURES and key in self.failing:
             self.failing.discard(key)
             raise ConnectionError(f"write of {key} dropped")
-        await super().put(bucket, key, value)
+        return await super().swap(bucket, key, value, revision)
 
 
 @pytest.fixture

@@ -488,12 +488,27 @@ class SamplerService:
         limit = self.bus.max_value_bytes()
         if len(encoded) > limit:  # what a request asks for may outgrow what one answer holds
             return await self._finish(job, msg, _too_large(len(encoded), limit))
+        if not await self._answer(subjects.future_key(job.request_id), encoded):
+            # settled already: by the gateway's cancel, whose message this sampler missed (a
+            # core NATS message is lost across a reconnect), or by this job's own answer
+            # before a redelivery; what is there stands
+            await msg.ack()
+            log.info("dropped sample %s: its future was settled before the answer", job.request_id)
+            return
         if not isinstance(result, TwinkleError):
             self.usage.add(
                 job.tenant_id,
                 samples=len(result.sequences),
                 sampled_tokens=sum(len(seq.tokens) for seq in result.sequences),
             )
-        await self.bus.put(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id), encoded)
         await msg.ack()
         self.metrics.request_finished(outcome.state, outcome.category)
+
+    async def _answer(self, key: str, encoded: bytes) -> bool:
+        """Write an answer over a pending future only (compare-and-set, as the gateway's cancel
+        does): False when the future was settled already."""
+        current = await self.bus.entry(subjects.BUCKET_FUTURES, key)
+        if current is not None and decode_outcome(current[0]).state != "pending":
+            return False
+        revision = None if current is None else current[1]
+        return await self.bus.swap(subjects.BUCKET_FUTURES, key, encoded, revision)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from protocol import subjects
 from protocol.errors import Cancelled, ErrorCategory, TwinkleError
@@ -100,42 +103,71 @@ async def until(check: object, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_cancelled_jobs_never_reach_or_leave_the_backend(
-    nats_server: NatsServer, tmp_path: Path
-) -> None:
+async def submit(gateway: Bus, request_id: str, state: str = "pending") -> None:
+    """As the gateway submits a sample: its future first, then the job."""
+    await gateway.put(
+        subjects.BUCKET_FUTURES,
+        subjects.future_key(request_id),
+        encode_outcome(pending(request_id, state)),
+    )
+    await gateway.publish_sample(POOL, job(request_id), request_id)
+
+
+async def cancel_future(gateway: Bus, request_id: str) -> Outcome:
+    """The first half of the gateway's cancel: the future fails (the message comes after)."""
+    failed = msgspec.structs.replace(pending(request_id), state="error", error=Cancelled().message)
+    await gateway.put(
+        subjects.BUCKET_FUTURES, subjects.future_key(request_id), encode_outcome(failed)
+    )
+    return failed
+
+
+@dataclass
+class Rig:
+    gateway: Bus
+    backend: HoldingBackend
+    service: SamplerService
+
+    async def seen(self, *request_ids: str) -> None:
+        async def all_seen() -> bool:
+            return sorted(self.backend.seen) == sorted(request_ids)
+
+        await until(all_seen)
+
+    async def done(self, request_id: str) -> None:
+        async def answered() -> bool:
+            out = await outcome_of(self.gateway, request_id)
+            return out is not None and out.state == "done"
+
+        await until(answered)
+
+
+@pytest.fixture
+async def rig(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Rig]:
+    """A gateway's bus and a sampler service over a holding backend; the test runs it."""
     gateway = Bus(BusSettings(nats_url=nats_server.url))
     await gateway.connect()
     worker = WorkerBus(nats_server.url)
     await worker.connect()
-    backend = HoldingBackend()
-    service = SamplerService(worker, backend, POOL, tmp_path)
+    yield Rig(
+        gateway, (backend := HoldingBackend()), SamplerService(worker, backend, POOL, tmp_path)
+    )
+    await worker.close()
+    await gateway.close()
+
+
+async def test_cancelled_jobs_never_reach_or_leave_the_backend(rig: Rig) -> None:
+    gateway, backend, service = rig.gateway, rig.backend, rig.service
     queued, running, kept = "req-queued-sample", "req-running-sample", "req-kept-sample"
     # cancelled while it waited in the stream: the gateway already failed its future
-    await gateway.put(
-        subjects.BUCKET_FUTURES,
-        subjects.future_key(queued),
-        encode_outcome(pending(queued, "error")),
-    )
-    await gateway.publish_sample(POOL, job(queued), queued)
+    await submit(gateway, queued, "error")
     task = asyncio.create_task(service.run())
     try:
         for request_id in (running, kept):
-            await gateway.put(
-                subjects.BUCKET_FUTURES,
-                subjects.future_key(request_id),
-                encode_outcome(pending(request_id)),
-            )
-            await gateway.publish_sample(POOL, job(request_id), request_id)
-
-        async def both_seen() -> bool:
-            return sorted(backend.seen) == sorted([running, kept])
-
-        await until(both_seen)
+            await submit(gateway, request_id)
+        await rig.seen(running, kept)
         # the gateway's cancel: the future fails, then the samplers are told
-        failed = msgspec.structs.replace(pending(running), state="error", error=Cancelled().message)
-        await gateway.put(
-            subjects.BUCKET_FUTURES, subjects.future_key(running), encode_outcome(failed)
-        )
+        failed = await cancel_future(gateway, running)
         assert gateway.nc is not None
         await gateway.nc.publish(subjects.sample_cancel_subject(POOL), running.encode())
         await gateway.nc.publish(subjects.sample_cancel_subject("another-pool"), kept.encode())
@@ -146,12 +178,7 @@ async def test_cancelled_jobs_never_reach_or_leave_the_backend(
 
         await until(cancelled)
         backend.release(kept)
-
-        async def kept_done() -> bool:
-            out = await outcome_of(gateway, kept)
-            return out is not None and out.state == "done"
-
-        await until(kept_done)
+        await rig.done(kept)
         assert backend.cancelled == [running]  # another pool's cancel is not ours
         assert queued not in backend.seen
         value = service.metrics.registry.get_sample_value
@@ -166,49 +193,23 @@ async def test_cancelled_jobs_never_reach_or_leave_the_backend(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await worker.close()
-        await gateway.close()
 
 
-async def test_a_cancel_whose_message_was_lost_still_stands(
-    nats_server: NatsServer, tmp_path: Path
-) -> None:
+async def test_a_cancel_whose_message_was_lost_still_stands(rig: Rig) -> None:
     """The gateway failed the future, but the cancel message never reached the sampler (a core
     NATS message is lost across a reconnect): the answer that comes later does not overwrite
     the cancel, and the job is acked."""
-    gateway = Bus(BusSettings(nats_url=nats_server.url))
-    await gateway.connect()
-    worker = WorkerBus(nats_server.url)
-    await worker.connect()
-    backend = HoldingBackend()
-    service = SamplerService(worker, backend, POOL, tmp_path)
+    gateway, backend, service = rig.gateway, rig.backend, rig.service
     lost, kept = "req-lost-cancel", "req-answered"
     task = asyncio.create_task(service.run())
     try:
         for request_id in (lost, kept):
-            await gateway.put(
-                subjects.BUCKET_FUTURES,
-                subjects.future_key(request_id),
-                encode_outcome(pending(request_id)),
-            )
-            await gateway.publish_sample(POOL, job(request_id), request_id)
-
-        async def both_seen() -> bool:
-            return sorted(backend.seen) == sorted([lost, kept])
-
-        await until(both_seen)
-        failed = msgspec.structs.replace(pending(lost), state="error", error=Cancelled().message)
-        await gateway.put(
-            subjects.BUCKET_FUTURES, subjects.future_key(lost), encode_outcome(failed)
-        )
+            await submit(gateway, request_id)
+        await rig.seen(lost, kept)
+        failed = await cancel_future(gateway, lost)
         backend.release(lost)  # no cancel message: the sampler finishes the sample
         backend.release(kept)
-
-        async def kept_done() -> bool:
-            out = await outcome_of(gateway, kept)
-            return out is not None and out.state == "done"
-
-        await until(kept_done)
+        await rig.done(kept)
 
         async def all_acked() -> bool:
             stream = await gateway.js.stream_info(subjects.STREAM_SAMPLE)  # type: ignore[union-attr]
@@ -219,5 +220,3 @@ async def test_a_cancel_whose_message_was_lost_still_stands(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await worker.close()
-        await gateway.close()

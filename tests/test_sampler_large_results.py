@@ -174,3 +174,45 @@ async def test_an_answer_whose_write_fails_is_redelivered_and_the_service_serves
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await worker.close()
+
+
+class SlowBackend(FullLengthBackend):
+    """Takes `seconds` over each batch, as a long generation does."""
+
+    def __init__(self, concurrent: bool, seconds: float) -> None:
+        super().__init__(concurrent)
+        self.seconds = seconds
+
+    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
+        answers = await super().sample_many(items)
+        await asyncio.sleep(self.seconds)
+        return answers
+
+
+@pytest.mark.parametrize("concurrent", [True, False], ids=["concurrent", "batched"])
+async def test_a_sample_longer_than_ack_wait_runs_once(
+    nats_server: NatsServer, gateway: Bus, tmp_path: Path, concurrent: bool
+) -> None:
+    """A job held past `ack_wait` (queued behind a long batch, or running) is kept alive, not
+    redelivered to run a second time beside the first."""
+    worker = WorkerBus(nats_server.url, ack_wait_s=1.5)
+    await worker.connect()
+    backend = SlowBackend(concurrent, seconds=2.5)
+    service = SamplerService(worker, backend, POOL, tmp_path)
+    task = asyncio.create_task(service.run())
+    try:
+        await gateway.publish_sample(POOL, job("req-long"), "req-long")
+        await until(lambda: _seen(backend, "req-long"))
+        await gateway.publish_sample(POOL, job("req-queued"), "req-queued")
+        found = await answered(gateway, "req-long", "req-queued")
+        assert {out.state for out in found.values()} == {"done"}
+        await asyncio.sleep(2.0)  # a redelivery would have come by now
+        assert sorted(backend.seen) == ["req-long", "req-queued"], backend.seen
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker.close()
+
+
+async def _seen(backend: FullLengthBackend, request_id: str) -> bool:
+    return request_id in backend.seen

@@ -278,6 +278,8 @@ class SamplerService:
         self._queue: asyncio.Queue[Prepared] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        # jobs taken and not yet answered (queued or sampling), by id(msg): kept alive
+        self._held: dict[int, Msg] = {}
         self.served = 0
 
     async def run(self) -> None:
@@ -295,6 +297,7 @@ class SamplerService:
         if self._owns_usage:
             flusher = asyncio.create_task(self._flush_loop(), name="usage")
             self._tasks.add(flusher)
+        self._tasks.add(asyncio.create_task(self._keepalive_loop(), name="sample-keepalive"))
         try:
             while True:
                 first = await self._queue.get()
@@ -321,6 +324,17 @@ class SamplerService:
                 await self.usage.flush(self.bus.put)
             except Exception:
                 log.exception("writing sample usage failed; retrying")
+
+    async def _keepalive_loop(self) -> None:
+        """A job queued behind a long batch, or sampling for longer than `ack_wait`, stays
+        taken: JetStream would otherwise hand it out again and it would run twice."""
+        while True:
+            await asyncio.sleep(self.bus.ack_wait_s / 3)
+            for msg in list(self._held.values()):
+                try:
+                    await msg.in_progress()
+                except Exception:
+                    log.debug("in_progress failed", exc_info=True)
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = msg.data.decode(errors="replace")
@@ -364,6 +378,7 @@ class SamplerService:
         except TwinkleError as err:
             await self._finish(job, msg, err)
             return
+        self._held[id(msg)] = msg
         self._queue.put_nowait(
             Prepared(job=job, msg=msg, spec=spec, adapter_dir=adapter_dir, adapter_key=adapter_key)
         )
@@ -410,6 +425,8 @@ class SamplerService:
                 # stop this service)
                 log.exception("answering sample %s failed; it will run again", item.job.request_id)
                 await self._redeliver(item.msg)
+            finally:
+                self._held.pop(id(item.msg), None)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
 

@@ -100,7 +100,8 @@ async def serve(settings: WorkerSettings) -> None:
 
     from workers.bus import WorkerBus
     from workers.metrics import SamplerMetrics, serve_metrics
-    from workers.sampler_service import SamplerBackend, SamplerService, TorchBackend, VllmBackend
+    from workers.sampler_backends import SamplerBackend, TorchBackend, VllmBackend
+    from workers.sampler_service import SamplerService
 
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)

@@ -30,8 +30,7 @@ from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
 from workers.sample_guard import pending_of
-from workers.sampler_backends import Prepared
-from workers.sampler_service import SamplerService
+from workers.sampler_service import Prepared, SamplerService
 
 POOL = "tiny-pool"
 

@@ -213,8 +213,7 @@ async def serve(settings: WorkerSettings) -> None:
         )
         runs = [service.run()]
         if settings.sampler == "torch":
-            from workers.sampler_backends import TorchBackend
-            from workers.sampler_service import SamplerService
+            from workers.sampler_service import SamplerService, TorchBackend
             from workers.sampling_torch import TorchSampler
 
             backend = TorchBackend(TorchSampler(engine), engine, service.executor)

@@ -100,8 +100,7 @@ async def serve(settings: WorkerSettings) -> None:
 
     from workers.bus import WorkerBus
     from workers.metrics import SamplerMetrics, serve_metrics
-    from workers.sampler_backends import SamplerBackend, TorchBackend, VllmBackend
-    from workers.sampler_service import SamplerService
+    from workers.sampler_service import SamplerBackend, SamplerService, TorchBackend, VllmBackend
 
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)

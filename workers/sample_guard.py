@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import msgspec
 
@@ -30,7 +29,7 @@ from protocol.errors import ServerError
 from protocol.jobs import Outcome, SampleJob, decode_outcome, encode_outcome
 from workers.bus import WorkerBus
 
-_MAX_TRIES = 8  # compare-and-set rounds of one write against other writers
+_MAX_TRIES = 8  # compare-and-set rounds of one `begin` against other writers
 
 
 def pending_of(job: SampleJob) -> Outcome:
@@ -45,55 +44,21 @@ def pending_of(job: SampleJob) -> Outcome:
     )
 
 
-@dataclass(frozen=True)
-class Pending:
-    """A job's pending future as last read or written: the next compare-and-set starts from
-    it without reading the key again."""
-
-    outcome: Outcome
-    revision: int | None  # None: no such key (an expired future); a write creates it
-
-
-async def read_pending(bus: WorkerBus, job: SampleJob) -> Pending | None:
-    """The job's future while it is pending; None once it is settled (cancelled, answered)."""
-    entry = await bus.entry(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
-    if entry is None:
-        return Pending(pending_of(job), None)
-    outcome = decode_outcome(entry[0])
-    return Pending(outcome, entry[1]) if outcome.state == "pending" else None
-
-
-async def begin(bus: WorkerBus, job: SampleJob, seen: Pending) -> Pending | None:
-    """Count one more start of `job` on its pending future: the future as written, or None
-    when it is settled and the request must not run."""
+async def begin(bus: WorkerBus, job: SampleJob) -> int | None:
+    """Count one more start of `job` on its pending future: the new count, or None when the
+    future is settled (cancelled, or answered) and the request must not run."""
     key = subjects.future_key(job.request_id)
-    current: Pending | None = seen
     for _ in range(_MAX_TRIES):
-        if current is None:
+        entry = await bus.entry(subjects.BUCKET_FUTURES, key)
+        current = decode_outcome(entry[0]) if entry is not None else pending_of(job)
+        if current.state != "pending":
             return None
-        counted = msgspec.structs.replace(current.outcome, attempts=current.outcome.attempts + 1)
-        encoded = encode_outcome(counted)
-        revision = await bus.swap_revision(subjects.BUCKET_FUTURES, key, encoded, current.revision)
-        if revision is not None:
-            return Pending(counted, revision)
-        current = await read_pending(bus, job)
+        attempts = current.attempts + 1
+        counted = msgspec.structs.replace(current, attempts=attempts)
+        revision = None if entry is None else entry[1]
+        if await bus.swap(subjects.BUCKET_FUTURES, key, encode_outcome(counted), revision):
+            return attempts
     raise ServerError(f"could not record the start of sample {job.request_id}; retry")
-
-
-async def write_answer(
-    bus: WorkerBus, job: SampleJob, encoded: bytes, seen: Pending | None
-) -> bool:
-    """Write an answer over the job's pending future only (compare-and-set, as the gateway's
-    cancel is); False when the future was settled first."""
-    key = subjects.future_key(job.request_id)
-    current = seen if seen is not None else await read_pending(bus, job)
-    for _ in range(_MAX_TRIES):
-        if current is None:
-            return False
-        if await bus.swap(subjects.BUCKET_FUTURES, key, encoded, current.revision):
-            return True
-        current = await read_pending(bus, job)
-    raise ServerError(f"could not write the answer of sample {job.request_id}; retry")
 
 
 def too_many_attempts(request_id: str, attempts: int) -> ServerError:

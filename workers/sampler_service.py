@@ -44,20 +44,12 @@ from nats.aio.msg import Msg
 
 from protocol import api, stability, subjects
 from protocol.errors import Cancelled, ServerError, TwinkleError, UserError
-from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
+from protocol.jobs import Outcome, SampleJob, decode_outcome, decode_sample_job, encode_outcome
 from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
 from workers.metrics import SamplerMetrics
-from workers.sample_guard import (
-    Gate,
-    Pending,
-    begin,
-    pending_of,
-    read_pending,
-    too_many_attempts,
-    write_answer,
-)
+from workers.sample_guard import Gate, begin, too_many_attempts
 from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
@@ -84,12 +76,7 @@ class Prepared:
     spec: SampleSpec
     adapter_dir: Path | None
     adapter_key: str | None = None  # names the adapter's content: a cache key that never goes stale
-    future: Pending | None = None  # its pending future as last read or written
-
-    @property
-    def attempts(self) -> int:
-        """Times a sampler began it before and never answered it (`sample_guard`)."""
-        return self.future.outcome.attempts if self.future is not None else 0
+    attempts: int = 0  # times a sampler began it before and never answered (`sample_guard`)
 
 
 Answer = asyncio.Future[SampleOutput | TwinkleError]
@@ -372,14 +359,16 @@ class SamplerService:
         if cancel is not None:
             cancel(request_id)
 
-    async def _pickup(self, job: SampleJob, msg: Msg) -> Pending | None:
-        """The job's pending future, with how often samplers began it before (`sample_guard`);
-        None, with the job acked, when its request was cancelled (or answered) before it
-        reached the backend."""
+    async def _pickup(self, job: SampleJob, msg: Msg) -> int | None:
+        """How often samplers began the job before (`sample_guard`); None, with the job acked,
+        when its request was cancelled (or answered) before it reached the backend."""
         if job.request_id not in self._cancelled:
-            future = await read_pending(self.bus, job)
-            if future is not None:
-                return future
+            data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
+            if not data:
+                return 0
+            pending = decode_outcome(data)
+            if pending.state == "pending":
+                return pending.attempts
         log.info("skipping sample %s: cancelled by its client", job.request_id)
         await msg.ack()
         self.metrics.request_cancelled("pickup", 0)
@@ -392,12 +381,11 @@ class SamplerService:
             log.error("dropping undecodable sample job")
             await msg.term()
             return
-        future = await self._pickup(job, msg)
-        if future is None:
+        attempts = await self._pickup(job, msg)
+        if attempts is None:
             return
-        if future.outcome.attempts >= self.max_attempts:
-            err = too_many_attempts(job.request_id, future.outcome.attempts)
-            await self._finish(job, msg, err, future=future)
+        if attempts >= self.max_attempts:
+            await self._finish(job, msg, too_many_attempts(job.request_id, attempts))
             return
         try:
             body = api.decode(job.body, api.SampleRequest)
@@ -410,10 +398,10 @@ class SamplerService:
                 else (None, None)
             )
         except TwinkleError as err:
-            await self._finish(job, msg, err, future=future)
+            await self._finish(job, msg, err)
             return
         self._held[id(msg)] = msg
-        self._queue.put_nowait(Prepared(job, msg, spec, adapter_dir, adapter_key, future))
+        self._queue.put_nowait(Prepared(job, msg, spec, adapter_dir, adapter_key, attempts))
 
     def _adapter_dir(self, adapter_path: str, content_id: str) -> tuple[Path, str]:
         """The directory holding the content a session is bound to, and its cache key.
@@ -455,7 +443,7 @@ class SamplerService:
                     log.exception("recording stability info of %s failed", item.job.request_id)
                     result = ServerError("could not record the samples' stability info; retry")
             try:
-                await self._finish(item.job, item.msg, result, item.spec, item.future)
+                await self._finish(item.job, item.msg, result, item.spec)
             except Exception:
                 # the answer was not written: the job goes back to the stream and runs again
                 # (a concurrent task's exception would otherwise be lost, and a batch's would
@@ -472,25 +460,20 @@ class SamplerService:
         may run. One settled meanwhile (cancelled) is acked and dropped; one whose start could
         not be counted goes back to the stream."""
         counted = await asyncio.gather(
-            *(
-                begin(self.bus, item.job, item.future or Pending(pending_of(item.job), None))
-                for item in batch
-            ),
-            return_exceptions=True,
+            *(begin(self.bus, item.job) for item in batch), return_exceptions=True
         )
         ready = []
-        for item, future in zip(batch, counted, strict=True):
-            if isinstance(future, Pending):
-                item.future = future
+        for item, attempts in zip(batch, counted, strict=True):
+            if isinstance(attempts, int):
                 ready.append(item)
                 continue
             self._held.pop(id(item.msg), None)
-            if future is None:
+            if attempts is None:
                 log.info("skipping sample %s: cancelled by its client", item.job.request_id)
                 await item.msg.ack()
                 self.metrics.request_cancelled("pickup", 0)
             else:
-                log.error("counting the start of %s failed: %r", item.job.request_id, future)
+                log.error("counting the start of %s failed: %r", item.job.request_id, attempts)
                 await self._redeliver(item.msg)
         return ready
 
@@ -533,10 +516,7 @@ class SamplerService:
         msg: Msg,
         result: SampleOutput | TwinkleError,
         spec: SampleSpec | None = None,
-        future: Pending | None = None,
     ) -> None:
-        """Answer the job over its pending future (`future`: as last seen, else read) and
-        ack it."""
         if isinstance(result, Cancelled) or job.request_id in self._cancelled:
             # the gateway already failed the future; a result that beat the cancel is dropped
             await msg.ack()
@@ -571,8 +551,8 @@ class SamplerService:
         encoded = encode_outcome(outcome)
         limit = self.bus.max_value_bytes()
         if len(encoded) > limit:  # what a request asks for may outgrow what one answer holds
-            return await self._finish(job, msg, _too_large(len(encoded), limit), future=future)
-        if not await write_answer(self.bus, job, encoded, future):
+            return await self._finish(job, msg, _too_large(len(encoded), limit))
+        if not await self._answer(subjects.future_key(job.request_id), encoded):
             # settled already: by the gateway's cancel, whose message this sampler missed (a
             # core NATS message is lost across a reconnect), or by this job's own answer
             # before a redelivery; what is there stands
@@ -587,3 +567,12 @@ class SamplerService:
             )
         await msg.ack()
         self.metrics.request_finished(outcome.state, outcome.category)
+
+    async def _answer(self, key: str, encoded: bytes) -> bool:
+        """Write an answer over a pending future only (compare-and-set, as the gateway's cancel
+        does): False when the future was settled already."""
+        current = await self.bus.entry(subjects.BUCKET_FUTURES, key)
+        if current is not None and decode_outcome(current[0]).state != "pending":
+            return False
+        revision = None if current is None else current[1]
+        return await self.bus.swap(subjects.BUCKET_FUTURES, key, encoded, revision)

@@ -94,11 +94,7 @@ def worker_options(
     ] = 600.0,
     max_attempts: Annotated[
         int,
-        typer.Option(
-            envvar="TWINKLE_MAX_ATTEMPTS",
-            min=1,
-            help="times an op (or a sample) may stop the worker",
-        ),
+        typer.Option(envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times an op may stop the worker"),
     ] = 3,
     merge: Annotated[
         bool,
@@ -224,7 +220,6 @@ async def serve(settings: WorkerSettings) -> None:
                 settings.checkpoint_root,
                 usage=service.usage,
                 metrics=SamplerMetrics(registry),
-                max_attempts=settings.max_attempts,
             )
             runs.append(sampler.run())
         task = asyncio.ensure_future(asyncio.gather(*runs))

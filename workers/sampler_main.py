@@ -56,12 +56,6 @@ def sampler_options(
         int,
         typer.Option(envvar="TWINKLE_METRICS_PORT", min=0, help="/metrics port (0: a free one)"),
     ] = 0,
-    max_attempts: Annotated[
-        int,
-        typer.Option(
-            envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times a sample may stop its sampler"
-        ),
-    ] = 3,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a sampler: one pool's sample requests, with vLLM or the torch sampler."""
@@ -75,7 +69,6 @@ def sampler_options(
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         log_level=log_level,
-        max_attempts=max_attempts,
         worker_id=f"{socket.gethostname()}-sampler-{uuid.uuid4().hex[:8]}",
     )
 
@@ -148,12 +141,7 @@ async def serve(settings: WorkerSettings) -> None:
             metrics_url=metrics_server.url,
         )
         service = SamplerService(
-            bus,
-            backend,
-            settings.pool,
-            settings.checkpoint_root,
-            metrics=SamplerMetrics(registry),
-            max_attempts=settings.max_attempts,
+            bus, backend, settings.pool, settings.checkpoint_root, metrics=SamplerMetrics(registry)
         )
         task = asyncio.ensure_future(asyncio.gather(service.run(), heartbeat(bus, record)))
         loop = asyncio.get_running_loop()

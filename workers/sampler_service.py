@@ -18,12 +18,6 @@ core subject `tw.v1.cancel.<pool>`; every sampler of the pool drops it if it hol
 torch sampler takes its rows out of the running batch at the next step, vLLM aborts the
 request), answers nothing for it, and acks its job. A job taken after its cancel is skipped:
 its request is on the cancelled list, or its future is no longer pending in KV.
-
-Answers: a job is acked once its answer is written over the pending future (a compare-and-set:
-a cancel that landed first stands); an answer over the KV value limit fails its own request;
-a write that fails hands the job back at once. Jobs queued or sampling are kept alive while
-they wait. A request that stopped a sampler runs alone, and fails after `max_attempts` stops
-(`workers.sample_guard`).
 """
 
 from __future__ import annotations
@@ -49,7 +43,6 @@ from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
 from workers.metrics import SamplerMetrics
-from workers.sample_guard import Gate, begin, too_many_attempts
 from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
@@ -76,7 +69,6 @@ class Prepared:
     spec: SampleSpec
     adapter_dir: Path | None
     adapter_key: str | None = None  # names the adapter's content: a cache key that never goes stale
-    attempts: int = 0  # times a sampler began it before and never answered (`sample_guard`)
 
 
 Answer = asyncio.Future[SampleOutput | TwinkleError]
@@ -273,11 +265,8 @@ class SamplerService:
         usage: UsageBook | None = None,
         metrics: SamplerMetrics | None = None,
         flush_s: float = 5.0,
-        max_attempts: int = 3,
     ) -> None:
         self.bus = bus
-        self.max_attempts = max_attempts
-        self._gate = Gate()  # a request some sampler stopped on runs alone
         # a trainer's sampler shares (and the trainer flushes) the trainer's book
         self._owns_usage = usage is None
         self.usage = usage or UsageBook(f"sampler-{uuid.uuid4().hex[:8]}")
@@ -321,10 +310,7 @@ class SamplerService:
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
                 else:
-                    for item in [item for item in batch if item.attempts]:
-                        await self._serve([item])
-                    if rest := [item for item in batch if not item.attempts]:
-                        await self._serve(rest)
+                    await self._serve(batch)
         finally:
             await cancels.unsubscribe()
             for task in list(self._tasks):
@@ -359,20 +345,16 @@ class SamplerService:
         if cancel is not None:
             cancel(request_id)
 
-    async def _pickup(self, job: SampleJob, msg: Msg) -> int | None:
-        """How often samplers began the job before (`sample_guard`); None, with the job acked,
-        when its request was cancelled (or answered) before it reached the backend."""
+    async def _skip_cancelled(self, job: SampleJob, msg: Msg) -> bool:
+        """Ack a job whose request was cancelled before it reached the backend."""
         if job.request_id not in self._cancelled:
             data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
-            if not data:
-                return 0
-            pending = decode_outcome(data)
-            if pending.state == "pending":
-                return pending.attempts
+            if not data or decode_outcome(data).state == "pending":
+                return False
         log.info("skipping sample %s: cancelled by its client", job.request_id)
         await msg.ack()
         self.metrics.request_cancelled("pickup", 0)
-        return None
+        return True
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -381,11 +363,7 @@ class SamplerService:
             log.error("dropping undecodable sample job")
             await msg.term()
             return
-        attempts = await self._pickup(job, msg)
-        if attempts is None:
-            return
-        if attempts >= self.max_attempts:
-            await self._finish(job, msg, too_many_attempts(job.request_id, attempts))
+        if await self._skip_cancelled(job, msg):
             return
         try:
             body = api.decode(job.body, api.SampleRequest)
@@ -401,7 +379,9 @@ class SamplerService:
             await self._finish(job, msg, err)
             return
         self._held[id(msg)] = msg
-        self._queue.put_nowait(Prepared(job, msg, spec, adapter_dir, adapter_key, attempts))
+        self._queue.put_nowait(
+            Prepared(job=job, msg=msg, spec=spec, adapter_dir=adapter_dir, adapter_key=adapter_key)
+        )
 
     def _adapter_dir(self, adapter_path: str, content_id: str) -> tuple[Path, str]:
         """The directory holding the content a session is bound to, and its cache key.
@@ -422,17 +402,12 @@ class SamplerService:
         return directory, f"{adapter_path}@{content_id}"
 
     async def _serve(self, batch: list[Prepared]) -> None:
-        alone = any(item.attempts for item in batch)
-        async with self._gate.alone() if alone else self._gate.shared():
-            batch = await self._begin(batch)
-            if not batch:
-                return
-            started = time.perf_counter()
-            try:
-                results = await self.backend.sample_many(batch)
-            except Exception:
-                log.exception("sampling a batch of %d failed", len(batch))
-                results = [ServerError(_FAILED)] * len(batch)
+        started = time.perf_counter()
+        try:
+            results = await self.backend.sample_many(batch)
+        except Exception:
+            log.exception("sampling a batch of %d failed", len(batch))
+            results = [ServerError(_FAILED)] * len(batch)
         elapsed_s = time.perf_counter() - started
         self.metrics.observe_batch(elapsed_s, results)
         for item, result in zip(batch, results, strict=True):
@@ -454,28 +429,6 @@ class SamplerService:
                 self._held.pop(id(item.msg), None)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
-
-    async def _begin(self, batch: list[Prepared]) -> list[Prepared]:
-        """Count a start on each request's future (`sample_guard.begin`); the requests that
-        may run. One settled meanwhile (cancelled) is acked and dropped; one whose start could
-        not be counted goes back to the stream."""
-        counted = await asyncio.gather(
-            *(begin(self.bus, item.job) for item in batch), return_exceptions=True
-        )
-        ready = []
-        for item, attempts in zip(batch, counted, strict=True):
-            if isinstance(attempts, int):
-                ready.append(item)
-                continue
-            self._held.pop(id(item.msg), None)
-            if attempts is None:
-                log.info("skipping sample %s: cancelled by its client", item.job.request_id)
-                await item.msg.ack()
-                self.metrics.request_cancelled("pickup", 0)
-            else:
-                log.error("counting the start of %s failed: %r", item.job.request_id, attempts)
-                await self._redeliver(item.msg)
-        return ready
 
     async def _redeliver(self, msg: Msg) -> None:
         try:

@@ -18,6 +18,11 @@ core subject `tw.v1.cancel.<pool>`; every sampler of the pool drops it if it hol
 torch sampler takes its rows out of the running batch at the next step, vLLM aborts the
 request), answers nothing for it, and acks its job. A job taken after its cancel is skipped:
 its request is on the cancelled list, or its future is no longer pending in KV.
+
+Answers: a job is acked once its answer is written over the pending future (a compare-and-set:
+a cancel that landed first stands); an answer over the KV value limit fails its own request;
+a write that fails hands the job back at once. Jobs queued or sampling are kept alive
+(`in_progress`) while they wait.
 """
 
 from __future__ import annotations

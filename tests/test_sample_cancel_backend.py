@@ -75,6 +75,30 @@ async def test_a_queued_request_never_reaches_the_sampler(
     await driver_gone()
 
 
+async def test_a_request_cancelled_while_it_is_being_submitted_leaves_at_the_next_step(
+    tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = TorchSampler(engine)
+    backend = TorchBackend(sampler, engine, executor)
+    loop = asyncio.get_running_loop()
+    item = prepared(ENDLESS)
+
+    async def cancel() -> None:
+        backend.cancel(item.job.request_id)
+
+    def on_step(n: int) -> None:
+        if n == 1:  # the step that submits it, before it has a ticket
+            asyncio.run_coroutine_threadsafe(cancel(), loop).result(10)
+
+    count_steps(monkeypatch, sampler, on_step)
+    [result] = await asyncio.wait_for(backend.sample_many([item]), 30)
+    assert isinstance(result, Cancelled)
+    assert 0 < result.generated_tokens < ENDLESS.max_tokens
+    assert not sampler.busy
+    await driver_gone()
+
+
 async def test_an_unknown_or_finished_request_changes_nothing(
     tiny_qwen3: Path, executor: ThreadPoolExecutor
 ) -> None:

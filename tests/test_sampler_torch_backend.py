@@ -148,3 +148,38 @@ async def test_cancelled_waiters_stop_the_driver(
     with pytest.raises(asyncio.CancelledError):
         await waiter
     await driver_gone()
+
+
+async def test_a_request_taken_by_the_step_that_answers_another_caller_is_answered(
+    tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first caller, answered, looks for anyone still waiting before it stops the driver:
+    a request the driver is submitting at that moment waits too."""
+    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = TorchSampler(engine)
+    backend = TorchBackend(sampler, engine, executor)
+    spec = SampleSpec(prompt(55, 4), max_tokens=3, temperature=0.0, stop_at_eos=False)
+    steps: list[int] = []
+    count_steps(monkeypatch, sampler, steps.append)
+    await backend.sample_many([prepared(spec)])
+    last = len(steps)  # the step that answers a request alone
+    await driver_gone()
+
+    loop = asyncio.get_running_loop()
+    late: list[asyncio.Task[list[SampleOutput | Any]]] = []
+
+    async def queue_late() -> None:
+        late.append(asyncio.create_task(backend.sample_many([prepared(spec)])))
+        await asyncio.sleep(0)  # it is queued for the driver's next step
+
+    def on_step(n: int) -> None:
+        if n == last:  # before the step that answers the first caller
+            asyncio.run_coroutine_threadsafe(queue_late(), loop).result(10)
+
+    count_steps(monkeypatch, sampler, on_step)
+    steps.clear()
+    [first] = await backend.sample_many([prepared(spec)])
+    [second] = await asyncio.wait_for(late[0], 30)
+    assert isinstance(first, SampleOutput) and isinstance(second, SampleOutput)
+    assert first == second
+    await driver_gone()

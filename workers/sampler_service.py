@@ -109,6 +109,8 @@ class TorchBackend:
         self.vocab_size = int(engine.vocab_size)
         self.max_context = int(engine.max_context)
         self._queued: list[tuple[Prepared, Answer]] = []
+        self._submitting: list[tuple[Prepared, Answer]] = []  # in the step now running
+        self._cancel_later: set[str] = set()  # request ids cancelled while being submitted
         self._waiters: dict[int, tuple[Prepared, Answer]] = {}  # by sampler ticket
         self._cancels: list[int] = []  # tickets to drop from the sampler at the next step
         self._cancelling: dict[int, tuple[Prepared, Answer]] = {}  # answered once dropped
@@ -122,6 +124,9 @@ class TorchBackend:
                 if not answer.done():
                     answer.set_result(Cancelled())
                 return
+        if any(item.job.request_id == request_id for item, _ in self._submitting):
+            self._cancel_later.add(request_id)  # it gets its ticket when the step returns
+            return
         for ticket, (item, _) in list(self._waiters.items()):
             if item.job.request_id == request_id:
                 self._cancelling[ticket] = self._waiters.pop(ticket)
@@ -139,7 +144,12 @@ class TorchBackend:
         finally:
             for answer in answers:
                 answer.cancel()  # a no-op once answered
-            held = [*self._queued, *self._waiters.values(), *self._cancelling.values()]
+            held = [
+                *self._queued,
+                *self._submitting,
+                *self._waiters.values(),
+                *self._cancelling.values(),
+            ]
             awaited = [answer for _, answer in held]
             driver = self._driver  # None if another caller that finished at once stopped it
             if driver is not None and all(answer.done() for answer in awaited):
@@ -150,17 +160,19 @@ class TorchBackend:
 
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
-        queued: list[tuple[Prepared, Answer]] = []
         try:
             busy = True
             while busy or self._queued or self._cancels:
-                queued, self._queued = self._queued, []
+                self._submitting, self._queued = self._queued, []
                 cancels, self._cancels = self._cancels, []
                 stepped = await loop.run_in_executor(
-                    self.executor, self._step, [item for item, _ in queued], cancels
+                    self.executor, self._step, [item for item, _ in self._submitting], cancels
                 )
-                self._waiters.update(zip(stepped.tickets, queued, strict=True))
-                queued = []
+                self._waiters.update(zip(stepped.tickets, self._submitting, strict=True))
+                self._submitting = []
+                for request_id in self._cancel_later:
+                    self.cancel(request_id)
+                self._cancel_later.clear()
                 for ticket, tokens in stepped.cancelled:
                     cancelled = self._cancelling.pop(ticket, None)
                     if cancelled is not None and not cancelled[1].done():
@@ -178,13 +190,20 @@ class TorchBackend:
                         waiter[1].set_result(result)
                 busy = stepped.busy
         except Exception:
-            waiting = [*self._waiters.values(), *self._cancelling.values(), *queued, *self._queued]
+            waiting = [
+                *self._waiters.values(),
+                *self._cancelling.values(),
+                *self._submitting,
+                *self._queued,
+            ]
             log.exception(
                 "the torch sampler's driver failed; failing request_ids %s",
                 [item.job.request_id for item, _ in waiting],
             )
             self._waiters.clear()
             self._cancelling.clear()
+            self._submitting = []
+            self._cancel_later.clear()
             self._queued.clear()
             for _, answer in waiting:
                 if not answer.done():

@@ -34,7 +34,7 @@ from protocol.api import LoraConfig  # noqa: E402
 from protocol.jobs import SampleJob  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
 from workers.engine import Engine  # noqa: E402
-from workers.sampler_service import Prepared, TorchBackend  # noqa: E402
+from workers.sampler_backends import Prepared, TorchBackend  # noqa: E402
 from workers.sampling_torch import TorchSampler  # noqa: E402
 from workers.tiny_model import build_tiny_model  # noqa: E402
 

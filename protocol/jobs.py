@@ -204,6 +204,9 @@ class Outcome(msgspec.Struct, frozen=True):
     # a sample's sampling session and clone: `retrieve_futures` reports the outcome to them
     sampling_session_id: str = ""
     clone_id: int = 0
+    # a pending sample: times a sampler began it; one that stopped before answering leaves its
+    # count (`workers.sample_guard`)
+    attempts: int = 0
 
 
 class SeqClaim(msgspec.Struct, frozen=True):

@@ -94,7 +94,11 @@ def worker_options(
     ] = 600.0,
     max_attempts: Annotated[
         int,
-        typer.Option(envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times an op may stop the worker"),
+        typer.Option(
+            envvar="TWINKLE_MAX_ATTEMPTS",
+            min=1,
+            help="times an op (or a sample) may stop the worker",
+        ),
     ] = 3,
     merge: Annotated[
         bool,
@@ -209,7 +213,8 @@ async def serve(settings: WorkerSettings) -> None:
         )
         runs = [service.run()]
         if settings.sampler == "torch":
-            from workers.sampler_service import SamplerService, TorchBackend
+            from workers.sampler_backends import TorchBackend
+            from workers.sampler_service import SamplerService
             from workers.sampling_torch import TorchSampler
 
             backend = TorchBackend(TorchSampler(engine), engine, service.executor)
@@ -220,6 +225,7 @@ async def serve(settings: WorkerSettings) -> None:
                 settings.checkpoint_root,
                 usage=service.usage,
                 metrics=SamplerMetrics(registry),
+                max_attempts=settings.max_attempts,
             )
             runs.append(sampler.run())
         task = asyncio.ensure_future(asyncio.gather(*runs))

@@ -273,18 +273,23 @@ class WorkerBus:
 
     async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
         """Write `key` only if its revision is still `revision` (None: only if absent)."""
+        return await self.swap_revision(bucket, key, value, revision) is not None
+
+    async def swap_revision(
+        self, bucket: str, key: str, value: bytes, revision: int | None
+    ) -> int | None:
+        """`swap`, answering the key's new revision (None: not written), so that a caller can
+        compare-and-set the key again without reading it first."""
         assert self.nc is not None
         kv = self.kv[bucket]
 
-        async def attempt() -> bool:
+        async def attempt() -> int | None:
             try:
                 if revision is None:
-                    await kv.create(key, value)
-                else:
-                    await kv.update(key, value, last=revision)
+                    return int(await kv.create(key, value))
+                return int(await kv.update(key, value, last=revision))
             except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
-                return False
-            return True
+                return None
 
         return await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s)
 

@@ -56,6 +56,12 @@ def sampler_options(
         int,
         typer.Option(envvar="TWINKLE_METRICS_PORT", min=0, help="/metrics port (0: a free one)"),
     ] = 0,
+    max_attempts: Annotated[
+        int,
+        typer.Option(
+            envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times a sample may stop its sampler"
+        ),
+    ] = 3,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a sampler: one pool's sample requests, with vLLM or the torch sampler."""
@@ -69,6 +75,7 @@ def sampler_options(
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         log_level=log_level,
+        max_attempts=max_attempts,
         worker_id=f"{socket.gethostname()}-sampler-{uuid.uuid4().hex[:8]}",
     )
 
@@ -93,7 +100,8 @@ async def serve(settings: WorkerSettings) -> None:
 
     from workers.bus import WorkerBus
     from workers.metrics import SamplerMetrics, serve_metrics
-    from workers.sampler_service import SamplerBackend, SamplerService, TorchBackend, VllmBackend
+    from workers.sampler_backends import SamplerBackend, TorchBackend, VllmBackend
+    from workers.sampler_service import SamplerService
 
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
@@ -141,7 +149,12 @@ async def serve(settings: WorkerSettings) -> None:
             metrics_url=metrics_server.url,
         )
         service = SamplerService(
-            bus, backend, settings.pool, settings.checkpoint_root, metrics=SamplerMetrics(registry)
+            bus,
+            backend,
+            settings.pool,
+            settings.checkpoint_root,
+            metrics=SamplerMetrics(registry),
+            max_attempts=settings.max_attempts,
         )
         task = asyncio.ensure_future(asyncio.gather(service.run(), heartbeat(bus, record)))
         loop = asyncio.get_running_loop()

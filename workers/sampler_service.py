@@ -2,13 +2,7 @@
 
 Every sampler of a pool (the torch sampler inside a trainer, or a vLLM sampler process) reads
 the shared durable consumer `sample-<pool>` on the work-queue stream `TW_SAMPLE`, so each job is
-taken once. Both backends are concurrent: each job is submitted at once, the engine batches
-continuously, and each job is answered as soon as its request is done:
-- torch (`TorchBackend`): jobs join the trainer's running generation at its next step, one
-  step per call on the engine's thread, between training calls (`workers.sampling_torch`);
-- vLLM (`VllmBackend`): each job is one request of the vLLM engine.
-(A backend that is not `concurrent` gets everything waiting as one `sample_many` call, served
-one call at a time.)
+taken once, and hands it to its backend (`workers.sampler_backends`).
 A sampling session names an immutable sampler checkpoint; adapters load by its path and are
 cached by it, so training never changes what a session samples.
 Every answered request, its time (`observe_batch` of one) and generated token is observed on `self.metrics`.
@@ -22,7 +16,8 @@ its request is on the cancelled list, or its future is no longer pending in KV.
 Answers: a job is acked once its answer is written over the pending future (a compare-and-set:
 a cancel that landed first stands); an answer over the KV value limit fails its own request;
 a write that fails hands the job back at once. Jobs queued or sampling are kept alive
-(`in_progress`) while they wait.
+(`in_progress`) while they wait. A request that stopped a sampler runs alone, and fails after
+`max_attempts` stops (`workers.sample_guard`).
 """
 
 from __future__ import annotations
@@ -32,27 +27,32 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 import msgspec
 from nats.aio.msg import Msg
 
 from protocol import api, stability, subjects
 from protocol.errors import Cancelled, ServerError, TwinkleError, UserError
-from protocol.jobs import Outcome, SampleJob, decode_outcome, decode_sample_job, encode_outcome
+from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
 from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
 from workers.metrics import SamplerMetrics
+from workers.sample_guard import (
+    Gate,
+    Pending,
+    begin,
+    pending_of,
+    read_pending,
+    too_many_attempts,
+    write_answer,
+)
+from workers.sampler_backends import FAILED, Prepared, SamplerBackend
 from workers.usage import UsageBook
 
 log = logging.getLogger(__name__)
 
-_FAILED = "the sampler failed on this request; see the sampler log"
 _MAX_CANCELLED = 65536  # request ids of recent cancels a sampler remembers
 _REDELIVER_DELAY_S = 1.0  # a job whose answer could not be written runs again after this
 
@@ -63,218 +63,6 @@ def _too_large(size: int, limit: int) -> UserError:
         " may hold; ask for fewer samples (num_samples), shorter ones (max_tokens) or fewer"
         " logprobs (topk_sample_logprobs, prompt_logprobs) per request"
     )
-
-
-@dataclass
-class Prepared:
-    """A sample job, validated, with its adapter resolved to a checkpoint directory."""
-
-    job: SampleJob
-    msg: Msg
-    spec: SampleSpec
-    adapter_dir: Path | None
-    adapter_key: str | None = None  # names the adapter's content: a cache key that never goes stale
-
-
-Answer = asyncio.Future[SampleOutput | TwinkleError]
-
-
-class SamplerBackend(Protocol):
-    """What the service needs of a sampling engine."""
-
-    name: str
-    concurrent: bool
-    vocab_size: int
-    max_context: int
-
-    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]: ...
-
-
-class TorchBackend:
-    """The trainer's torch sampler, batching continuously on the engine thread.
-
-    `sample_many` queues its items and awaits their answers. One driver task (started by the
-    first item, ended when nothing is waiting or generating) hands every newly queued item to the
-    sampler and runs one `TorchSampler.step` per executor call, so the engine's single thread
-    interleaves training calls between two steps; each answer resolves its future as soon as
-    the step that finished it returns. A step that raises fails every request in the sampler.
-    """
-
-    name = "torch"
-    concurrent = True
-
-    def __init__(self, sampler: Any, engine: Any, executor: Executor) -> None:
-        self.sampler = sampler
-        self.executor = executor
-        self.vocab_size = int(engine.vocab_size)
-        self.max_context = int(engine.max_context)
-        self._queued: list[tuple[Prepared, Answer]] = []
-        self._submitting: list[tuple[Prepared, Answer]] = []  # in the step now running
-        self._cancel_later: set[str] = set()  # request ids cancelled while being submitted
-        self._waiters: dict[int, tuple[Prepared, Answer]] = {}  # by sampler ticket
-        self._cancels: list[int] = []  # tickets to drop from the sampler at the next step
-        self._cancelling: dict[int, tuple[Prepared, Answer]] = {}  # answered once dropped
-        self._driver: asyncio.Task[None] | None = None
-
-    def cancel(self, request_id: str) -> None:
-        """Drop a request: at once if not yet handed to the sampler, else at the next step."""
-        for n, (item, answer) in enumerate(self._queued):
-            if item.job.request_id == request_id:
-                del self._queued[n]
-                if not answer.done():
-                    answer.set_result(Cancelled())
-                return
-        if any(item.job.request_id == request_id for item, _ in self._submitting):
-            self._cancel_later.add(request_id)  # it gets its ticket when the step returns
-            return
-        for ticket, (item, _) in list(self._waiters.items()):
-            if item.job.request_id == request_id:
-                self._cancelling[ticket] = self._waiters.pop(ticket)
-                self._cancels.append(ticket)
-                return
-
-    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
-        loop = asyncio.get_running_loop()
-        answers: list[Answer] = [loop.create_future() for _ in items]
-        self._queued.extend(zip(items, answers, strict=True))
-        if self._driver is None or self._driver.done():
-            self._driver = asyncio.create_task(self._drive(), name="torch-sampler")
-        try:
-            return list(await asyncio.gather(*answers))
-        finally:
-            for answer in answers:
-                answer.cancel()  # a no-op once answered
-            held = [
-                *self._queued,
-                *self._submitting,
-                *self._waiters.values(),
-                *self._cancelling.values(),
-            ]
-            awaited = [answer for _, answer in held]
-            driver = self._driver  # None if another caller that finished at once stopped it
-            if driver is not None and all(answer.done() for answer in awaited):
-                # Nobody waits: stop driving (the service may be stopping). A later item starts
-                # a fresh driver; rows left in the sampler finish in its steps, unanswered.
-                driver.cancel()
-                self._driver = None
-
-    async def _drive(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            busy = True
-            while busy or self._queued or self._cancels:
-                self._submitting, self._queued = self._queued, []
-                cancels, self._cancels = self._cancels, []
-                stepped = await loop.run_in_executor(
-                    self.executor, self._step, [item for item, _ in self._submitting], cancels
-                )
-                self._waiters.update(zip(stepped.tickets, self._submitting, strict=True))
-                self._submitting = []
-                for request_id in self._cancel_later:
-                    self.cancel(request_id)
-                self._cancel_later.clear()
-                for ticket, tokens in stepped.cancelled:
-                    cancelled = self._cancelling.pop(ticket, None)
-                    if cancelled is not None and not cancelled[1].done():
-                        cancelled[1].set_result(Cancelled(generated_tokens=tokens))
-                results = stepped.finished
-                if stepped.failed:  # the sampler dropped everything it held
-                    log.error(
-                        "a sampling step failed; failing request_ids %s",
-                        [item.job.request_id for item, _ in self._waiters.values()],
-                    )
-                    results = [(ticket, ServerError(_FAILED)) for ticket in self._waiters]
-                for ticket, result in results:
-                    waiter = self._waiters.pop(ticket, None)
-                    if waiter is not None and not waiter[1].done():
-                        waiter[1].set_result(result)
-                busy = stepped.busy
-        except Exception:
-            waiting = [
-                *self._waiters.values(),
-                *self._cancelling.values(),
-                *self._submitting,
-                *self._queued,
-            ]
-            log.exception(
-                "the torch sampler's driver failed; failing request_ids %s",
-                [item.job.request_id for item, _ in waiting],
-            )
-            self._waiters.clear()
-            self._cancelling.clear()
-            self._submitting = []
-            self._cancel_later.clear()
-            self._queued.clear()
-            for _, answer in waiting:
-                if not answer.done():
-                    answer.set_result(ServerError(_FAILED))
-
-    def _step(self, items: list[Prepared], cancels: list[int]) -> _Stepped:
-        """On the engine thread: drop `cancels`, submit `items`, then take one step."""
-        cancelled = [(ticket, self.sampler.cancel(ticket) or 0) for ticket in cancels]
-        tickets = [
-            self.sampler.submit(item.spec, item.adapter_key, item.adapter_dir) for item in items
-        ]
-        try:
-            return _Stepped(tickets, self.sampler.step(), self.sampler.busy, cancelled=cancelled)
-        except Exception:
-            log.exception("a sampling step failed")
-            self.sampler.abort()
-            return _Stepped(tickets, [], busy=False, failed=True, cancelled=cancelled)
-
-
-@dataclass
-class _Stepped:
-    """What one step on the engine thread gives back to the driver."""
-
-    tickets: list[int]  # for the items it submitted, in order
-    finished: Sequence[tuple[int, SampleOutput | TwinkleError]]  # (ticket, answer)
-    busy: bool  # requests still waiting or generating
-    failed: bool = False  # the step raised, and the sampler dropped every request it held
-    cancelled: Sequence[tuple[int, int]] = ()  # (ticket, tokens it had generated), dropped
-
-
-class VllmBackend:
-    """A vLLM engine: every job is submitted at once; vLLM batches continuously."""
-
-    name = "vllm"
-    concurrent = True
-
-    def __init__(self, sampler: Any, vocab_size: int, max_context: int) -> None:
-        self.sampler = sampler
-        self.vocab_size = vocab_size
-        self.max_context = max_context
-        self._requests: dict[str, asyncio.Task[SampleOutput]] = {}  # by request id
-
-    def cancel(self, request_id: str) -> None:
-        """Abort a request: vLLM aborts a generation whose stream is cancelled."""
-        task = self._requests.get(request_id)
-        if task is not None:
-            task.cancel()
-
-    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
-        async def one(item: Prepared) -> SampleOutput | TwinkleError:
-            request_id = item.job.request_id
-            task = asyncio.ensure_future(
-                self.sampler.sample(item.spec, item.adapter_dir, item.adapter_key)
-            )
-            self._requests[request_id] = task
-            try:
-                await asyncio.wait({task})
-            except asyncio.CancelledError:
-                task.cancel()  # the service is stopping
-                raise
-            finally:
-                self._requests.pop(request_id, None)
-            if task.cancelled():
-                return Cancelled()
-            try:
-                result: SampleOutput = task.result()
-            except TwinkleError as err:
-                return err
-            return result
-
-        return list(await asyncio.gather(*(one(item) for item in items)))
 
 
 class SamplerService:
@@ -289,8 +77,11 @@ class SamplerService:
         usage: UsageBook | None = None,
         metrics: SamplerMetrics | None = None,
         flush_s: float = 5.0,
+        max_attempts: int = 3,
     ) -> None:
         self.bus = bus
+        self.max_attempts = max_attempts
+        self._gate = Gate()  # a request some sampler stopped on runs alone
         # a trainer's sampler shares (and the trainer flushes) the trainer's book
         self._owns_usage = usage is None
         self.usage = usage or UsageBook(f"sampler-{uuid.uuid4().hex[:8]}")
@@ -334,7 +125,10 @@ class SamplerService:
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
                 else:
-                    await self._serve(batch)
+                    for item in [item for item in batch if item.attempts]:
+                        await self._serve([item])
+                    if rest := [item for item in batch if not item.attempts]:
+                        await self._serve(rest)
         finally:
             await cancels.unsubscribe()
             for task in list(self._tasks):
@@ -369,16 +163,18 @@ class SamplerService:
         if cancel is not None:
             cancel(request_id)
 
-    async def _skip_cancelled(self, job: SampleJob, msg: Msg) -> bool:
-        """Ack a job whose request was cancelled before it reached the backend."""
+    async def _pickup(self, job: SampleJob, msg: Msg) -> Pending | None:
+        """The job's pending future, with how often samplers began it before (`sample_guard`);
+        None, with the job acked, when its request was cancelled (or answered) before it
+        reached the backend."""
         if job.request_id not in self._cancelled:
-            data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
-            if not data or decode_outcome(data).state == "pending":
-                return False
+            future = await read_pending(self.bus, job)
+            if future is not None:
+                return future
         log.info("skipping sample %s: cancelled by its client", job.request_id)
         await msg.ack()
         self.metrics.request_cancelled("pickup", 0)
-        return True
+        return None
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -387,7 +183,12 @@ class SamplerService:
             log.error("dropping undecodable sample job")
             await msg.term()
             return
-        if await self._skip_cancelled(job, msg):
+        future = await self._pickup(job, msg)
+        if future is None:
+            return
+        if future.outcome.attempts >= self.max_attempts:
+            err = too_many_attempts(job.request_id, future.outcome.attempts)
+            await self._finish(job, msg, err, future=future)
             return
         try:
             body = api.decode(job.body, api.SampleRequest)
@@ -400,12 +201,10 @@ class SamplerService:
                 else (None, None)
             )
         except TwinkleError as err:
-            await self._finish(job, msg, err)
+            await self._finish(job, msg, err, future=future)
             return
         self._held[id(msg)] = msg
-        self._queue.put_nowait(
-            Prepared(job=job, msg=msg, spec=spec, adapter_dir=adapter_dir, adapter_key=adapter_key)
-        )
+        self._queue.put_nowait(Prepared(job, msg, spec, adapter_dir, adapter_key, future))
 
     def _adapter_dir(self, adapter_path: str, content_id: str) -> tuple[Path, str]:
         """The directory holding the content a session is bound to, and its cache key.
@@ -426,12 +225,17 @@ class SamplerService:
         return directory, f"{adapter_path}@{content_id}"
 
     async def _serve(self, batch: list[Prepared]) -> None:
-        started = time.perf_counter()
-        try:
-            results = await self.backend.sample_many(batch)
-        except Exception:
-            log.exception("sampling a batch of %d failed", len(batch))
-            results = [ServerError(_FAILED)] * len(batch)
+        alone = any(item.attempts for item in batch)
+        async with self._gate.alone() if alone else self._gate.shared():
+            batch = await self._begin(batch)
+            if not batch:
+                return
+            started = time.perf_counter()
+            try:
+                results = await self.backend.sample_many(batch)
+            except Exception:
+                log.exception("sampling a batch of %d failed", len(batch))
+                results = [ServerError(FAILED)] * len(batch)
         elapsed_s = time.perf_counter() - started
         self.metrics.observe_batch(elapsed_s, results)
         for item, result in zip(batch, results, strict=True):
@@ -442,7 +246,7 @@ class SamplerService:
                     log.exception("recording stability info of %s failed", item.job.request_id)
                     result = ServerError("could not record the samples' stability info; retry")
             try:
-                await self._finish(item.job, item.msg, result, item.spec)
+                await self._finish(item.job, item.msg, result, item.spec, item.future)
             except Exception:
                 # the answer was not written: the job goes back to the stream and runs again
                 # (a concurrent task's exception would otherwise be lost, and a batch's would
@@ -453,6 +257,33 @@ class SamplerService:
                 self._held.pop(id(item.msg), None)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
+
+    async def _begin(self, batch: list[Prepared]) -> list[Prepared]:
+        """Count a start on each request's future (`sample_guard.begin`); the requests that
+        may run. One settled meanwhile (cancelled) is acked and dropped; one whose start could
+        not be counted goes back to the stream."""
+        counted = await asyncio.gather(
+            *(
+                begin(self.bus, item.job, item.future or Pending(pending_of(item.job), None))
+                for item in batch
+            ),
+            return_exceptions=True,
+        )
+        ready = []
+        for item, future in zip(batch, counted, strict=True):
+            if isinstance(future, Pending):
+                item.future = future
+                ready.append(item)
+                continue
+            self._held.pop(id(item.msg), None)
+            if future is None:
+                log.info("skipping sample %s: cancelled by its client", item.job.request_id)
+                await item.msg.ack()
+                self.metrics.request_cancelled("pickup", 0)
+            else:
+                log.error("counting the start of %s failed: %r", item.job.request_id, future)
+                await self._redeliver(item.msg)
+        return ready
 
     async def _redeliver(self, msg: Msg) -> None:
         try:
@@ -493,7 +324,10 @@ class SamplerService:
         msg: Msg,
         result: SampleOutput | TwinkleError,
         spec: SampleSpec | None = None,
+        future: Pending | None = None,
     ) -> None:
+        """Answer the job over its pending future (`future`: as last seen, else read) and
+        ack it."""
         if isinstance(result, Cancelled) or job.request_id in self._cancelled:
             # the gateway already failed the future; a result that beat the cancel is dropped
             await msg.ack()
@@ -528,8 +362,8 @@ class SamplerService:
         encoded = encode_outcome(outcome)
         limit = self.bus.max_value_bytes()
         if len(encoded) > limit:  # what a request asks for may outgrow what one answer holds
-            return await self._finish(job, msg, _too_large(len(encoded), limit))
-        if not await self._answer(subjects.future_key(job.request_id), encoded):
+            return await self._finish(job, msg, _too_large(len(encoded), limit), future=future)
+        if not await write_answer(self.bus, job, encoded, future):
             # settled already: by the gateway's cancel, whose message this sampler missed (a
             # core NATS message is lost across a reconnect), or by this job's own answer
             # before a redelivery; what is there stands
@@ -544,12 +378,3 @@ class SamplerService:
             )
         await msg.ack()
         self.metrics.request_finished(outcome.state, outcome.category)
-
-    async def _answer(self, key: str, encoded: bytes) -> bool:
-        """Write an answer over a pending future only (compare-and-set, as the gateway's cancel
-        does): False when the future was settled already."""
-        current = await self.bus.entry(subjects.BUCKET_FUTURES, key)
-        if current is not None and decode_outcome(current[0]).state != "pending":
-            return False
-        revision = None if current is None else current[1]
-        return await self.bus.swap(subjects.BUCKET_FUTURES, key, encoded, revision)

@@ -25,7 +25,7 @@ Step 5 (decode): the remaining rows take one step together. Their snapshots are 
 
 `sample` runs requests to completion with these steps (tests, tools). The trainer's service calls
 `submit` and `step` on the engine's thread, one step per executor call, so training calls run
-between two steps (`workers.sampler_service.TorchBackend`).
+between two steps (`workers.sampler_backends.TorchBackend`).
 
 Invariants:
 - Logprobs are raw: log_softmax of the model's logits, before temperature, top-k and top-p,

@@ -57,6 +57,7 @@ _SCAN_BATCH = 64  # KV reads in flight at once during a rebuild
 _MIN_SCAN_S = 2.0  # a rebuild gets at least this long, even for an answer-at-once poll
 _SKEW_US = 5_000_000  # finished this long before the cursor still counts (clocks differ)
 _MAX_JOIN_TRIES = 32  # compare-and-set attempts of one join under contention
+_MAX_CANCEL_TRIES = 8  # compare-and-set attempts of one cancel against a sampler's updates
 _PUBLISH_TIMEOUT_S = 2.0
 
 
@@ -152,22 +153,28 @@ async def cancel_future(request: web.Request) -> web.Response:
     body = await read_json(request, CancelFutureRequest)
     request_id = rules.check_request_id("request_id", body.request_id)
     tenant = request[TENANT]
-    entry = await request.app[BUS].entry(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
-    outcome = decode_outcome(entry[0]) if entry is not None else None
-    if entry is None or outcome is None or outcome.tenant_id != tenant:
-        raise NotFound(f"request_id {request_id!r} not found (unknown or expired)")
-    if outcome.request_type != "sample":
-        raise UserError(
-            f"request_id: {request_id!r} is a {outcome.request_type or 'training'} request; only"
-            " samples can be cancelled"
+    # A sampler counts each start on the pending outcome (`workers.sample_guard`), so a
+    # compare-and-set that lost to one reads the outcome again; one that finished is left.
+    for _ in range(_MAX_CANCEL_TRIES):
+        entry = await request.app[BUS].entry(
+            subjects.BUCKET_FUTURES, subjects.future_key(request_id)
         )
-    if outcome.state != "pending":
-        return json_response({})
-    if await request.app[FUTURES].cancel(outcome, entry[1], Cancelled().message):
-        request.app[SAMPLES].done(tenant, request_id)
-        await _tell_samplers(request.app, outcome, tenant)
-        log.info("sample %s cancelled by its client", request_id)
-    return json_response({})
+        outcome = decode_outcome(entry[0]) if entry is not None else None
+        if entry is None or outcome is None or outcome.tenant_id != tenant:
+            raise NotFound(f"request_id {request_id!r} not found (unknown or expired)")
+        if outcome.request_type != "sample":
+            raise UserError(
+                f"request_id: {request_id!r} is a {outcome.request_type or 'training'} request;"
+                " only samples can be cancelled"
+            )
+        if outcome.state != "pending":
+            return json_response({})
+        if await request.app[FUTURES].cancel(outcome, entry[1], Cancelled().message):
+            request.app[SAMPLES].done(tenant, request_id)
+            await _tell_samplers(request.app, outcome, tenant)
+            log.info("sample %s cancelled by its client", request_id)
+            return json_response({})
+    raise Unavailable(f"could not cancel {request_id!r} while its sampler updated it; retry")
 
 
 async def _tell_samplers(app: web.Application, outcome: Outcome, tenant: str) -> None:

@@ -1,9 +1,14 @@
-"""A sample whose answer cannot be stored, on a real nats-server (a stand-in backend returns
-what the sampling engine would): a response larger than one KV value may hold fails its own
-request with a clear user error, is acked (never redelivered and recomputed), and the service
-answers the next request; a write of an answer that fails is not lost but redelivered, and the
-service keeps serving. Both for a backend that answers each request on its own (`concurrent`)
-and one that answers a batch at once."""
+"""The sampler service when answers cannot be stored, samples run long, or a request stops its
+sampler; on a real nats-server, with stand-in backends for the sampling engine:
+- a response larger than one KV value may hold fails its own request with a clear user error,
+  is acked (never redelivered and recomputed), and the service answers the next request;
+- an answer whose write fails is not lost: the job is handed back at once and answered, and the
+  service keeps serving;
+- a job held past `ack_wait` (queued or sampling) is kept alive, not run a second time;
+- a request that stops its sampler runs alone when it comes back, and after `max_attempts`
+  stops fails with a server error without running again; the others are answered.
+Each for a backend that answers each request on its own (`concurrent`) and one that answers a
+batch at once."""
 
 from __future__ import annotations
 
@@ -17,14 +22,16 @@ import pytest
 
 from protocol import subjects
 from protocol.errors import ErrorCategory, TwinkleError
-from protocol.jobs import Outcome, SampleJob, decode_outcome
+from protocol.jobs import Outcome, SampleJob, decode_outcome, encode_outcome
 from protocol.sampling import SampledSequence, SampleOutput
 from tests.test_sampler_cancel_service import until
 from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
-from workers.sampler_service import Prepared, SamplerService
+from workers.sample_guard import pending_of
+from workers.sampler_backends import Prepared
+from workers.sampler_service import SamplerService
 
 POOL = "tiny-pool"
 
@@ -74,14 +81,16 @@ class FullLengthBackend:
 
 
 class FlakyWrites(WorkerBus):
-    """The real bus, whose first write of each listed future fails as a dropped write would."""
+    """The real bus, whose first write of an answer to each listed future fails as a dropped
+    write would."""
 
     def __init__(self, url: str, failing: set[str]) -> None:
         super().__init__(url, ack_wait_s=120.0)  # redelivered at once, not after ack_wait
         self.failing = {subjects.future_key(request_id) for request_id in failing}
 
     async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
-        if bucket == subjects.BUCKET_FUTURES and key in self.failing:
+        answer = bucket == subjects.BUCKET_FUTURES and decode_outcome(value).state != "pending"
+        if answer and key in self.failing:
             self.failing.discard(key)
             raise ConnectionError(f"write of {key} dropped")
         return await super().swap(bucket, key, value, revision)
@@ -106,7 +115,7 @@ async def answered(gateway: Bus, *request_ids: str) -> dict[str, Outcome]:
     async def all_in() -> bool:
         for request_id in request_ids:
             out = await outcome(gateway, request_id)
-            if out is not None:
+            if out is not None and out.state != "pending":
                 found[request_id] = out
         return len(found) == len(request_ids)
 
@@ -216,3 +225,71 @@ async def test_a_sample_longer_than_ack_wait_runs_once(
 
 async def _seen(backend: FullLengthBackend, request_id: str) -> bool:
     return request_id in backend.seen
+
+
+class PoisonBackend(FullLengthBackend):
+    """Never comes back from `poison`, as an engine that dies on it; answers the rest."""
+
+    def __init__(self, concurrent: bool, poison: str) -> None:
+        super().__init__(concurrent)
+        self.poison = poison
+
+    async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]:
+        if any(item.job.request_id == self.poison for item in items):
+            self.seen += [item.job.request_id for item in items]
+            await asyncio.Event().wait()
+        return await super().sample_many(items)
+
+
+class Sampler:
+    """One sampler process: a service on its own connection, stopped as a crash stops it
+    (nothing acked, nothing answered)."""
+
+    def __init__(self, url: str, root: Path, concurrent: bool) -> None:
+        self.url, self.root, self.concurrent = url, root, concurrent
+
+    async def __aenter__(self) -> PoisonBackend:
+        self.bus = WorkerBus(self.url, ack_wait_s=1.0)
+        await self.bus.connect()
+        backend = PoisonBackend(self.concurrent, "req-poison")
+        service = SamplerService(self.bus, backend, POOL, self.root, max_attempts=2)
+        self.task = asyncio.create_task(service.run())
+        return backend
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.bus.close()
+
+
+@pytest.mark.parametrize("concurrent", [True, False], ids=["concurrent", "batched"])
+async def test_a_sample_that_stops_its_sampler_runs_alone_then_fails(
+    nats_server: NatsServer, gateway: Bus, tmp_path: Path, concurrent: bool
+) -> None:
+    """A request that stops every sampler it reaches: after a first stop it runs alone (a
+    request that comes while it runs waits, and is not counted as begun); after `max_attempts`
+    stops it fails with a server error and is not run again; the others are answered."""
+    for request_id in ("req-poison", "req-innocent"):
+        await gateway.put(
+            subjects.BUCKET_FUTURES,
+            subjects.future_key(request_id),
+            encode_outcome(pending_of(job(request_id))),
+        )
+    async with Sampler(nats_server.url, tmp_path, concurrent) as first:
+        await gateway.publish_sample(POOL, job("req-poison"), "req-poison")
+        await gateway.publish_sample(POOL, job("req-innocent"), "req-innocent")
+        await until(lambda: _seen(first, "req-poison"))
+        await asyncio.sleep(0.3)
+    # the first sampler stopped while sampling: both come back; the poison runs alone
+    async with Sampler(nats_server.url, tmp_path, concurrent) as second:
+        await until(lambda: _seen(second, "req-poison"), timeout_s=20.0)
+        await gateway.publish_sample(POOL, job("req-fresh"), "req-fresh")
+        await asyncio.sleep(1.5)
+        assert second.seen == ["req-poison"] or second.seen[:2] == ["req-innocent", "req-poison"]
+    async with Sampler(nats_server.url, tmp_path, concurrent) as third:
+        found = await answered(gateway, "req-poison", "req-innocent", "req-fresh")
+        assert "req-poison" not in third.seen
+    poison = found["req-poison"]
+    assert poison.state == "error" and poison.category == ErrorCategory.SERVER, poison
+    assert "not run again" in (poison.error or "")
+    assert found["req-innocent"].state == "done" and found["req-fresh"].state == "done"

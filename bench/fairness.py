@@ -1,0 +1,237 @@
+"""A light tenant's step latency alone and beside a tenant that floods the worker.
+
+`twinkle-async up` runs with small passes (`--token-budget 256` by default) and two tenants.
+The light tenant runs `forward_backward(cross_entropy)` + `optim_step` steps on 1 datum x 32
+tokens, each awaited. The flooder, in its own process (its SDK client's threads do not share
+this interpreter), keeps a backlog of `forward` calls on 2 datums x 128 tokens in flight: one
+such call is larger than a pass, and forward calls never wait for an optim_step, so all of
+them are ready at once and only the worker's scheduler decides who goes first.
+
+It prints the light tenant's p50/p90 step latency alone and beside the flood, their ratio
+(the issue's fairness target is p50 within 2x), and how many flood calls finished meanwhile.
+Rounds alternate (alone, flood, alone, flood, ...) so both see the same background load.
+
+    .venv/bin/python bench/fairness.py [--rounds 3] [--steps 16] [--in-flight 2]
+
+The model is a random Qwen3 built offline (`workers.tiny_model`). On a 2-core machine the
+flooder's client, the gateway and NATS share the cores with the worker, so part of the ratio is
+CPU contention rather than the schedule; the share of the time the worker spent in passes and steps is printed as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import tinker
+from tinker import types
+
+ROOT = Path(__file__).resolve().parents[1]  # `up` runs this checkout's modules
+LIGHT_KEY = "tml-bench-light-0123456789"
+FLOOD_KEY = "tml-bench-flood-0123456789"
+
+FLOODER = """
+import sys, time
+from pathlib import Path
+import tinker
+from tinker import types
+
+base_url, api_key, model, signals, in_flight_n = sys.argv[1:6]
+tokens = [3 + i % 200 for i in range(129)]
+batch = [
+    types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 128},
+    )
+    for _ in range(2)
+]
+service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+flood = service.create_lora_training_client(base_model=model, rank=4, seed=2).result()
+Path(signals, "ready").touch()
+sent = 0
+while not Path(signals, "quit").exists():
+    while not Path(signals, "go").exists():
+        if Path(signals, "quit").exists():
+            break
+        time.sleep(0.01)
+    in_flight = []
+    while Path(signals, "go").exists():
+        while len(in_flight) < int(in_flight_n):
+            in_flight.append(flood.forward(batch, "cross_entropy"))
+        in_flight.pop(0).result()
+        sent += 1
+    for future in in_flight:
+        future.result()
+        sent += 1
+    Path(signals, "sent").write_text(str(sent))
+    Path(signals, "idle").touch()
+service.close("success").result()
+"""
+
+
+def _batch(datums: int, length: int) -> list[types.Datum]:
+    tokens = [3 + i % 200 for i in range(length + 1)]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length},
+        )
+        for _ in range(datums)
+    ]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{what} failed")
+        time.sleep(0.02)
+
+
+class Cluster:
+    """`twinkle-async up` with a light and a flooding tenant."""
+
+    def __init__(self, tmp: Path, model: Path, args: argparse.Namespace) -> None:
+        key_file = tmp / "keys.txt"
+        key_file.write_text(f"{LIGHT_KEY} light\n{FLOOD_KEY} flood\n")
+        ready = tmp / "ready.json"
+        argv = [
+            sys.executable, "-m", "twinkle_async", "up",
+            "--base-model", str(model),
+            "--port", "0",
+            "--data-dir", str(tmp / "data"),
+            "--key-file", str(key_file),
+            "--ready-file", str(ready),
+            "--threads", str(args.threads),
+            "--token-budget", str(args.token_budget),
+            "--log-level", "WARNING",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(argv, cwd=ROOT)
+        _wait_for(ready, self.proc, "the cluster", 120)
+        info = json.loads(ready.read_text())
+        self.base_url = info["base_url"]
+        self.metrics_url = self._worker_metrics_url(info["admin_key"])
+        self.service = tinker.ServiceClient(base_url=self.base_url, api_key=LIGHT_KEY)
+        self.light = self.service.create_lora_training_client(
+            base_model=str(model), rank=4, seed=1
+        ).result()
+
+    def _worker_metrics_url(self, admin_key: str) -> str:
+        request = urllib.request.Request(
+            f"{self.base_url}/admin/v1/workers", headers={"X-Admin-Key": admin_key}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            [worker] = json.load(response)["workers"]
+        return str(worker["metrics_url"])
+
+    def engine_s(self) -> float:
+        """Seconds the worker has spent in passes and optimizer steps so far."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        names = ("twinkle_worker_pass_seconds_sum", "twinkle_worker_optim_step_seconds_sum")
+        return sum(
+            float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in names
+        )
+
+    def light_steps(self, count: int) -> list[float]:
+        batch = _batch(1, 32)
+        latencies = []
+        for _ in range(count):
+            started = time.perf_counter()
+            fwd = self.light.forward_backward(batch, "cross_entropy")
+            opt = self.light.optim_step(types.AdamParams(learning_rate=1e-3))
+            fwd.result(timeout=120)
+            opt.result(timeout=120)
+            latencies.append(time.perf_counter() - started)
+        return latencies
+
+    def close(self) -> None:
+        try:
+            self.service.close("success").result()
+        finally:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=60)
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="alone/flood pairs")
+    parser.add_argument("--steps", type=int, default=16, help="light steps per round")
+    parser.add_argument("--in-flight", type=int, default=2, help="the flood's backlog")
+    parser.add_argument("--token-budget", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--model", type=Path, help="an existing model directory to use instead")
+    args = parser.parse_args()
+    os.environ.update(HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE", TINKER_TELEMETRY="0")
+    tmp = Path(tempfile.mkdtemp(prefix="twinkle-fairness-"))
+    model = args.model
+    if model is None:
+        model = tmp / "model"
+        subprocess.run([sys.executable, "-m", "workers.tiny_model", str(model)], check=True)
+    cluster = Cluster(tmp, model, args)
+    signals = tmp / "signals"
+    signals.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", FLOODER, cluster.base_url, FLOOD_KEY, str(model), str(signals),
+         str(args.in_flight)],
+        env=env,
+    )  # fmt: skip
+    alone: list[float] = []
+    crowded: list[float] = []
+    engine = {"alone": 0.0, "flood": 0.0}  # the worker's seconds in passes and steps
+    wall = {"alone": 0.0, "flood": 0.0}
+    sent = 0
+    try:
+        _wait_for(signals / "ready", flooder, "the flooder", 120)
+        cluster.light_steps(3)  # warm-up
+        for _ in range(args.rounds):
+            before, started = cluster.engine_s(), time.perf_counter()
+            alone += cluster.light_steps(args.steps)
+            engine["alone"] += cluster.engine_s() - before
+            wall["alone"] += time.perf_counter() - started
+            (signals / "idle").unlink(missing_ok=True)
+            (signals / "go").touch()
+            time.sleep(2.0)  # the flood's backlog builds up
+            before, started = cluster.engine_s(), time.perf_counter()
+            crowded += cluster.light_steps(args.steps)
+            engine["flood"] += cluster.engine_s() - before
+            wall["flood"] += time.perf_counter() - started
+            (signals / "go").unlink()
+            _wait_for(signals / "idle", flooder, "the flooder", 120)
+            sent = int((signals / "sent").read_text())
+    finally:
+        (signals / "go").unlink(missing_ok=True)
+        (signals / "quit").touch()
+        flooder.wait(timeout=120)
+        cluster.close()
+    print(f"light tenant, 1x32 steps; flood {args.in_flight} x forward(2x128) in flight;"
+          f" token budget {args.token_budget}; {args.rounds} rounds x {args.steps} steps")  # fmt: skip
+    print(f"{'':>14} {'p50 ms':>8} {'p90 ms':>8} {'worker busy':>12}")
+    for name, values in (("alone", alone), ("beside flood", crowded)):
+        key = "alone" if name == "alone" else "flood"
+        print(
+            f"{name:>14} {statistics.median(values) * 1e3:8.1f} {_p(values, 0.9) * 1e3:8.1f}"
+            f" {engine[key] / wall[key]:12.0%}"
+        )
+    ratio = statistics.median(crowded) / statistics.median(alone)
+    print(f"p50 ratio (beside flood / alone): {ratio:.2f}x  (target <= 2x)")
+    print(f"flood forward calls finished: {sent}")
+
+
+if __name__ == "__main__":
+    main()

@@ -69,6 +69,14 @@ def worker_options(
         ),
     ] = 0,
     gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
+    ack_wait_s: Annotated[
+        float,
+        typer.Option(
+            envvar="TWINKLE_ACK_WAIT_S",
+            min=1.0,
+            help="a job its worker stopped answering (a crash) is handed out again after this",
+        ),
+    ] = 120.0,
     worker_id: Annotated[
         str | None,
         typer.Option(
@@ -136,6 +144,7 @@ def worker_options(
         threads=threads or None,
         token_budget=token_budget or None,
         gap_timeout_s=gap_timeout_s,
+        ack_wait_s=ack_wait_s,
         lease_s=lease_s,
         lease_renew_s=lease_s / 4,
         snapshot_every=snapshot_every,

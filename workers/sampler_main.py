@@ -62,6 +62,14 @@ def sampler_options(
             envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times a sample may stop its sampler"
         ),
     ] = 3,
+    ack_wait_s: Annotated[
+        float,
+        typer.Option(
+            envvar="TWINKLE_ACK_WAIT_S",
+            min=1.0,
+            help="a job its worker stopped answering (a crash) is handed out again after this",
+        ),
+    ] = 120.0,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a sampler: one pool's sample requests, with vLLM or the torch sampler."""
@@ -76,6 +84,7 @@ def sampler_options(
         metrics_port=metrics_port,
         log_level=log_level,
         max_attempts=max_attempts,
+        ack_wait_s=ack_wait_s,
         worker_id=f"{socket.gethostname()}-sampler-{uuid.uuid4().hex[:8]}",
     )
 
@@ -131,7 +140,7 @@ async def serve(settings: WorkerSettings) -> None:
             backend = TorchBackend(
                 TorchSampler(engine), engine, ThreadPoolExecutor(1, thread_name_prefix="engine")
             )
-        bus = WorkerBus(settings.nats_url)
+        bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
         await bus.connect()
         record = WorkerRecord(
             worker_id=settings.worker_id,

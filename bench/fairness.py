@@ -23,27 +23,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-import tinker
-from tinker import types
+import overhead  # the sibling benchmark's cluster: `up`, one SDK client, the worker's metrics
 
-ROOT = Path(__file__).resolve().parents[1]  # `up` runs this checkout's modules
-LIGHT_KEY = "tml-bench-light-0123456789"
+ROOT = overhead.ROOT
 FLOOD_KEY = "tml-bench-flood-0123456789"
 
 FLOODER = """
 import sys, time
 from pathlib import Path
-import tinker
-from tinker import types
+import overhead  # the sibling benchmark's cluster: `up`, one SDK client, the worker's metrics
 
 base_url, api_key, model, signals, in_flight_n = sys.argv[1:6]
 tokens = [3 + i % 200 for i in range(129)]
@@ -78,17 +73,6 @@ service.close("success").result()
 """
 
 
-def _batch(datums: int, length: int) -> list[types.Datum]:
-    tokens = [3 + i % 200 for i in range(length + 1)]
-    return [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length},
-        )
-        for _ in range(datums)
-    ]
-
-
 def _wait_for(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -97,69 +81,23 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: f
         time.sleep(0.02)
 
 
-class Cluster:
-    """`twinkle-async up` with a light and a flooding tenant."""
+class Cluster(overhead.Cluster):
+    """`twinkle-async up` with the light tenant (the cluster's own key) and a flooding one."""
 
     def __init__(self, tmp: Path, model: Path, args: argparse.Namespace) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         key_file = tmp / "keys.txt"
-        key_file.write_text(f"{LIGHT_KEY} light\n{FLOOD_KEY} flood\n")
-        ready = tmp / "ready.json"
-        argv = [
-            sys.executable, "-m", "twinkle_async", "up",
-            "--base-model", str(model),
-            "--port", "0",
-            "--data-dir", str(tmp / "data"),
-            "--key-file", str(key_file),
-            "--ready-file", str(ready),
-            "--threads", str(args.threads),
-            "--token-budget", str(args.token_budget),
-            "--log-level", "WARNING",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(argv, cwd=ROOT)
-        _wait_for(ready, self.proc, "the cluster", 120)
-        info = json.loads(ready.read_text())
-        self.base_url = info["base_url"]
-        self.metrics_url = self._worker_metrics_url(info["admin_key"])
-        self.service = tinker.ServiceClient(base_url=self.base_url, api_key=LIGHT_KEY)
-        self.light = self.service.create_lora_training_client(
-            base_model=str(model), rank=4, seed=1
-        ).result()
+        key_file.write_text(f"{FLOOD_KEY} flood\n")
+        extra = ["--key-file", str(key_file), "--token-budget", str(args.token_budget)]
+        super().__init__(tmp, model, 4, args.threads, extra)
+        self.base_url = self._base_url(tmp)
 
-    def _worker_metrics_url(self, admin_key: str) -> str:
-        request = urllib.request.Request(
-            f"{self.base_url}/admin/v1/workers", headers={"X-Admin-Key": admin_key}
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            [worker] = json.load(response)["workers"]
-        return str(worker["metrics_url"])
-
-    def engine_s(self) -> float:
-        """Seconds the worker has spent in passes and optimizer steps so far."""
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
-            text = response.read().decode()
-        names = ("twinkle_worker_pass_seconds_sum", "twinkle_worker_optim_step_seconds_sum")
-        return sum(
-            float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] in names
-        )
+    @staticmethod
+    def _base_url(tmp: Path) -> str:
+        return str(json.loads((tmp / "ready.json").read_text())["base_url"])
 
     def light_steps(self, count: int) -> list[float]:
-        batch = _batch(1, 32)
-        latencies = []
-        for _ in range(count):
-            started = time.perf_counter()
-            fwd = self.light.forward_backward(batch, "cross_entropy")
-            opt = self.light.optim_step(types.AdamParams(learning_rate=1e-3))
-            fwd.result(timeout=120)
-            opt.result(timeout=120)
-            latencies.append(time.perf_counter() - started)
-        return latencies
-
-    def close(self) -> None:
-        try:
-            self.service.close("success").result()
-        finally:
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.wait(timeout=60)
+        return [self.round_ms(1, 32) / 1e3 for _ in range(count)]
 
 
 def _p(values: list[float], q: float) -> float:

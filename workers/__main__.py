@@ -69,14 +69,7 @@ def worker_options(
         ),
     ] = 0,
     gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
-    ack_wait_s: Annotated[
-        float,
-        typer.Option(
-            envvar="TWINKLE_ACK_WAIT_S",
-            min=1.0,
-            help="a job its worker stopped answering (a crash) is handed out again after this",
-        ),
-    ] = 120.0,
+    ack_wait_s: worker_settings.AckWaitS = 120.0,
     worker_id: Annotated[
         str | None,
         typer.Option(

@@ -62,14 +62,7 @@ def sampler_options(
             envvar="TWINKLE_MAX_ATTEMPTS", min=1, help="times a sample may stop its sampler"
         ),
     ] = 3,
-    ack_wait_s: Annotated[
-        float,
-        typer.Option(
-            envvar="TWINKLE_ACK_WAIT_S",
-            min=1.0,
-            help="a job its worker stopped answering (a crash) is handed out again after this",
-        ),
-    ] = 120.0,
+    ack_wait_s: worker_settings.AckWaitS = 120.0,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a sampler: one pool's sample requests, with vLLM or the torch sampler."""

@@ -16,11 +16,22 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from protocol import subjects
+
+# An option both entry points declare: how long a job taken by a worker that stopped answering
+# it (a crash) stays with that worker; a live worker keeps its jobs (`in_progress`) meanwhile.
+AckWaitS = Annotated[
+    float,
+    typer.Option(
+        envvar="TWINKLE_ACK_WAIT_S",
+        min=1.0,
+        help="a job its worker stopped answering (a crash) is handed out again after this",
+    ),
+]
 
 
 @dataclass(frozen=True)

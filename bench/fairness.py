@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import overhead  # the sibling benchmark's cluster: `up`, one SDK client, the worker's metrics
+from tinker import types
 
 ROOT = overhead.ROOT
 FLOOD_KEY = "tml-bench-flood-0123456789"
@@ -38,7 +39,8 @@ FLOOD_KEY = "tml-bench-flood-0123456789"
 FLOODER = """
 import sys, time
 from pathlib import Path
-import overhead  # the sibling benchmark's cluster: `up`, one SDK client, the worker's metrics
+import tinker
+from tinker import types
 
 base_url, api_key, model, signals, in_flight_n = sys.argv[1:6]
 tokens = [3 + i % 200 for i in range(129)]
@@ -97,7 +99,24 @@ class Cluster(overhead.Cluster):
         return str(json.loads((tmp / "ready.json").read_text())["base_url"])
 
     def light_steps(self, count: int) -> list[float]:
-        return [self.round_ms(1, 32) / 1e3 for _ in range(count)]
+        """Steps as a training loop sends them: optim_step queued behind its forward_backward
+        before either is awaited."""
+        tokens = [3 + i % 200 for i in range(33)]
+        batch = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 32},
+            )
+        ]
+        latencies = []
+        for _ in range(count):
+            started = time.perf_counter()
+            fwd = self.client.forward_backward(batch, "cross_entropy")
+            opt = self.client.optim_step(types.AdamParams(learning_rate=1e-3))
+            fwd.result(timeout=120)
+            opt.result(timeout=120)
+            latencies.append(time.perf_counter() - started)
+        return latencies
 
 
 def _p(values: list[float], q: float) -> float:

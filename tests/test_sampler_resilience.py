@@ -293,3 +293,29 @@ async def test_a_sample_that_stops_its_sampler_runs_alone_then_fails(
     assert poison.state == "error" and poison.category == ErrorCategory.SERVER, poison
     assert "not run again" in (poison.error or "")
     assert found["req-innocent"].state == "done" and found["req-fresh"].state == "done"
+
+
+async def test_a_worker_with_another_ack_wait_updates_the_pools_consumer(
+    nats_server: NatsServer, gateway: Bus
+) -> None:
+    """JetStream keeps a durable consumer's settings: the worker started with another
+    `ack_wait` sets it, or a changed TWINKLE_ACK_WAIT_S would not take effect."""
+    durable = subjects.sample_consumer(POOL)
+
+    async def nothing(msg: object) -> None:
+        return None
+
+    for ack_wait_s in (120.0, 7.0, 7.0):
+        worker = WorkerBus(nats_server.url, ack_wait_s=ack_wait_s)
+        await worker.connect()
+        try:
+            task = await worker.consume(
+                subjects.STREAM_SAMPLE, subjects.sample_subject(POOL), durable, nothing
+            )
+            assert gateway.js is not None
+            info = await gateway.js.consumer_info(subjects.STREAM_SAMPLE, durable)
+            assert info.config.ack_wait == ack_wait_s
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            await worker.close()

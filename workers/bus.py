@@ -182,6 +182,7 @@ class WorkerBus:
         sub = await self.js.pull_subscribe(
             filter_subject, durable=durable, stream=stream, config=config
         )
+        await self._set_ack_wait(stream, durable)
 
         async def loop() -> None:
             try:
@@ -223,6 +224,19 @@ class WorkerBus:
         self._tasks.append(task)
         task.add_done_callback(self._forget_task)
         return task
+
+    async def _set_ack_wait(self, stream: str, durable: str) -> None:
+        """A durable consumer keeps the settings it was created with: a worker started with
+        another `ack_wait` updates it (the pool's consumer is shared, so the last worker
+        started sets it)."""
+        assert self.js is not None
+        info = await self.js.consumer_info(stream, durable)
+        if info.config.ack_wait == self.ack_wait_s:
+            return
+        log.info(
+            "consumer %s: ack_wait %s s -> %s s", durable, info.config.ack_wait, self.ack_wait_s
+        )
+        await self.js.add_consumer(stream, info.config.evolve(ack_wait=self.ack_wait_s))
 
     def _forget_task(self, task: asyncio.Task[None]) -> None:
         if task in self._tasks:

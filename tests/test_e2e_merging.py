@@ -165,7 +165,8 @@ def test_a_flooding_tenant_does_not_hold_a_light_one_back(
     sent = int(out.decode().split()[-1])
     assert sent >= 2
     print(f"light step p50: alone {alone * 1e3:.1f} ms, beside the flood {crowded * 1e3:.1f} ms")
-    # The target is 2x. Alone on this 2-core machine the ratio is 1.3-1.9x, but in a full
-    # CI run (the session's other clusters idling beside it) it measured 2.2x, the flood's client,
-    # gateway and NATS taking CPU, not the schedule. First come, first served gives 4.9x and more.
-    assert crowded <= 3 * alone, (alone, crowded, sent)
+    # The target is 2x. Alone on this 2-core machine the ratio is 1.3-1.5x (lone optim
+    # steps go before the flood's next pass); in a full CI run, the session's other clusters
+    # idling beside it, it measured up to 2.2x before that change, the flood's client, gateway
+    # and NATS taking CPU, not the schedule. First come, first served gives 4.9x and more.
+    assert crowded <= 2.5 * alone, (alone, crowded, sent)

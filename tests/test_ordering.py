@@ -175,6 +175,26 @@ def test_a_flooding_tenant_takes_one_op_per_round_and_the_light_one_goes_first()
     assert [p.job.model_id for p in cycle.optim_steps] == ["light"]
 
 
+def test_an_optim_step_at_the_head_of_its_line_runs_before_the_shared_pass() -> None:
+    """A light tenant's optim_step that arrived after its forward_backward was planned goes
+    ahead of the flood's next pass: it needs nothing from that pass."""
+    seq: Sequencer[str] = Sequencer()
+    for model in ("flood", "light", "both"):
+        offer(seq, create(model))
+        seq.applied(create(model))
+    for i in range(1, 6):
+        offer(seq, fwd_of("flood", "heavy", i, 100))
+    offer(seq, opt("light", 1))  # its forward_backward ran in an earlier cycle
+    offer(seq, fwd_of("both", "small", 1, 10))
+    offer(seq, opt("both", 2))
+
+    cycle = plan(seq.ready(), token_budget=300, served={"tenant:heavy": 5000.0})
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.early_steps] == [("light", 1)]
+    assert [(p.job.model_id, p.job.seq_id) for p in cycle.optim_steps] == [("both", 2)]
+    assert ("both", 1) in [(p.job.model_id, p.job.seq_id) for p in cycle.shared_pass]
+    assert all(p.job.model_id != "light" for p in cycle.shared_pass)
+
+
 @given(
     backlog=st.lists(st.integers(1, 8), min_size=1, max_size=6),
     budget=st.integers(1, 40),

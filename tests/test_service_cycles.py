@@ -88,3 +88,42 @@ async def test_merging_off_plans_one_model_per_cycle(tmp_path: Path) -> None:
         ["m-a-2"],
         ["m-b-2"],
     ]
+
+
+async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_after(
+    tmp_path: Path,
+) -> None:
+    service = _service(RecordingBus(), tmp_path)
+    service.engine = SimpleNamespace(  # type: ignore[assignment]
+        pass_tokens=16384, slots_used=lambda: 0, parked={}
+    )
+    calls: list[tuple[str, list[str]]] = []
+
+    def recorder(kind: str) -> Any:
+        def run(jobs: list[Job]) -> list[Result]:
+            calls.append((kind, [job.request_id for job in jobs]))
+            return _ran(jobs)
+
+        return run
+
+    service.ops = SimpleNamespace(  # type: ignore[assignment]
+        shared_pass=recorder("pass"), optim_steps=recorder("step")
+    )
+    jobs: list[Job] = [
+        OptimStepJob(request_id="light-step", model_id="m-light", tenant_id="a", seq_id=1),
+        ForwardBackwardJob(request_id="flood-fb", model_id="m-flood", tenant_id="b", seq_id=1),
+        OptimStepJob(request_id="flood-step", model_id="m-flood", tenant_id="b", seq_id=2),
+    ]
+    for model_id in ("m-light", "m-flood"):
+        service.sequencer.start(model_id, applied_seq=0)
+    for job in jobs:
+        service.sequencer.offer(Pending(job=job, handle=None, received_at=0.0))
+
+    [cycle] = service._plan()
+    await service._run_cycle(cycle)
+
+    assert calls == [
+        ("step", ["light-step"]),
+        ("pass", ["flood-fb"]),
+        ("step", ["flood-step"]),
+    ]

@@ -2,9 +2,12 @@
 
 Each cycle takes ready forward/forward_backward ops across all models of the pool, up to a token
 budget, as one shared call (the engine splits it into passes of at most its pass size); then
-every optim_step that directly follows a model's work in this cycle (or heads its line) as one
-fused step; then the other ops (create, save, load, unload), which are barriers for their own
-model only. Tombstones (calls the gateway refused) run nothing: they are settled wherever they
+every optim_step that directly follows a model's work in this cycle as one fused step; then the
+other ops (create, save, load, unload), which are barriers for their own model only. An
+optim_step that heads its model's line (its forward_backward ran in an earlier cycle) does not
+depend on this cycle's call, so those run as one fused step *before* it: a light tenant's step
+that arrived just after its forward_backward was planned does not wait behind another tenant's
+pass. Tombstones (calls the gateway refused) run nothing: they are settled wherever they
 stand in a model's line, so they never hold it up.
 
 Fairness: the call is filled in rounds, one op per model per round, models ordered by how many
@@ -28,8 +31,10 @@ H = TypeVar("H")
 
 @dataclass
 class Cycle(Generic[H]):
-    """One cycle: a shared pass, a fused optimizer step, then the rest, in that order."""
+    """One cycle: the lone optimizer steps, a shared pass, a fused optimizer step, then the
+    rest, in that order."""
 
+    early_steps: list[Pending[H]] = field(default_factory=list)  # heads of their line
     shared_pass: list[Pending[H]] = field(default_factory=list)
     optim_steps: list[Pending[H]] = field(default_factory=list)
     others: list[Pending[H]] = field(default_factory=list)
@@ -38,7 +43,9 @@ class Cycle(Generic[H]):
     wake_at: float | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.shared_pass or self.optim_steps or self.others or self.settled)
+        return bool(
+            self.early_steps or self.shared_pass or self.optim_steps or self.others or self.settled
+        )
 
 
 def plan(
@@ -51,7 +58,8 @@ def plan(
 
     A model's forward_backward prefix joins the call op by op, in rounds (see the module
     docstring), while the budget allows (a call always takes at least one op, however large).
-    Its optim_step joins only when its whole prefix did. A forward_backward whose tenant's rate
+    Its optim_step follows the call only when its whole prefix joined it; one with no
+    prefix is an early step. A forward_backward whose tenant's rate
     limit holds it until `not_before` > `now` stops its model's run there; `wake_at` says when
     to plan again. `served`: recent tokens by `FairShare.key` of tenant and of model (none:
     first come, first served).
@@ -101,7 +109,7 @@ def plan(
         if isinstance(head, ForwardBackwardJob):
             continue  # over budget or rate-limited
         if isinstance(head, OptimStepJob):
-            cycle.optim_steps.append(run[i])
+            (cycle.optim_steps if ran_work[model_id] else cycle.early_steps).append(run[i])
         elif not ran_work[model_id]:
             cycle.others.append(run[i])
     return cycle

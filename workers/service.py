@@ -392,6 +392,8 @@ class TrainerService:
 
     async def _run_cycle(self, cycle: Cycle[Msg | None]) -> None:
         started = time.perf_counter()
+        if cycle.early_steps:
+            await self._run(cycle.early_steps, self.ops.optim_steps)
         if cycle.shared_pass:
             self.pass_models.append(len({item.job.model_id for item in cycle.shared_pass}))
             self.fair_share.record(
@@ -416,7 +418,7 @@ class TrainerService:
         log.debug(
             "cycle: %d fwd, %d optim, %d other in %.1f ms",
             len(cycle.shared_pass),
-            len(cycle.optim_steps),
+            len(cycle.early_steps) + len(cycle.optim_steps),
             len(cycle.others),
             elapsed_s * 1e3,
         )

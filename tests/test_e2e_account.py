@@ -23,7 +23,7 @@ import pytest
 import tinker
 from tinker import types
 
-from protocol import api, records
+from protocol import account_api, api, records
 from protocol.api import LoraConfig
 from protocol.records import CheckpointRecord, SessionRecord, UsageHistory, UsageRecord
 from tests.conftest import ADMIN_KEY, OTHER_TENANT_KEY, Cluster, start_cluster, stop_cluster
@@ -97,17 +97,19 @@ def test_search_pages_every_session_once_even_with_equal_times() -> None:
         for i in range(10)
     ]
     seen: list[str] = []
-    query = api.SessionSearchRequest(limit=3)
+    query = account_api.SessionSearchRequest(limit=3)
     while True:
         page = search_sessions("t", query, sessions, [], [], now=t0)
         seen += [s.session_id for s in page.sessions]
         if page.next_cursor is None:
             break
-        cursor = api.decode(api.encode(page.next_cursor), api.SessionSearchCursor)  # the wire
-        query = api.SessionSearchRequest(limit=3, cursor=cursor)
+        cursor = api.decode(
+            api.encode(page.next_cursor), account_api.SessionSearchCursor
+        )  # the wire
+        query = account_api.SessionSearchRequest(limit=3, cursor=cursor)
     assert sorted(seen) == sorted(s.session_id for s in sessions) and len(seen) == 10
     odd = search_sessions(
-        "t", api.SessionSearchRequest(user_metadata={"k": "1"}), sessions, [], [], t0
+        "t", account_api.SessionSearchRequest(user_metadata={"k": "1"}), sessions, [], [], t0
     )
     assert len(odd.sessions) == 5 and odd.next_cursor is None
 

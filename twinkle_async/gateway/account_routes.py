@@ -17,7 +17,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from aiohttp import web
 
-from protocol import api, rules
+from protocol import account_api, rules
 from protocol.errors import NotFound, UserError
 from twinkle_async.gateway import account_views as views
 from twinkle_async.gateway.bodies import json_response, read_json
@@ -83,7 +83,7 @@ def check_project(field: str, project_id: str, tenant_id: str) -> None:
         raise NotFound(f"{field}: project {project_id!r} not found (yours is {tenant_id!r})")
 
 
-def check_search(query: api.SessionSearchRequest, tenant_id: str) -> None:
+def check_search(query: account_api.SessionSearchRequest, tenant_id: str) -> None:
     """Every field of a session search within its bounds; projects and owners the caller's."""
     if not 1 <= query.limit <= MAX_SEARCH_LIMIT:
         raise UserError(f"limit: {query.limit} is not in 1..{MAX_SEARCH_LIMIT}")
@@ -107,7 +107,7 @@ def check_search(query: api.SessionSearchRequest, tenant_id: str) -> None:
             raise UserError(
                 f"user_metadata: keys and values have at most {MAX_METADATA_CHARS} characters"
             )
-    if isinstance(query.owner, api.UserSearchOwner):
+    if isinstance(query.owner, account_api.UserSearchOwner):
         if not 1 <= len(query.owner.owner_urns) <= 10:
             raise UserError("owner.owner_urns: 1 to 10 owners")
         for owner in query.owner.owner_urns:
@@ -118,7 +118,10 @@ def check_search(query: api.SessionSearchRequest, tenant_id: str) -> None:
         if not 1 <= len(query.statuses) <= MAX_STATUSES:
             raise UserError(f"statuses: 1 to {MAX_STATUSES} statuses, or none for any")
         for status in query.statuses:
-            if isinstance(status, api.ClientFinishedSessionStatusQuery) and status.reasons == []:
+            if (
+                isinstance(status, account_api.ClientFinishedSessionStatusQuery)
+                and status.reasons == []
+            ):
                 raise UserError("statuses.reasons: at least one reason, or none for any")
     if query.cursor is not None:
         rules.check_id("cursor.last_session_id", query.cursor.last_session_id)
@@ -161,7 +164,7 @@ async def billing_usage(request: web.Request) -> web.Response:
     start_h = hour_of(start.timestamp())
     end_h = hour_of(end.timestamp())
     events = views.billing_events(tenant, histories, ckpts, start_h, end_h, now.timestamp())
-    return json_response(api.BillingUsageResponse(data=events))
+    return json_response(account_api.BillingUsageResponse(data=events))
 
 
 @routes.get("/api/v1/billing/usage/checkpoints/current")
@@ -194,13 +197,13 @@ async def audit_log(request: web.Request) -> web.Response:
         await registry.tenant_checkpoints(tenant),
         await request.app[KEYS].list(tenant),
     )
-    return json_response(api.AuditLogResponse(entries=entries))
+    return json_response(account_api.AuditLogResponse(entries=entries))
 
 
 @routes.post("/api/v1/sessions/search")
 async def search_sessions(request: web.Request) -> web.Response:
     """A page of the caller's sessions matching every filter, newest first."""
-    query = await read_json(request, api.SessionSearchRequest)
+    query = await read_json(request, account_api.SessionSearchRequest)
     tenant = request[TENANT]
     check_search(query, tenant)
     registry = request.app[REGISTRY]

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from protocol import api
+from protocol import account_api
 from protocol.records import (
     CheckpointRecord,
     KeyRecord,
@@ -102,7 +102,7 @@ def billing_events(
     start_h: int,
     end_h: int,
     now: float,
-) -> list[api.BillingUsageEvent]:
+) -> list[account_api.BillingUsageEvent]:
     """The tenant's hourly usage in `[start_h, end_h)`, by hour then by descending quantity."""
     trained: dict[tuple[int, str], int] = defaultdict(int)
     sampled: dict[tuple[int, str], int] = defaultdict(int)
@@ -116,11 +116,11 @@ def billing_events(
     for ckpt in ckpts:
         if start_h <= hour_of(ckpt.created_at) < end_h:
             saved[hour_of(ckpt.created_at), ckpt.base_model] += 1
-    found: list[tuple[int, float, api.BillingUsageEvent]] = []
+    found: list[tuple[int, float, account_api.BillingUsageEvent]] = []
 
-    def add(key: tuple[int, str], quantity: float, info: api.BillingEventInfo) -> None:
+    def add(key: tuple[int, str], quantity: float, info: account_api.BillingEventInfo) -> None:
         hour, base_model = key
-        event = api.BillingUsageEvent(
+        event = account_api.BillingUsageEvent(
             bucket_start=at_hour(hour),
             bucket_end=at_hour(hour + 1),
             event_info=info,
@@ -132,14 +132,14 @@ def billing_events(
 
     for key, tokens in trained.items():
         if tokens:
-            add(key, tokens, api.TrainingBillingEvent(token_count=tokens))
+            add(key, tokens, account_api.TrainingBillingEvent(token_count=tokens))
     for key, tokens in sampled.items():
         if tokens:
-            add(key, tokens, api.SamplingSampleBillingEvent(token_count=tokens))
+            add(key, tokens, account_api.SamplingSampleBillingEvent(token_count=tokens))
     for key, count in saved.items():
-        add(key, count, api.CheckpointBillingEvent(count=count))
+        add(key, count, account_api.CheckpointBillingEvent(count=count))
     for key, gb_hours in _storage_gb_hours(ckpts, start_h, end_h, now).items():
-        add(key, gb_hours, api.StorageBillingEvent(gigabyte_hours=gb_hours))
+        add(key, gb_hours, account_api.StorageBillingEvent(gigabyte_hours=gb_hours))
     found.sort(key=lambda item: (item[0], -item[1]))
     return [event for _, _, event in found]
 
@@ -149,13 +149,13 @@ def billing_events(
 
 def storage_usage(
     tenant_id: str, ckpts: list[CheckpointRecord], now: float
-) -> api.CurrentCheckpointStorageUsageResponse:
+) -> account_api.CurrentCheckpointStorageUsageResponse:
     """What the tenant stores now (checkpoints not yet expired); no rows when nothing."""
     live = [ckpt for ckpt in ckpts if is_live(ckpt, now)]
     size = sum(max(ckpt.size_bytes, 0) for ckpt in live)
     data = (
         [
-            api.CurrentCheckpointStorageUsageItem(
+            account_api.CurrentCheckpointStorageUsageItem(
                 checkpoint_count=len(live),
                 size_bytes=size,
                 size_gigabytes=size / GIGABYTE,
@@ -167,7 +167,7 @@ def storage_usage(
         if live
         else []
     )
-    return api.CurrentCheckpointStorageUsageResponse(data=data)
+    return account_api.CurrentCheckpointStorageUsageResponse(data=data)
 
 
 # -- audit log ----------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def audit_entries(
     samplers: list[SamplerRecord],
     ckpts: list[CheckpointRecord],
     keys: list[KeyRecord],
-) -> list[api.AuditLogEntry]:
+) -> list[account_api.AuditLogEntry]:
     """The tenant's events of one UTC day (`[day_start, day_start + 1 day)`), oldest first, at
     most `MAX_AUDIT_ENTRIES`. Projects, teams and organizations do not exist here: none."""
     if event_type not in ("all", "checkpoints"):
@@ -243,7 +243,7 @@ def audit_entries(
                 found.append((key.revoked_at, "api_key_revoke", details, None, None))
     in_day = sorted((item for item in found if day_start <= item[0] < day_end), key=lambda i: i[0])
     return [
-        api.AuditLogEntry(
+        account_api.AuditLogEntry(
             timestamp=from_micros(micros(ts)),
             event=event,
             event_details={key: value for key, value in details.items() if value is not None},
@@ -257,27 +257,29 @@ def audit_entries(
 # -- session search -----------------------------------------------------------------------------
 
 
-def _status(session: SessionRecord) -> api.ClientSessionFinished | api.SessionActive | None:
+def _status(
+    session: SessionRecord,
+) -> account_api.ClientSessionFinished | account_api.SessionActive | None:
     if not session.finished:
-        return api.SessionActive()
+        return account_api.SessionActive()
     if session.finish_reason in ("success", "errored", "interrupted"):
-        return api.ClientSessionFinished(reason={"type": session.finish_reason})
+        return account_api.ClientSessionFinished(reason={"type": session.finish_reason})
     return None  # ended by the server (heartbeats stopped): neither finished nor running
 
 
 def _status_matches(
-    status: api.ClientSessionFinished | api.SessionActive | None,
-    queries: list[api.SessionStatusQuery] | None,
+    status: account_api.ClientSessionFinished | account_api.SessionActive | None,
+    queries: list[account_api.SessionStatusQuery] | None,
 ) -> bool:
     if queries is None:
         return True
     for query in queries:
-        if isinstance(query, api.ActiveSessionStatusQuery) and isinstance(
-            status, api.SessionActive
+        if isinstance(query, account_api.ActiveSessionStatusQuery) and isinstance(
+            status, account_api.SessionActive
         ):
             return True
-        if isinstance(query, api.ClientFinishedSessionStatusQuery) and isinstance(
-            status, api.ClientSessionFinished
+        if isinstance(query, account_api.ClientFinishedSessionStatusQuery) and isinstance(
+            status, account_api.ClientSessionFinished
         ):
             if query.reasons is None or status.reason["type"] in query.reasons:
                 return True
@@ -286,12 +288,12 @@ def _status_matches(
 
 def search_sessions(
     tenant_id: str,
-    query: api.SessionSearchRequest,
+    query: account_api.SessionSearchRequest,
     sessions: list[SessionRecord],
     runs: list[RunRecord],
     ckpts: list[CheckpointRecord],
     now: float,
-) -> api.SessionSearchResponse:
+) -> account_api.SessionSearchResponse:
     """One page of the tenant's sessions matching `query`, newest first (keyset pagination on
     (created_at in microseconds, session_id))."""
     session_of_run = {run.model_id: run.session_id for run in runs}
@@ -310,7 +312,7 @@ def search_sessions(
     ordered = sorted(
         sessions, key=lambda session: (micros(session.created_at), session.session_id), reverse=True
     )
-    page: list[api.SessionSummary] = []
+    page: list[account_api.SessionSummary] = []
     more = False
     for session in ordered:
         order = (micros(session.created_at), session.session_id)
@@ -330,7 +332,7 @@ def search_sessions(
             more = True
             break
         page.append(
-            api.SessionSummary(
+            account_api.SessionSummary(
                 session_id=session.session_id,
                 created_at=from_micros(order[0]),
                 owner=tenant_id,
@@ -342,10 +344,10 @@ def search_sessions(
             )
         )
     cursor = (
-        api.SessionSearchCursor(
+        account_api.SessionSearchCursor(
             last_created_at=page[-1].created_at, last_session_id=page[-1].session_id
         )
         if more and page
         else None
     )
-    return api.SessionSearchResponse(sessions=page, next_cursor=cursor)
+    return account_api.SessionSearchResponse(sessions=page, next_cursor=cursor)

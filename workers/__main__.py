@@ -70,6 +70,7 @@ def worker_options(
     ] = 0,
     gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
     ack_wait_s: worker_settings.AckWaitS = 120.0,
+    sample_timeout_s: worker_settings.SampleTimeoutS = 600.0,
     worker_id: Annotated[
         str | None,
         typer.Option(
@@ -143,6 +144,7 @@ def worker_options(
         snapshot_every=snapshot_every,
         pass_timeout_s=pass_timeout_s,
         max_attempts=max_attempts,
+        sample_timeout_s=sample_timeout_s,
         merge=merge,
         sampler="" if sampler == "none" else sampler,
         metrics_host=metrics_host,
@@ -228,6 +230,7 @@ async def serve(settings: WorkerSettings) -> None:
                 usage=service.usage,
                 metrics=SamplerMetrics(registry),
                 max_attempts=settings.max_attempts,
+                sample_timeout_s=settings.sample_timeout_s,
             )
             runs.append(sampler.run())
         task = asyncio.ensure_future(asyncio.gather(*runs))

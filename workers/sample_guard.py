@@ -99,8 +99,8 @@ async def write_answer(
 def too_many_attempts(request_id: str, attempts: int) -> ServerError:
     return ServerError(
         f"sample request {request_id} was being sampled each of the {attempts} times a sampler"
-        " stopped before answering it (a crash, or a request its sampler cannot survive); it"
-        " was not run again"
+        " stopped before answering it (a crash, a request its sampler cannot survive, or one"
+        " sampling past the sampler's time limit, --sample-timeout-s); it was not run again"
     )
 
 

@@ -63,6 +63,7 @@ def sampler_options(
         ),
     ] = 3,
     ack_wait_s: worker_settings.AckWaitS = 120.0,
+    sample_timeout_s: worker_settings.SampleTimeoutS = 600.0,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a sampler: one pool's sample requests, with vLLM or the torch sampler."""
@@ -77,6 +78,7 @@ def sampler_options(
         metrics_port=metrics_port,
         log_level=log_level,
         max_attempts=max_attempts,
+        sample_timeout_s=sample_timeout_s,
         ack_wait_s=ack_wait_s,
         worker_id=f"{socket.gethostname()}-sampler-{uuid.uuid4().hex[:8]}",
     )
@@ -157,6 +159,7 @@ async def serve(settings: WorkerSettings) -> None:
             settings.checkpoint_root,
             metrics=SamplerMetrics(registry),
             max_attempts=settings.max_attempts,
+            sample_timeout_s=settings.sample_timeout_s,
         )
         task = asyncio.ensure_future(asyncio.gather(service.run(), heartbeat(bus, record)))
         loop = asyncio.get_running_loop()

@@ -17,13 +17,17 @@ Answers: a job is acked once its answer is written over the pending future (a co
 a cancel that landed first stands); an answer over the KV value limit fails its own request;
 a write that fails hands the job back at once. Jobs queued or sampling are kept alive
 (`in_progress`) while they wait. A request that stopped a sampler runs alone, and fails after
-`max_attempts` stops (`workers.sample_guard`).
+`max_attempts` stops (`workers.sample_guard`). A request still sampling after
+`sample_timeout_s` stops the process (the engine cannot be interrupted, and a sampler that
+kept its jobs alive for ever would stall their clients for ever): the supervisor restarts it,
+and the guard runs the request alone, then fails it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -78,9 +82,11 @@ class SamplerService:
         metrics: SamplerMetrics | None = None,
         flush_s: float = 5.0,
         max_attempts: int = 3,
+        sample_timeout_s: float = 600.0,
     ) -> None:
         self.bus = bus
         self.max_attempts = max_attempts
+        self.sample_timeout_s = sample_timeout_s
         self._gate = Gate()  # a request some sampler stopped on runs alone
         # a trainer's sampler shares (and the trainer flushes) the trainer's book
         self._owns_usage = usage is None
@@ -231,8 +237,16 @@ class SamplerService:
             if not batch:
                 return
             started = time.perf_counter()
+            sampling = asyncio.ensure_future(self.backend.sample_many(batch))
             try:
-                results = await self.backend.sample_many(batch)
+                await asyncio.wait([sampling], timeout=self.sample_timeout_s)
+            except asyncio.CancelledError:  # the service stops: so does the sampling
+                sampling.cancel()
+                raise
+            if not sampling.done():
+                self._stop_process(batch)
+            try:
+                results = sampling.result()
             except Exception:
                 log.exception("sampling a batch of %d failed", len(batch))
                 results = [ServerError(FAILED)] * len(batch)
@@ -257,6 +271,16 @@ class SamplerService:
                 self._held.pop(id(item.msg), None)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
+
+    def _stop_process(self, batch: list[Prepared]) -> None:
+        log.critical(
+            "sampling %s ran past the %.1f s limit of one sample request; stopping this"
+            " process (it is restarted, and the request runs alone, then fails)",
+            ", ".join(item.job.request_id for item in batch),
+            self.sample_timeout_s,
+        )
+        logging.shutdown()
+        os._exit(70)
 
     async def _begin(self, batch: list[Prepared]) -> list[Prepared]:
         """Count a start on each request's future (`sample_guard.begin`); the requests that

@@ -33,6 +33,18 @@ AckWaitS = Annotated[
     ),
 ]
 
+# Both entry points sample: a request sampling longer than this stops the process (the engine
+# cannot be interrupted); it is restarted, the request runs alone, and after `max_attempts`
+# such stops it fails (`workers.sample_guard`).
+SampleTimeoutS = Annotated[
+    float,
+    typer.Option(
+        envvar="TWINKLE_SAMPLE_TIMEOUT_S",
+        min=0.1,
+        help="a sample request sampling longer than this stops its sampler (restarted)",
+    ),
+]
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -63,6 +75,7 @@ class WorkerSettings:
     snapshot_every: int = 5  # optim_steps between a model's state snapshots (and every save_state)
     pass_timeout_s: float = 600.0  # an engine call running longer stops the worker (restarted)
     max_attempts: int = 3  # an op that stopped the worker this often fails instead of running
+    sample_timeout_s: float = 600.0  # a sample request running longer stops its sampler
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port chosen by the OS (reported in the heartbeat)
     log_level: str = "INFO"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -220,14 +219,53 @@ def test_rounds_give_every_model_an_op_before_any_gets_a_second(
         assert max(taken.values()) <= min(left) + 1
 
 
-def test_fair_share_decays_by_its_half_life() -> None:
-    share = FairShare(half_life_s=10.0)
-    share.record([("a", "m1", 1000)], now=0.0)
-    share.record([("b", "m2", 10)], now=10.0)
-    assert share.tokens["tenant:a"] == pytest.approx(500.0) == share.tokens["model:m1"]
-    assert share.tokens["tenant:b"] == 10
-    share.decay(now=200.0)
-    assert share.tokens == {}
+def test_fair_share_starts_an_idle_tenant_at_the_clock_and_a_backlog_at_its_finish() -> None:
+    share = FairShare()
+    share.record([("a", "m1", 100), ("a", "m1", 100)])  # one call, two ops in a row
+    assert share.finish == {"tenant:a": 200.0, "model:m1": 200.0} and share.clock == 0.0
+    share.record([("a", "m1", 100)])
+    assert share.clock == 200.0 and share.finish["tenant:a"] == 300.0
+    share.record([("b", "m2", 50)])  # b was idle: it starts at the clock, not at 0
+    assert share.finish["tenant:b"] == 250.0 and share.clock == 200.0
+    share.record([("a", "m1", 100)])
+    assert share.clock == 300.0
+    assert "tenant:b" not in share.finish, "the clock passed b's finish: b is idle again"
+
+
+def _cycles_until_served(model: str, share: FairShare, seq: Sequencer[str], budget: int) -> int:
+    for cycle_no in range(1, 200):
+        cycle = plan(seq.ready(), token_budget=budget, served=share.finish)
+        share.record([(p.job.tenant_id, p.job.model_id, p.job.n_tokens) for p in cycle.shared_pass])
+        for item in cycle.shared_pass:
+            seq.applied(item.job)
+        if any(item.job.model_id == model for item in cycle.shared_pass):
+            return cycle_no
+    raise AssertionError(f"{model} was never served")
+
+
+def test_a_tenant_that_trained_alone_waits_one_round_when_others_arrive() -> None:
+    """Its history is not held against it: the newcomers go first once each, then it is served
+    (a decaying count of tokens served lately made it wait until they had caught up)."""
+    seq: Sequencer[str] = Sequencer()
+    share = FairShare()
+    models = ["old", "new1", "new2", "new3"]
+    for model in models:
+        offer(seq, create(model))
+        seq.applied(create(model))
+    for i in range(1, 201):
+        offer(seq, fwd_of("old", "old", i, 100))
+    for _ in range(50):  # the old tenant trains alone for 50 calls
+        cycle = plan(seq.ready(), token_budget=100, served=share.finish)
+        assert [p.job.model_id for p in cycle.shared_pass] == ["old"]
+        share.record([("old", "old", 100)])
+        seq.applied(cycle.shared_pass[0].job)
+    for model in models[1:]:
+        for i in range(1, 101):
+            offer(seq, fwd_of(model, model, i, 100))
+    assert _cycles_until_served("old", share, seq, budget=100) <= len(models)
+    # and from then on, every tenant is served once per round
+    for _ in range(3):
+        assert _cycles_until_served("old", share, seq, budget=100) <= len(models)
 
 
 def test_within_one_tenant_the_less_served_model_goes_first() -> None:
@@ -238,6 +276,7 @@ def test_within_one_tenant_the_less_served_model_goes_first() -> None:
     offer(seq, fwd_of("busy", "same", 1, 200))
     offer(seq, fwd_of("quiet", "same", 1, 200))
     share = FairShare()
-    share.record([("same", "busy", 4000)], now=0.0)
-    cycle = plan(seq.ready(), token_budget=300, served=share.tokens)
+    share.record([("same", "busy", 4000)])
+    share.record([("same", "busy", 4000)])
+    cycle = plan(seq.ready(), token_budget=300, served=share.finish)
     assert [p.job.model_id for p in cycle.shared_pass] == ["quiet"]

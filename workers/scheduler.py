@@ -10,11 +10,11 @@ that arrived just after its forward_backward was planned does not wait behind an
 pass. Tombstones (calls the gateway refused) run nothing: they are settled wherever they
 stand in a model's line, so they never hold it up.
 
-Fairness: the call is filled in rounds, one op per model per round, models ordered by how many
-tokens their tenant was served lately, then by how many the model itself was (least first;
-`FairShare` keeps those counts, decaying). So a tenant flooding the queue takes at most one op
-per round, a light tenant's op (or a tenant's light model) leads the very next call, and a
-share of a crowded cycle does not grow with a backlog.
+Fairness: the call is filled in rounds, one op per model per round, models ordered by their
+tenant's virtual start, then the model's own (least first; `FairShare`: start-time fair queueing
+on tokens). So a tenant flooding the queue takes at most one op per round, a light tenant's op
+(or a tenant's light model) leads the very next call, a share of a crowded cycle does not grow
+with a backlog, and a tenant that trained alone waits at most a round when others arrive.
 """
 
 from __future__ import annotations
@@ -61,17 +61,18 @@ def plan(
     Its optim_step follows the call only when its whole prefix joined it; one with no
     prefix is an early step. A forward_backward whose tenant's rate
     limit holds it until `not_before` > `now` stops its model's run there; `wake_at` says when
-    to plan again. `served`: recent tokens by `FairShare.key` of tenant and of model (none:
-    first come, first served).
+    to plan again. `served`: the virtual finish tag of each tenant and model by `FairShare.key`
+    (`FairShare.finish`; one not there was idle and goes first; none at all: first come, first
+    served).
     """
     cycle: Cycle[H] = Cycle()
     share = served or {}
 
-    def lately(model_id: str) -> tuple[float, float]:
+    def start(model_id: str) -> tuple[float, float]:
         tenant = FairShare.key("tenant", ready[model_id][0].job.tenant_id)
         return share.get(tenant, 0.0), share.get(FairShare.key("model", model_id), 0.0)
 
-    order = sorted(ready, key=lately)
+    order = sorted(ready, key=start)
     position = dict.fromkeys(order, 0)  # each model's next op
     ran_work = dict.fromkeys(order, False)  # whether a model has work in this cycle's call
     open_models = list(order)
@@ -116,30 +117,35 @@ def plan(
 
 
 class FairShare:
-    """Tokens served lately per tenant and per model: exponentially decaying counts (half-life
-    in seconds), keyed by `key`. The scheduler orders models by them; the service records each
-    call's tokens."""
+    """Start-time fair queueing on tokens, per tenant and per model (keyed by `key`).
 
-    def __init__(self, half_life_s: float = 10.0) -> None:
-        if half_life_s <= 0:
-            raise ValueError(f"half_life_s={half_life_s} must be > 0")
-        self.half_life_s = half_life_s
-        self.tokens: dict[str, float] = {}
-        self._at = 0.0
+    Each key's finish tag is the virtual time up to which it has been served; the virtual clock
+    is the earliest start of the latest call. A key starts its next op at its finish tag, or at
+    the clock if that is later (it was idle). So a key with a backlog starts after its own
+    finish, a light key that comes back starts at the clock, ahead of the backlog, and an idle
+    key banks nothing: a tenant that trained alone is not held back behind newcomers catching
+    up on its history, only behind their first ops. The scheduler orders models by their
+    tenant's tag, then their own; the service records each call's tokens.
+    """
+
+    def __init__(self) -> None:
+        self.finish: dict[str, float] = {}  # only keys ahead of the clock (the others start at it)
+        self.clock = 0.0
 
     @staticmethod
     def key(kind: str, name: str) -> str:
         return f"{kind}:{name}"
 
-    def record(self, served: Iterable[tuple[str, str, int]], now: float) -> None:
-        """Add the (tenant_id, model_id, tokens) of a call that ran at `now` (s, monotonic)."""
-        self.decay(now)
+    def record(self, served: Iterable[tuple[str, str, int]]) -> None:
+        """Serve the (tenant_id, model_id, tokens) of one call, in the call's order."""
+        starts = []
         for tenant_id, model_id, count in served:
             for key in (self.key("tenant", tenant_id), self.key("model", model_id)):
-                self.tokens[key] = self.tokens.get(key, 0.0) + count
-
-    def decay(self, now: float) -> None:
-        factor = 0.5 ** (max(0.0, now - self._at) / self.half_life_s)
-        self._at = max(self._at, now)
-        # Counts that decayed to nothing are dropped, so idle tenants cost nothing.
-        self.tokens = {t: v * factor for t, v in self.tokens.items() if v * factor >= 1.0}
+                start = max(self.clock, self.finish.get(key, self.clock))
+                self.finish[key] = start + count
+                if key.startswith("tenant:"):
+                    starts.append(start)
+        if starts:
+            self.clock = max(self.clock, min(starts))
+        # Keys the clock caught up with start at it anyway: idle tenants cost nothing.
+        self.finish = {key: tag for key, tag in self.finish.items() if tag > self.clock}

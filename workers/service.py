@@ -121,7 +121,7 @@ class TrainerService:
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         self.journal = CrashJournal(bus, settings.worker_id)
         self._steps_since_snapshot: dict[str, int] = {}
-        self.fair_share = FairShare()  # tokens served per tenant lately: who goes first
+        self.fair_share = FairShare()  # tokens served per tenant and model: who goes first
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -387,7 +387,7 @@ class TrainerService:
         groups = [ready] if self.settings.merge else [{key: run} for key, run in ready.items()]
         now = time.time()
         return [
-            plan(group, self.engine.pass_tokens, now, self.fair_share.tokens) for group in groups
+            plan(group, self.engine.pass_tokens, now, self.fair_share.finish) for group in groups
         ]
 
     async def _run_cycle(self, cycle: Cycle[Msg | None]) -> None:
@@ -401,8 +401,7 @@ class TrainerService:
                     (item.job.tenant_id, item.job.model_id, item.job.n_tokens)
                     for item in cycle.shared_pass
                     if isinstance(item.job, ForwardBackwardJob)
-                ],
-                time.monotonic(),
+                ]
             )
             await self._run(cycle.shared_pass, self.ops.shared_pass)
         if cycle.optim_steps:

@@ -222,7 +222,7 @@ def test_rounds_give_every_model_an_op_before_any_gets_a_second(
 def test_fair_share_starts_an_idle_tenant_at_the_clock_and_a_backlog_at_its_finish() -> None:
     share = FairShare()
     share.record([("a", "m1", 100), ("a", "m1", 100)])  # one call, two ops in a row
-    assert share.finish == {"tenant:a": 200.0, "model:m1": 200.0} and share.clock == 0.0
+    assert share.finish == {"tenant:a": 200.0, "model:m1": 200.0} and share.clock == 100.0
     share.record([("a", "m1", 100)])
     assert share.clock == 200.0 and share.finish["tenant:a"] == 300.0
     share.record([("b", "m2", 50)])  # b was idle: it starts at the clock, not at 0
@@ -230,6 +230,8 @@ def test_fair_share_starts_an_idle_tenant_at_the_clock_and_a_backlog_at_its_fini
     share.record([("a", "m1", 100)])
     assert share.clock == 300.0
     assert "tenant:b" not in share.finish, "the clock passed b's finish: b is idle again"
+    share.record([("b", "m2", 10), ("a", "m1", 100)])  # the clock: the furthest start
+    assert share.clock == 400.0 and share.finish == {"tenant:a": 500.0, "model:m1": 500.0}
 
 
 def _cycles_until_served(model: str, share: FairShare, seq: Sequencer[str], budget: int) -> int:
@@ -266,6 +268,32 @@ def test_a_tenant_that_trained_alone_waits_one_round_when_others_arrive() -> Non
     # and from then on, every tenant is served once per round
     for _ in range(3):
         assert _cycles_until_served("old", share, seq, budget=100) <= len(models)
+
+
+def test_a_tenant_that_used_room_a_light_one_left_is_not_starved_when_a_third_arrives() -> None:
+    """A flood that shared calls with a light tenant for a while got more tokens than the light
+    one; that was room nobody else wanted, and it is not held against the flood when a third
+    tenant arrives (a clock that lagged at the light tenant's start let the newcomer go first
+    until it had caught up on all of it)."""
+    seq: Sequencer[str] = Sequencer()
+    share = FairShare()
+    for model in ("light", "flood", "new"):
+        offer(seq, create(model))
+        seq.applied(create(model))
+    for i in range(1, 401):
+        offer(seq, fwd_of("light", "light", i, 32))
+        offer(seq, fwd_of("flood", "flood", i, 256))
+    for _ in range(100):  # light + flood fit one call of 300 tokens
+        cycle = plan(seq.ready(), token_budget=300, served=share.finish)
+        assert sorted(p.job.model_id for p in cycle.shared_pass) == ["flood", "light"]
+        share.record([(p.job.tenant_id, p.job.model_id, p.job.n_tokens) for p in cycle.shared_pass])
+        for item in cycle.shared_pass:
+            seq.applied(item.job)
+    for i in range(1, 101):
+        offer(seq, fwd_of("new", "new", i, 256))  # now only two of the three fit a call
+    for _ in range(5):
+        assert _cycles_until_served("flood", share, seq, budget=300) <= 2
+        assert _cycles_until_served("new", share, seq, budget=300) <= 2
 
 
 def test_within_one_tenant_the_less_served_model_goes_first() -> None:

@@ -120,12 +120,14 @@ class FairShare:
     """Start-time fair queueing on tokens, per tenant and per model (keyed by `key`).
 
     Each key's finish tag is the virtual time up to which it has been served; the virtual clock
-    is the earliest start of the latest call. A key starts its next op at its finish tag, or at
+    is the latest start of the latest call. A key starts its next op at its finish tag, or at
     the clock if that is later (it was idle). So a key with a backlog starts after its own
     finish, a light key that comes back starts at the clock, ahead of the backlog, and an idle
     key banks nothing: a tenant that trained alone is not held back behind newcomers catching
-    up on its history, only behind their first ops. The scheduler orders models by their
-    tenant's tag, then their own; the service records each call's tokens.
+    up on its history, only behind their first ops. Nor is a tenant that used room a light one
+    left in shared calls: the clock keeps up with the furthest start served. The scheduler
+    orders models by their tenant's tag, then their own; the service records each call's
+    tokens.
     """
 
     def __init__(self) -> None:
@@ -146,6 +148,6 @@ class FairShare:
                 if key.startswith("tenant:"):
                     starts.append(start)
         if starts:
-            self.clock = max(self.clock, min(starts))
+            self.clock = max(self.clock, max(starts))
         # Keys the clock caught up with start at it anyway: idle tenants cost nothing.
         self.finish = {key: tag for key, tag in self.finish.items() if tag > self.clock}

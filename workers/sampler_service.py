@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -54,6 +53,7 @@ from workers.sample_guard import (
 )
 from workers.sampler_backends import FAILED, Prepared, SamplerBackend
 from workers.usage import UsageBook
+from workers.watchdog import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,11 @@ class SamplerService:
                 sampling.cancel()
                 raise
             if not sampling.done():
-                self._stop_process(batch)
+                stop_process(
+                    f"sampling ran past the {self.sample_timeout_s:.1f} s limit of one sample"
+                    " request (restarted, the request runs alone, then fails)",
+                    [item.job.request_id for item in batch],
+                )
             try:
                 results = sampling.result()
             except Exception:
@@ -271,16 +275,6 @@ class SamplerService:
                 self._held.pop(id(item.msg), None)
         self.served += len(batch)
         log.debug("sampled %d requests in %.1f ms", len(batch), elapsed_s * 1e3)
-
-    def _stop_process(self, batch: list[Prepared]) -> None:
-        log.critical(
-            "sampling %s ran past the %.1f s limit of one sample request; stopping this"
-            " process (it is restarted, and the request runs alone, then fails)",
-            ", ".join(item.job.request_id for item in batch),
-            self.sample_timeout_s,
-        )
-        logging.shutdown()
-        os._exit(70)
 
     async def _begin(self, batch: list[Prepared]) -> list[Prepared]:
         """Count a start on each request's future (`sample_guard.begin`); the requests that

@@ -140,14 +140,16 @@ class FairShare:
 
     def record(self, served: Iterable[tuple[str, str, int]]) -> None:
         """Serve the (tenant_id, model_id, tokens) of one call, in the call's order."""
-        starts = []
+        starts = [self.clock]
         for tenant_id, model_id, count in served:
-            for key in (self.key("tenant", tenant_id), self.key("model", model_id)):
-                start = max(self.clock, self.finish.get(key, self.clock))
-                self.finish[key] = start + count
-                if key.startswith("tenant:"):
-                    starts.append(start)
-        if starts:
-            self.clock = max(self.clock, max(starts))
+            starts.append(self._serve(self.key("tenant", tenant_id), count))
+            self._serve(self.key("model", model_id), count)
+        self.clock = max(starts)
         # Keys the clock caught up with start at it anyway: idle tenants cost nothing.
         self.finish = {key: tag for key, tag in self.finish.items() if tag > self.clock}
+
+    def _serve(self, key: str, count: int) -> float:
+        """Move `key`'s finish tag on by `count` tokens; the start of that service."""
+        start = max(self.clock, self.finish.get(key, self.clock))
+        self.finish[key] = start + count
+        return start

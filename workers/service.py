@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -63,7 +62,7 @@ from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
 from workers.snapshots import prune, read_state, state_dir, write_state
 from workers.usage import UsageBook
-from workers.watchdog import CrashJournal
+from workers.watchdog import CrashJournal, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -464,13 +463,10 @@ class TrainerService:
                 self.settings.pass_timeout_s,
             )
         except TimeoutError:
-            log.critical(
-                "an engine call ran past %.0f s (%s); stopping this worker",
-                self.settings.pass_timeout_s,
-                ", ".join(item.job.request_id for item in items),
+            stop_process(
+                f"an engine call ran past {self.settings.pass_timeout_s:.0f} s",
+                [item.job.request_id for item in items],
             )
-            logging.shutdown()
-            os._exit(70)
         except Exception:
             # A pass or a fused step isolates engine faults per request inside `fn`
             # (`_transactions`); what gets here is a lone op of `_other` that crashed, or a

@@ -13,6 +13,8 @@ error that says why, and its model carries on with its next requests in order.
 from __future__ import annotations
 
 import logging
+import os
+from typing import NoReturn
 
 import msgspec
 
@@ -23,6 +25,15 @@ log = logging.getLogger(__name__)
 _BUCKET = "tw_futures"
 _IDS = msgspec.msgpack.Encoder()
 _IDS_DECODER = msgspec.msgpack.Decoder(list[str])
+
+
+def stop_process(reason: str, request_ids: list[str]) -> NoReturn:
+    """Stop this process at once: an engine call that ran past its limit cannot be interrupted.
+    Its supervisor (`up`, or compose's restart policy) starts it again; what was running then
+    becomes a suspect (the journal here, or `workers.sample_guard` for samples)."""
+    log.critical("%s (%s); stopping this process", reason, ", ".join(request_ids))
+    logging.shutdown()
+    os._exit(70)
 
 
 def running_key(worker_id: str) -> str:

@@ -17,11 +17,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from protocol import rules, subjects
+from protocol import records, rules, subjects
 from protocol.api import LoraConfig
-from protocol.errors import NotFound, Unavailable, UserError
+from protocol.errors import Gone, NotFound, Unavailable, UserError
 from protocol.jobs import Job, OptimStepJob, SeqClaim
-from protocol.records import RunRecord
+from protocol.records import RunRecord, SessionRecord
 from twinkle_async import registry as registry_module
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
@@ -178,5 +178,43 @@ async def test_a_call_reuses_the_run_record_read_just_before(
         await registry.delete_run(RUN.model_id)
         with pytest.raises(NotFound):
             await registry.run(RUN.model_id, "t")
+    finally:
+        await bus.close()
+
+
+class FinishingBus(Bus):
+    """The gateway's bus; once armed, another writer finishes the session right after a
+    heartbeat reads it (the race of a heartbeat with `finish` or the expiry sweeper)."""
+
+    armed = False
+
+    async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        found = await super().entry(bucket, key)
+        if self.armed and found is not None and bucket == subjects.BUCKET_SESSIONS:
+            self.armed = False
+            session = records.decode(found[0], SessionRecord)
+            session.finished = True
+            await super().put(bucket, key, records.encode(session))
+        return found
+
+
+async def test_a_heartbeat_racing_a_finish_does_not_reopen_the_session(
+    nats_server: NatsServer,
+) -> None:
+    bus = FinishingBus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        registry = Registry(bus)
+        await registry.put_session(
+            SessionRecord(session_id="sess-1", tenant_id="t", created_at=0.0, last_heartbeat=0.0)
+        )
+        await registry.touch_session("sess-1", "t")
+        assert (await registry.session("sess-1", "t")).last_heartbeat > 0
+        with pytest.raises(NotFound):
+            await registry.touch_session("sess-1", "other")
+        bus.armed = True
+        with pytest.raises(Gone):
+            await registry.touch_session("sess-1", "t")
+        assert (await registry.session("sess-1", "t")).finished
     finally:
         await bus.close()

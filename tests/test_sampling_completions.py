@@ -144,6 +144,25 @@ def test_idle_targets_are_dropped_and_their_count_is_bounded() -> None:
     assert len(log._logs) == 2
 
 
+@pytest.mark.parametrize("how", ["crowded out", "idle"])
+def test_a_target_dropped_with_unseen_completions_asks_for_a_scan(how: str) -> None:
+    """Another tenant's many targets (or an idle spell) drop T's log with a completion T's
+    client has not seen: its next poll must rebuild from KV, not answer nothing for ever."""
+    clock = Clock()
+    log = SessionCompletions(clock=clock, retain_s=60, max_targets=3)
+    created = clock.now + 1  # T's session is newer than the gateway: no scan so far
+    clock.now += 2
+    _, seen = log.since(T, 0)
+    assert not log.needs_scan(T, seen, created_at=created)
+    log.record(done("unseen"))
+    if how == "idle":
+        clock.now += 61
+    for n in range(3):
+        log.record(done(f"x{n}", Target(f"hostile:sample:{n}", n)))
+    assert T not in log._logs
+    assert log.needs_scan(T, seen, created_at=created)
+
+
 async def test_a_held_poll_wakes_on_its_targets_completion_only() -> None:
     log = SessionCompletions()
     other = Target("other:sample:0", 0)

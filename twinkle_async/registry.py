@@ -16,7 +16,7 @@ from nats.aio.subscription import Subscription
 
 from protocol import records, rules, subjects
 from protocol.custom_loss import CustomLossRecord
-from protocol.errors import NotFound, Unavailable, UserError
+from protocol.errors import Gone, NotFound, Unavailable, UserError
 from protocol.records import (
     CheckpointRecord,
     RunRecord,
@@ -131,6 +131,21 @@ class Registry:
             records.encode(session),
             revision,
         )
+
+    async def touch_session(self, session_id: str, tenant_id: str) -> None:
+        """A heartbeat: the session's `last_heartbeat` is now, by compare-and-set, so it never
+        writes back a copy read before a concurrent finish. A finished session is `Gone`."""
+        await self.session(session_id, tenant_id)  # the id's checks, and the tenant's own
+        while True:
+            entry = await self.session_entry(session_id)
+            if entry is None:
+                raise NotFound(f"session {session_id!r} not found")
+            session, revision = entry
+            if session.finished:
+                raise Gone(f"session {session_id!r} is finished")
+            session.last_heartbeat = time.time()
+            if await self.swap_session(session, revision):
+                return
 
     async def session_samplers(self, session_id: str) -> list[SamplerRecord]:
         """The sampling sessions opened in a session, oldest first."""

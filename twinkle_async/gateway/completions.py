@@ -13,8 +13,9 @@ Invariants:
   `prev_cursor` is below the floor of a target created before it may have missed completions:
   the caller rebuilds them from KV (`needs_scan`, then `record_for` and `mark_complete`).
 - Bounded: at most `max_entries` per target (the oldest go, raising the floor), targets idle
-  for `retain_s` are dropped, at most `max_targets` kept. What is dropped is found again by a
-  scan, so a poll can never hang on a completion this gateway forgot.
+  for `retain_s` are dropped, at most `max_targets` kept (by any tenant's polls). Dropping a
+  target raises the `floor` every log starts from, so what it held is found again by a scan
+  and a poll can never hang on a completion this gateway forgot.
 - `wait` registers its waiter without awaiting first, right after the caller's `since`: no
   record can slip between the two (one event loop).
 """
@@ -103,6 +104,8 @@ class SessionCompletions:
                 return
             del self._logs[target]
             _release(oldest)
+            # what it held (or had trimmed) is gone: a poll from before now must scan again
+            self.floor = self.next_cursor()
 
     def record(self, outcome: Outcome) -> None:
         """A finished sample outcome from the KV subscription (others are ignored)."""

@@ -8,7 +8,6 @@ import uuid
 from aiohttp import web
 
 from protocol import api, rules
-from protocol.errors import Gone
 from protocol.records import SessionRecord
 from twinkle_async.gateway.bodies import json_response, read_json
 from twinkle_async.gateway.state import LIFECYCLE, REGISTRY, SETTINGS, TENANT
@@ -82,12 +81,7 @@ async def create_session(request: web.Request) -> web.Response:
 @routes.post("/api/v1/session_heartbeat")
 async def session_heartbeat(request: web.Request) -> web.Response:
     body = await read_json(request, api.SessionHeartbeatRequest)
-    registry = request.app[REGISTRY]
-    session = await registry.session(body.session_id, request[TENANT])
-    if session.finished:
-        raise Gone(f"session {body.session_id!r} is finished")
-    session.last_heartbeat = time.time()
-    await registry.put_session(session)
+    await request.app[REGISTRY].touch_session(body.session_id, request[TENANT])
     return json_response(api.SessionHeartbeatResponse())
 
 

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped] 
 from protocol import tinker_wire_pb2 as pb
 from protocol.custom_loss import CustomLoss
 from protocol.errors import PayloadTooLarge, UserError
+from protocol.sampling import MAX_LOGPROBS_K
 
 # Wire dtype -> how its bytes read; the widened result is float32 or int64.
 _WIRE_DTYPES: dict[pb.DType, np.dtype[Any]] = {
@@ -44,6 +45,7 @@ _TOKEN_DTYPE = np.dtype("<i4")
 # chunk size the gateway announces (4 MiB): four times what any dense request of that size holds.
 DEFAULT_MAX_REQUEST_ELEMENTS = 4 * 1024 * 1024
 MAX_DIMS = 8  # loss inputs are [N] or [N, K]; anything deeper is refused before numpy sees it
+TARGET_TOKENS = "target_tokens"  # the loss input whose K (ids per position) a pass pads to
 _OFFSET_DTYPE = np.dtype("<i8")
 
 
@@ -218,6 +220,9 @@ class FwdBwdSummary:
     n_tokens: int
     n_elements: int
     loss_id: str = ""  # loss_fn_config_v2["loss_id"] (text), which names a custom loss
+    # the first datum whose target_tokens declares [N, K] with K outside 1..MAX_LOGPROBS_K:
+    # (datum index, declared shape); refused by `check_target_width`
+    wide_targets: tuple[int, tuple[int, ...]] | None = None
 
 
 def _parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
@@ -247,12 +252,17 @@ def _declared_elements(tensor: pb.Tensor) -> int:
 def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
     tokens = 0
     elements = 0
-    for datum in msg.data:
+    wide_targets: tuple[int, tuple[int, ...]] | None = None
+    for index, datum in enumerate(msg.data):
         for chunk in datum.model_input:
             if chunk.WhichOneof("chunk") == "encoded_text":
                 tokens += len(chunk.encoded_text.tokens) // _TOKEN_DTYPE.itemsize
         for tensor in datum.loss_fn_inputs.values():
             elements += _declared_elements(tensor)
+        targets = datum.loss_fn_inputs.get(TARGET_TOKENS)
+        if wide_targets is None and targets is not None and len(targets.shape) == 2:
+            if not 1 <= targets.shape[1] <= MAX_LOGPROBS_K:
+                wide_targets = (index, tuple(int(s) for s in targets.shape))
     return FwdBwdSummary(
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),
@@ -262,6 +272,7 @@ def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
         n_tokens=tokens,
         n_elements=elements + tokens,
         loss_id=_text_setting(msg, "loss_id"),
+        wide_targets=wide_targets,
     )
 
 
@@ -280,6 +291,24 @@ def check_budget(summary: FwdBwdSummary, max_elements: int) -> None:
             f" ({summary.n_tokens} tokens across {summary.n_datums} datums, plus loss_fn_inputs);"
             f" one request may hold at most {max_elements}: send fewer datums per request"
         )
+
+
+def check_target_width(summary: FwdBwdSummary) -> None:
+    """Refuse [N, K] `target_tokens` with K outside 1..`MAX_LOGPROBS_K` (top-K distillation).
+
+    A pass pads the targets of every datum it holds, every tenant's, to the widest K among them
+    and gathers [chunk, K] log-probs, so one datum's K is the memory of everyone it shares a
+    pass with; the element budget does not bound it (sparse CSR with no entries declares any K
+    in a few bytes). The cap is the sampler's widest top-k, where top-K targets come from.
+    """
+    if summary.wide_targets is None:
+        return
+    index, shape = summary.wide_targets
+    raise UserError(
+        f"datums[{index}].loss_fn_inputs.{TARGET_TOKENS} ({summary.loss_fn}): shape"
+        f" {list(shape)} has K = {shape[1]} target ids per position; K must be in"
+        f" 1..{MAX_LOGPROBS_K}"
+    )
 
 
 def scan_forward_backward(body: bytes) -> FwdBwdSummary:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from protocol.errors import UserError
+from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
 from tests.test_custom_loss import upload
 from tests.test_engine import make_request, perturb_b
@@ -151,6 +152,22 @@ def test_a_custom_request_must_carry_what_its_loss_reads(
             )
         ],
     )
+    wide_k = MAX_LOGPROBS_K + 1  # [N, K] targets, K one too many, under a rank-2 loss
+    rank_2 = upload(weighted_nll, {"logprobs": 2, "weights": 2})
+    too_wide = dataclasses.replace(
+        request,
+        custom_loss=rank_2,
+        loss_fn_config={"loss_id": rank_2.loss_id},
+        datums=[
+            dataclasses.replace(
+                request.datums[0],
+                inputs={
+                    "target_tokens": np.zeros((5, wide_k), np.int64),
+                    "weights": np.ones((5, wide_k), np.float32),
+                },
+            )
+        ],
+    )
     unresolved = dataclasses.replace(request, custom_loss=None)
     extra_setting = dataclasses.replace(
         request, loss_fn_config={**request.loss_fn_config, "beta": 0.1}
@@ -159,6 +176,7 @@ def test_a_custom_request_must_carry_what_its_loss_reads(
         (no_inputs, "datums[0].loss_fn_inputs.target_tokens: missing"),
         (no_weights, "datums[0].loss_fn_inputs.weights: missing; loss 'weighted_nll' takes it"),
         (wrong_rank, "datums[0].loss_fn_inputs.weights: shape (5, 2)"),
+        (too_wide, f"target_tokens: shape (5, {wide_k}); K must be in 1..{MAX_LOGPROBS_K}"),
         (unresolved, "loss_fn_config.loss_id"),
         (extra_setting, "takes only loss_id"),
     ]

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, UserError
+from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.engine import Engine
 
@@ -404,10 +405,12 @@ def test_sampler_checkpoint_loads_in_peft_with_same_logits(
         "adapter_model.safetensors",
     }
 
-    tokens = np.random.default_rng(7).integers(0, VOCAB, 9).astype(np.int32)
-    every_token = np.broadcast_to(np.arange(VOCAB, dtype=np.int64), (9, VOCAB)).copy()
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, VOCAB, 9).astype(np.int32)
+    # the widest [N, K] targets a request may carry: K distinct ids per position
+    targets = np.argsort(rng.random((9, VOCAB)), axis=1)[:, :MAX_LOGPROBS_K].astype(np.int64)
     request = FwdBwdRequest(
-        "m", 1, "cross_entropy", True, {}, [DatumArrays(tokens, {"target_tokens": every_token})]
+        "m", 1, "cross_entropy", True, {}, [DatumArrays(tokens, {"target_tokens": targets})]
     )
     [result] = engine.forward_backward([("m", request)])
 
@@ -417,7 +420,10 @@ def test_sampler_checkpoint_loads_in_peft_with_same_logits(
     with torch.no_grad():
         logits = peft_model(input_ids=torch.as_tensor(tokens, dtype=torch.long)[None]).logits[0]
     assert (
-        max_diff(result.loss_fn_outputs[0]["logprobs"], torch.log_softmax(logits, dim=-1))
+        max_diff(
+            result.loss_fn_outputs[0]["logprobs"],
+            torch.log_softmax(logits, dim=-1).gather(1, torch.from_numpy(targets)),
+        )
         <= TOLERANCE
     )
     assert torch.count_nonzero(engine.bank.grads) == 0  # a forward-only pass
@@ -607,9 +613,9 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
 
     engine.save("full", tmp_path / "full", kind="sampler_weights", meta={})
     tokens = rng.integers(0, VOCAB, 6).astype(np.int32)
-    every_token = np.broadcast_to(np.arange(VOCAB, dtype=np.int64), (6, VOCAB)).copy()
+    targets = np.argsort(rng.random((6, VOCAB)), axis=1)[:, :MAX_LOGPROBS_K].astype(np.int64)
     request = FwdBwdRequest(
-        "full", 1, "cross_entropy", True, {}, [DatumArrays(tokens, {"target_tokens": every_token})]
+        "full", 1, "cross_entropy", True, {}, [DatumArrays(tokens, {"target_tokens": targets})]
     )
     [result] = engine.forward_backward([("full", request)])
     peft_model = PeftModel.from_pretrained(
@@ -618,7 +624,10 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
     with torch.no_grad():
         logits = peft_model(input_ids=torch.as_tensor(tokens, dtype=torch.long)[None]).logits[0]
     assert (
-        max_diff(result.loss_fn_outputs[0]["logprobs"], torch.log_softmax(logits, dim=-1))
+        max_diff(
+            result.loss_fn_outputs[0]["logprobs"],
+            torch.log_softmax(logits, dim=-1).gather(1, torch.from_numpy(targets)),
+        )
         <= TOLERANCE
     )
 

@@ -20,7 +20,7 @@ from aiohttp.test_utils import make_mocked_request
 from protocol import records, rules, subjects
 from protocol.api import LoraConfig
 from protocol.errors import Gone, NotFound, Unavailable, UserError
-from protocol.jobs import Job, OptimStepJob, SeqClaim
+from protocol.jobs import Job, OptimStepJob, SeqClaim, encode_job
 from protocol.records import RunRecord, SessionRecord
 from twinkle_async import registry as registry_module
 from twinkle_async.bus import Bus
@@ -66,7 +66,10 @@ class StubBus:
         self.fail = fail
         self.published: list[Job] = []
 
-    async def publish_job(self, pool: str, job: Job) -> None:
+    def encode_job(self, job: Job) -> bytes:
+        return encode_job(job)
+
+    async def publish_job(self, pool: str, job: Job, data: bytes | None = None) -> None:
         self.publishing.set()
         await asyncio.sleep(0.01)
         if self.fail:

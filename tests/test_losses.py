@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from protocol.api import LoraConfig
 from protocol.errors import UserError
+from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.engine import Engine
 
@@ -443,6 +444,12 @@ def _invalid(case: str, engine: Engine, rng: np.random.Generator) -> FwdBwdReque
             request.loss_fn_config = {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0}
         case "cross_entropy/config":
             request.loss_fn_config = {"beta": 0.1}
+        case "importance_sampling/k-above-cap":  # consistent [N, K] inputs, K one too many
+            for name, array in inputs.items():
+                inputs[name] = np.repeat(array[:, None], MAX_LOGPROBS_K + 1, axis=1)
+        case "cross_entropy/k-zero":
+            inputs["target_tokens"] = np.zeros((5, 0), dtype=np.int64)
+            inputs.pop("weights", None)
     return request
 
 
@@ -465,6 +472,12 @@ INVALID = {
     "ppo/config-text": ("ppo", "loss_fn_config.clip_high_threshold", "not a finite number"),
     "cispo/config-order": ("cispo", "loss_fn_config.clip_low_threshold", "above"),
     "cross_entropy/config": ("cross_entropy", "loss_fn_config.beta", "accepted: none"),
+    "importance_sampling/k-above-cap": (
+        "importance_sampling",
+        "datums[1].loss_fn_inputs.target_tokens",
+        f"K = {MAX_LOGPROBS_K + 1}",
+    ),
+    "cross_entropy/k-zero": ("cross_entropy", "datums[1].loss_fn_inputs.target_tokens", "K = 0"),
 }
 
 

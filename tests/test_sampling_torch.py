@@ -18,7 +18,7 @@ import torch
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound
-from protocol.sampling import SampleOutput, SampleSpec, TargetIds
+from protocol.sampling import MAX_LOGPROBS_K, SampleOutput, SampleSpec, TargetIds
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine import Engine
 from workers.sampling_batch import mergeable
@@ -89,13 +89,19 @@ def base_reference(engine: Engine) -> str:
 
 def forward_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.ndarray:
     """The engine's forward logprobs of every vocabulary token after each prefix of `tokens`:
-    [len(tokens) - 1, vocab], row i predicting tokens[i + 1]."""
-    n = len(tokens) - 1
-    every = np.broadcast_to(np.arange(engine.vocab_size, dtype=np.int64), (n, engine.vocab_size))
-    datum = DatumArrays(np.asarray(tokens[:-1], np.int32), {"target_tokens": every.copy()})
-    request = FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, [datum])
+    [len(tokens) - 1, vocab], row i predicting tokens[i + 1]. One forward-only request whose
+    datums each score `MAX_LOGPROBS_K` of the ids (the widest [N, K] targets a request takes)."""
+    n, vocab = len(tokens) - 1, engine.vocab_size
+    columns = np.arange(-(-vocab // MAX_LOGPROBS_K) * MAX_LOGPROBS_K, dtype=np.int64) % vocab
+    prompt = np.asarray(tokens[:-1], np.int32)
+    datums = [
+        DatumArrays(prompt, {"target_tokens": np.broadcast_to(ids, (n, ids.size)).copy()})
+        for ids in columns.reshape(-1, MAX_LOGPROBS_K)
+    ]
+    request = FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, datums)
     [result] = engine.forward_backward([(model_id, request)])
-    return result.loss_fn_outputs[0]["logprobs"]
+    scored = np.concatenate([out["logprobs"] for out in result.loss_fn_outputs], axis=1)
+    return scored[:, :vocab]
 
 
 def max_diff(a: object, b: object) -> float:

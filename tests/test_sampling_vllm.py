@@ -40,6 +40,7 @@ from protocol.api import AdamParams, LoraConfig  # noqa: E402
 from protocol.errors import UserError  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec, TargetIds  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
+from tests.test_sampling_torch import forward_logprobs  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.sampling_vllm import (  # noqa: E402
     SEED_RANGE,
@@ -329,20 +330,12 @@ def test_sampling_params_mapping() -> None:
     assert params.seed is not None and 0 <= params.seed < SEED_RANGE
     greedy = sampling_params(replace(spec, temperature=0.0, stop_at_eos=False, stop_strings=("x",)))
     assert greedy.n == 1 and greedy.ignore_eos and greedy.detokenize and greedy.stop == ["x"]
+    near_zero = sampling_params(replace(spec, temperature=1e-300))  # greedy, never divided by
+    assert near_zero.n == 1 and near_zero.temperature == 0.0
     scored = sampling_params(replace(spec, prompt_logprobs=True, topk_prompt_logprobs=5))
     assert scored.prompt_logprobs == 5
     with pytest.raises(UserError, match="not a valid regex"):
         trains_unembed("(unclosed", None)
-
-
-def full_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.ndarray:
-    """The trainer's logprob of every vocabulary token after each prefix: [len(tokens) - 1, V]."""
-    n, vocab = len(tokens) - 1, engine.vocab_size
-    every = np.broadcast_to(np.arange(vocab, dtype=np.int64), (n, vocab)).copy()
-    datum = DatumArrays(np.asarray(tokens[:-1], np.int32), {"target_tokens": every})
-    request = FwdBwdRequest(model_id, 0, "cross_entropy", True, {}, [datum])
-    (result,) = engine.forward_backward([(model_id, request)])
-    return result.loss_fn_outputs[0]["logprobs"]
 
 
 @on_module_loop
@@ -368,7 +361,7 @@ async def test_sample_options_match_the_trainer(
         prompt_logprobs_last_n=3,
     )
     output = await sampler.sample(spec, *_adapter(checkpoints, "a"))
-    full = full_logprobs(checkpoints.engine, "a", list(prompt))
+    full = forward_logprobs(checkpoints.engine, "a", list(prompt))
     assert output.prompt_logprobs is not None and output.topk_prompt_logprobs is not None
     assert output.prompt_logprobs[:6] == [None] * 6
     np.testing.assert_allclose(
@@ -391,7 +384,7 @@ async def test_sample_options_match_the_trainer(
 
     for seq in output.sequences:
         assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
-        forced = full_logprobs(checkpoints.engine, "a", [*prompt, *seq.tokens])
+        forced = forward_logprobs(checkpoints.engine, "a", [*prompt, *seq.tokens])
         for row, pairs in zip(forced[len(prompt) - 1 :], seq.topk_logprobs, strict=True):
             assert len(pairs) == 3
             np.testing.assert_allclose(

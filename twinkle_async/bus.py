@@ -13,6 +13,10 @@ even sent (it would only sit in the reconnect buffer), and on a transient error 
 again with `protocol.backoff.BUS_RETRY` until `BusSettings.retry_s` (10 s) has passed; then it
 raises `Unavailable`, which answers HTTP 503 with `x-should-retry: true`, and the SDK retries.
 Writes are safe to repeat: a job carries `Nats-Msg-Id`, KV puts write the same value again.
+
+A job too big for one message (the server's `max_payload`, 8 MiB with `nats_server`) is
+refused before it is sent, as `PayloadTooLarge`: nats-py would raise `MaxPayloadError`, which
+no retry cures, after the call's seq was claimed (`encode_job`).
 """
 
 from __future__ import annotations
@@ -36,15 +40,19 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from protocol import subjects, topology
+from protocol import jobs, subjects, topology
 from protocol.backoff import BUS_RETRY
-from protocol.errors import Unavailable
-from protocol.jobs import Job, SampleJob, encode_job, encode_sample_job
+from protocol.errors import PayloadTooLarge, Unavailable
+from protocol.jobs import Job, SampleJob, encode_sample_job
 from twinkle_async.settings import BusSettings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Room for the headers a job travels with (`Nats-Msg-Id`, `Tw-Request-Id`: under 300 bytes):
+# the server counts them against `max_payload`, nats-py's own check does not.
+_HEADER_ROOM_BYTES = 4 * 1024
 
 # What a call raises while NATS is away or coming back; worth another attempt. (Builtin
 # `TimeoutError` is asyncio's; nats' own derives from it.) The workers' wrapper retries the same.
@@ -186,11 +194,37 @@ class Bus:
     def bucket(self, name: str) -> KeyValue:
         return self.kv[name]
 
-    async def publish_job(self, pool: str, job: Job) -> None:
-        """Publish a training op to its model's shard; a repeat of `(model_id, seq_id)` is dropped."""
+    def max_job_bytes(self) -> int:
+        """The largest encoded job one publish carries: the server's `max_payload` and the ops
+        stream's largest message, whichever is smaller, less room for the headers."""
+        assert self.nc is not None
+        return min(self.nc.max_payload, topology.StreamSpec.max_msg_bytes) - _HEADER_ROOM_BYTES
+
+    def encode_job(self, job: Job) -> bytes:
+        """`job` as it is published; `PayloadTooLarge` (413) when it does not fit one message.
+
+        A sequenced call encodes its job while a refusal can still settle its seq, then hands
+        the bytes to `publish_job`.
+        """
+        data = jobs.encode_job(job)
+        limit = self.max_job_bytes()
+        if len(data) > limit:
+            raise PayloadTooLarge(
+                f"the job is {len(data)} bytes (the request and what the server adds to it,"
+                f" e.g. stable_reinforce provenance), over the {limit} bytes one message on the"
+                " job bus carries; send fewer datums per request"
+            )
+        return data
+
+    async def publish_job(self, pool: str, job: Job, data: bytes | None = None) -> None:
+        """Publish a training op to its model's shard; a repeat of `(model_id, seq_id)` is dropped.
+
+        `data`: the job as `encode_job` returned it, when the caller has it already.
+        """
         subject = subjects.ops_subject(pool, job.model_id, self.settings.n_shards)
         dedupe_id = subjects.msg_id(job.model_id, job.seq_id)
-        await self._publish(subject, encode_job(job), dedupe_id, job.request_id)
+        payload = self.encode_job(job) if data is None else data
+        await self._publish(subject, payload, dedupe_id, job.request_id)
 
     async def publish_sample(self, pool: str, job: SampleJob, dedupe_id: str) -> None:
         """Publish a sample job for any sampler of the pool; a repeat of `dedupe_id` is dropped."""

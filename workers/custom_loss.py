@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 from protocol import custom_loss as spec
 from protocol.errors import UserError
-from protocol.tensors import FwdBwdRequest
+from protocol.sampling import MAX_LOGPROBS_K
+from protocol.tensors import TARGET_TOKENS, FwdBwdRequest
 
-TARGET_TOKENS = "target_tokens"
 # A request's graphs together may produce this many times its declared element budget: what a
 # few dozen elementwise steps over every input cost, and a bound on what a hostile graph holds.
 BUDGET_FACTOR = 8
@@ -332,8 +332,9 @@ def _check_targets(where: str, targets: np.ndarray, n_tokens: int, vocab_size: i
         raise UserError(f"{where}: dtype {targets.dtype}, expected integer token ids (int64)")
     if targets.ndim not in (1, 2) or targets.shape[0] != n_tokens:
         raise UserError(f"{where}: shape {targets.shape}, expected [{n_tokens}] or [{n_tokens}, K]")
-    if targets.ndim == 2 and targets.shape[1] == 0:
-        raise UserError(f"{where}: shape {targets.shape} has no targets per position")
+    if targets.ndim == 2 and not 1 <= targets.shape[1] <= MAX_LOGPROBS_K:
+        # as `workers.losses` checks it: a pass pads every datum to the widest K it holds
+        raise UserError(f"{where}: shape {targets.shape}; K must be in 1..{MAX_LOGPROBS_K}")
     if targets.size and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise UserError(f"{where}: an id outside the vocabulary [0, {vocab_size})")
 

@@ -34,13 +34,14 @@ import numpy as np
 import torch
 
 from protocol.errors import UserError
+from protocol.sampling import MAX_LOGPROBS_K
+from protocol.tensors import TARGET_TOKENS
 
 LossConfig = Mapping[str, float | str]  # a request's `loss_fn_config` as decoded
 Settings = Mapping[str, float]  # the same, checked, with defaults filled in
 ElementwiseLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Settings], torch.Tensor]
 DatumCheck = Callable[["LossFn", str, Mapping[str, np.ndarray], Settings], None]
 
-TARGET_TOKENS = "target_tokens"
 CLIP_LOW = "clip_low_threshold"
 CLIP_HIGH = "clip_high_threshold"
 TRUNCATION = "truncation"
@@ -396,5 +397,12 @@ def _check_shape(loss: LossFn, where: str, array: np.ndarray, n_tokens: int) -> 
         raise _fail(loss, where, f"shape {array.shape}, expected [N] or [N, K]")
     if array.shape[0] != n_tokens:
         raise _fail(loss, where, f"length {array.shape[0]} != {n_tokens} model_input tokens")
-    if array.ndim == 2 and array.shape[1] == 0:
-        raise _fail(loss, where, f"shape {array.shape} has no targets per position")
+    if array.ndim == 2 and not 1 <= array.shape[1] <= MAX_LOGPROBS_K:
+        # The gateway refuses it too (`protocol.tensors.check_target_width`); this guards a
+        # job that did not come through it: a pass pads every datum to the widest K it holds.
+        raise _fail(
+            loss,
+            where,
+            f"shape {array.shape} has K = {array.shape[1]} values per position;"
+            f" K must be in 1..{MAX_LOGPROBS_K}",
+        )

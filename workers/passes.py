@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from protocol.errors import TwinkleError, UserError
-from protocol.tensors import FwdBwdOutput, FwdBwdRequest
+from protocol.tensors import TARGET_TOKENS, FwdBwdOutput, FwdBwdRequest
 from workers.custom_loss import (
     BUDGET_FACTOR,
     CustomLossError,
@@ -47,7 +47,7 @@ from workers.custom_loss import (
 )
 from workers.custom_loss import failed as custom_failed
 from workers.lora import MultiSlotLoraLinear, Segment, SlotRouting
-from workers.losses import TARGET_TOKENS, LossFn, Settings, get_loss, resolve_config
+from workers.losses import LossFn, Settings, get_loss, resolve_config
 from workers.packing import PassLayout, Piece, layout
 
 CUSTOM = "custom"

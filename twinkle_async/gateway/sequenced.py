@@ -9,9 +9,10 @@ the worker runs a model's calls strictly in that order. So a call must never lea
    400, and nothing is spent (no worker would ever wait for it).
 3. `(model_id, seq_id)` is claimed with the call's type and body digest. A genuine retry (same
    type and digest) gets the first request id; a different call reusing the seq is a 400.
-4. The call is validated and built. If the gateway refuses it, a *tombstone* carrying the error
-   is published in its place (the worker treats it as applied), the future holds the error,
-   and the client gets the 4xx at once; the model's next call runs without waiting.
+4. The call is validated, built and encoded. If the gateway refuses it (a job too big for one
+   bus message included), a *tombstone* carrying the error is published in its place (the
+   worker treats it as applied), the future holds the error, and the client gets the 4xx at
+   once; the model's next call runs without waiting.
 5. Otherwise, at once, the future is recorded as pending and the job published with
    `Nats-Msg-Id = <model_id>/<seq_id>` (JetStream drops a re-publish).
 """
@@ -117,8 +118,10 @@ async def submit_sequenced(
             f" {claim.request_type} call (request {claim.request_id}); each call takes the next"
             " seq_id"
         )
+    bus = request.app[BUS]
     try:
         job = await build(claim.request_id, claim == mine)
+        data = bus.encode_job(job)  # past the bus's largest message: a refusal, 413
     except TwinkleError as err:
         # A retryable refusal (rate limited) is retried by the SDK with this same seq: only a
         # final refusal settles it.
@@ -133,7 +136,7 @@ async def submit_sequenced(
         not_before=getattr(job, "not_before", 0.0),
         queue_reason=getattr(job, "queue_reason", ""),
     )
-    published = request.app[BUS].publish_job(subjects.pool_of(run.base_model), job)
+    published = bus.publish_job(subjects.pool_of(run.base_model), job, data)
     # Both at once: one bus round trip less per call. Either order is safe: the pending record
     # never replaces a result (`record_pending`), and the client learns the request id only
     # from this response, after both are stored. Both run to the end before a failure is raised.

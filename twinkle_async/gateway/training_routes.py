@@ -24,7 +24,7 @@ from protocol.jobs import (
     SaveWeightsJob,
 )
 from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord
-from protocol.tensors import check_budget, scan_forward_backward
+from protocol.tensors import check_budget, check_target_width, scan_forward_backward
 from twinkle_async import quotas
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.custom_loss_routes import custom_loss_for
@@ -158,6 +158,7 @@ async def forward_backward(request: web.Request) -> web.Response:
             raise UserError("forward_backward: data is empty")
         budget = request.app[SETTINGS].request_elements_budget
         check_budget(summary, budget)
+        check_target_width(summary)
         custom_loss = None
         if summary.loss_fn == "custom":
             custom_loss = await custom_loss_for(request, run, summary.loss_id)

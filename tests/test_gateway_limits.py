@@ -1,0 +1,128 @@
+"""forward_backward bodies a hostile client sizes, refused by the gateway with a 4xx that settles
+the call's seq: an in-process gateway on a real nats-server, with no worker.
+
+- `target_tokens` of shape [N, K] with K outside 1..MAX_LOGPROBS_K: a pass pads every datum's
+  targets to the widest K it holds, so a few bytes of sparse CSR declaring K = 2**22 would be an
+  out-of-memory for every tenant sharing the pass.
+- A job bigger than one message on the bus (the server's max_payload): the publish would fail
+  after the seq was claimed, leaving a hole that stalls the model's next call.
+
+Each refusal must publish the tombstone of its seq, so the worker runs the next call at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from protocol import subjects
+from protocol import tinker_wire_pb2 as pb
+from protocol.api import LoraConfig
+from protocol.jobs import ForwardBackwardJob, Job, TombstoneJob, decode_job
+from protocol.records import RunRecord
+from protocol.sampling import MAX_LOGPROBS_K
+from twinkle_async.gateway.app import build_app
+from twinkle_async.gateway.state import BUS, REGISTRY
+from twinkle_async.nats_server import MAX_PAYLOAD_BYTES, NatsServer
+from twinkle_async.settings import BusSettings, GatewaySettings
+
+API_KEY = "tml-limits-test-key"
+TENANT = "t"
+MODEL_ID = "sess-limits:train:0"
+BODY_LIMIT_BYTES = MAX_PAYLOAD_BYTES + 2 * 1024 * 1024  # above one bus message, on purpose
+
+
+@pytest.fixture
+async def client(nats_server: NatsServer) -> AsyncIterator[TestClient[object, object]]:
+    settings = GatewaySettings(
+        api_keys={API_KEY: TENANT},
+        bus=BusSettings(nats_url=nats_server.url),
+        max_request_bytes=BODY_LIMIT_BYTES,
+    )
+    async with TestClient(TestServer(build_app(settings))) as test_client:
+        run = RunRecord(
+            model_id=MODEL_ID,
+            tenant_id=TENANT,
+            session_id="sess-limits",
+            base_model="base",
+            lora=LoraConfig(),
+            created_at=0.0,
+            last_request_time=0.0,
+        )
+        await test_client.app[REGISTRY].put_run(run)
+        yield test_client
+
+
+def _body(seq_id: int, n_tokens: int = 1, targets: pb.Tensor | None = None) -> bytes:
+    msg = pb.ForwardBackwardRequest(model_id=MODEL_ID, seq_id=seq_id, loss_fn="cross_entropy")
+    datum = msg.data.add()
+    datum.model_input.add().encoded_text.tokens = np.ones(n_tokens, "<i4").tobytes()
+    if targets is not None:
+        datum.loss_fn_inputs["target_tokens"].CopyFrom(targets)
+    body: bytes = msg.SerializeToString()
+    return body
+
+
+def _empty_sparse_targets(k: int) -> pb.Tensor:
+    """[1, k] int64 target ids in sparse CSR with no entries: a few bytes whatever k is."""
+    tensor = pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, k])
+    tensor.sparse_csr.crow_indices = np.zeros(2, "<i8").tobytes()
+    return tensor
+
+
+async def _post(client: TestClient[object, object], body: bytes) -> tuple[int, dict[str, str]]:
+    resp = await client.post(
+        "/api/v1/forward_backward",
+        data=body,
+        headers={"X-API-Key": API_KEY, "Content-Type": "application/x-protobuf"},
+    )
+    return resp.status, await resp.json()
+
+
+async def _published(client: TestClient[object, object], seq_id: int) -> Job:
+    """The one job the worker finds on the ops stream for the model's `seq_id`."""
+    js = client.app[BUS].js
+    assert js is not None
+    state = (await js.stream_info(subjects.STREAM_OPS)).state
+    jobs = [
+        decode_job((await js.get_msg(subjects.STREAM_OPS, seq)).data)
+        for seq in range(state.first_seq, state.last_seq + 1)
+    ]
+    mine = [job for job in jobs if job.model_id == MODEL_ID and job.seq_id == seq_id]
+    assert len(mine) == 1, jobs
+    return mine[0]
+
+
+@pytest.mark.parametrize("k", [0, MAX_LOGPROBS_K + 1, 2**22 - 1])
+async def test_target_tokens_wider_than_top_k_are_refused_and_settle_the_seq(
+    client: TestClient[object, object], k: int
+) -> None:
+    body = _body(1, targets=_empty_sparse_targets(k))
+    assert len(body) < 100
+    status, answer = await _post(client, body)
+    assert status == 400 and answer["category"] == "user", answer
+    assert "target_tokens" in answer["detail"] and f"1..{MAX_LOGPROBS_K}" in answer["detail"]
+    tombstone = await _published(client, 1)
+    assert isinstance(tombstone, TombstoneJob) and "target_tokens" in tombstone.error
+    status, answer = await _post(client, _body(2, targets=_empty_sparse_targets(MAX_LOGPROBS_K)))
+    assert status == 200, answer  # the widest top-K targets pass
+    assert isinstance(await _published(client, 2), ForwardBackwardJob)
+
+
+async def test_a_job_over_the_bus_message_limit_is_refused_and_settles_the_seq(
+    client: TestClient[object, object],
+) -> None:
+    n_tokens = (MAX_PAYLOAD_BYTES + 1024 * 1024) // 4
+    body = _body(1, n_tokens=n_tokens)
+    assert MAX_PAYLOAD_BYTES < len(body) <= BODY_LIMIT_BYTES
+    status, answer = await _post(client, body)
+    assert status == 413 and answer["category"] == "user", answer
+    assert "job bus" in answer["detail"], answer
+    tombstone = await _published(client, 1)
+    assert isinstance(tombstone, TombstoneJob) and tombstone.request_type == "forward_backward"
+    status, answer = await _post(client, _body(2))
+    assert status == 200, answer
+    assert isinstance(await _published(client, 2), ForwardBackwardJob)

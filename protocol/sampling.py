@@ -7,8 +7,11 @@ return a `SampleOutput`; the sampler service encodes it with `encode_sample_resp
 Invariants: every per-position width a client picks (top-k prompt and sample logprobs, the
 columns of `target_prompt_logprobs`, `prompt_alt_tokens_k`) is at most `MAX_LOGPROBS_K`, so a
 request's extra output is bounded by its own prompt and completion lengths; every token id a
-client names is inside the vocabulary. Logprobs are the raw model distribution (before
-temperature, top-k and top-p), as the trainer's forward computes them.
+client names is inside the vocabulary; a request has at most `MAX_STOP_SEQUENCES` stop strings
+(each 1..`MAX_STOP_STRING_CHARS` characters) or stop token ids, since the samplers check every
+stop at every decode step. Logprobs are the raw model distribution (before temperature, top-k
+and top-p), as the trainer's forward computes them. A temperature below `GREEDY_TEMPERATURE`
+samples greedily in both backends.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ MAX_NUM_SAMPLES = 128
 DEFAULT_MAX_TOKENS = 128
 # The widest per-position top-k, target-id row or alternative-token draw a request may ask for.
 MAX_LOGPROBS_K = 20
+# Below this temperature sampling is greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a
+# smaller one overflows float32 and turns the distribution into NaN.
+GREEDY_TEMPERATURE = 1e-5
+# Stop strings or stop token ids per request (as common inference servers allow), and the
+# longest stop string: each is searched for in every row's decoded tail at every decode step,
+# and that tail is `_BYTES_PER_CHAR` tokens per character long (workers.sampling_torch). The
+# tinker-cookbook renderers send at most three.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_STRING_CHARS = 256
 # The placeholder of an empty top-k slot (the SDK's `MASK_LOGPROB`, token id 0).
 TOPK_MASK_LOGPROB = -99999.0
 
@@ -78,6 +90,12 @@ class SampleSpec:
     target_prompt_logprobs: TargetIds | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None  # score only the last n prompt tokens
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every sample takes the most likely token (temperature below
+        `GREEDY_TEMPERATURE`)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_prompt_rows(self) -> bool:
@@ -161,20 +179,7 @@ def sample_spec(
         if body.target_prompt_logprobs is None
         else _target_ids(body.target_prompt_logprobs, len(prompt), vocab_size)
     )
-    stop = params.stop
-    strings: tuple[str, ...] = ()
-    token_ids: tuple[int, ...] = ()
-    if isinstance(stop, str):
-        strings = (stop,)
-    elif isinstance(stop, list):
-        if all(isinstance(s, str) for s in stop):
-            strings = tuple(str(s) for s in stop)
-        elif all(isinstance(s, int) for s in stop):
-            token_ids = tuple(int(s) for s in stop)
-        else:
-            raise UserError(
-                "sampling_params.stop: a list of strings or a list of token ids, not both"
-            )
+    strings, token_ids = _stops(params.stop, vocab_size)
     return SampleSpec(
         prompt=tuple(prompt),
         num_samples=body.num_samples,
@@ -185,7 +190,7 @@ def sample_spec(
         seed=params.seed,
         stop_strings=strings,
         stop_token_ids=token_ids,
-        stop_at_eos=stop is None,
+        stop_at_eos=params.stop is None,
         prompt_logprobs=wants_prompt,
         topk_prompt_logprobs=body.topk_prompt_logprobs,
         record_stability_info=bool(body.record_stability_info),
@@ -194,6 +199,41 @@ def sample_spec(
         prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         prompt_logprobs_last_n=last_n,
     )
+
+
+def _stops(
+    stop: str | list[str | int] | None, vocab_size: int | None
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`sampling_params.stop` as (stop strings, stop token ids), bounded: at most
+    `MAX_STOP_SEQUENCES` of either, strings of 1..`MAX_STOP_STRING_CHARS` characters, ids in
+    the vocabulary."""
+    name = "sampling_params.stop"
+    if stop is None:
+        return (), ()
+    items: list[str | int] = [stop] if isinstance(stop, str) else list(stop)
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise UserError(
+            f"{name}: {len(items)} stop sequences; at most {MAX_STOP_SEQUENCES} are allowed"
+        )
+    if all(isinstance(s, str) for s in items):
+        strings = tuple(str(s) for s in items)
+        bad = next((s for s in strings if not 1 <= len(s) <= MAX_STOP_STRING_CHARS), None)
+        if bad is not None:
+            raise UserError(
+                f"{name}: a stop string of {len(bad)} characters; each must have "
+                f"1..{MAX_STOP_STRING_CHARS}"
+            )
+        return strings, ()
+    if all(isinstance(s, int) for s in items):
+        token_ids = tuple(int(s) for s in items)
+        limit = vocab_size if vocab_size is not None else 2**63
+        bad_id = next((t for t in token_ids if not 0 <= t < limit), None)
+        if bad_id is not None:
+            raise UserError(
+                f"{name}: token id {bad_id} is outside the vocabulary (size {vocab_size})"
+            )
+        return (), token_ids
+    raise UserError(f"{name}: a list of strings or a list of token ids, not both")
 
 
 def _check_width(name: str, k: int) -> None:

@@ -19,6 +19,8 @@ from protocol import api
 from protocol.errors import UserError
 from protocol.sampling import (
     MAX_LOGPROBS_K,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_STRING_CHARS,
     SampledSequence,
     SampleOutput,
     SampleSpec,
@@ -48,12 +50,27 @@ def dense(rows: list[list[int]], dtype: str = "int64") -> dict[str, Any]:
     return {"data": [v for row in rows for v in row], "dtype": dtype, "shape": shape}
 
 
+def with_stop(value: Any) -> dict[str, Any]:
+    return {"sampling_params": {"max_tokens": 4, "stop": value}}
+
+
 HOSTILE: list[tuple[dict[str, Any], str]] = [
     ({"topk_sample_logprobs": -1}, "topk_sample_logprobs"),
     ({"topk_sample_logprobs": 10**9}, "topk_sample_logprobs"),
     ({"topk_prompt_logprobs": MAX_LOGPROBS_K + 1}, "topk_prompt_logprobs"),
     ({"prompt_alt_tokens_k": -3}, "prompt_alt_tokens_k"),
     ({"prompt_alt_tokens_k": 2**40}, "prompt_alt_tokens_k"),
+    # stops are checked at every decode step: their number and length are bounded
+    (with_stop(["ab"] * 300_000), "sampling_params.stop"),
+    (with_stop(["a"] * (MAX_STOP_SEQUENCES + 1)), "sampling_params.stop"),
+    (with_stop("x" * 2**20), "sampling_params.stop"),
+    (with_stop(["x" * (MAX_STOP_STRING_CHARS + 1)]), "sampling_params.stop"),
+    (with_stop(""), "sampling_params.stop"),
+    (with_stop(["\n", ""]), "sampling_params.stop"),
+    (with_stop(list(range(MAX_STOP_SEQUENCES + 1))), "sampling_params.stop"),
+    (with_stop([2, VOCAB]), "sampling_params.stop"),
+    (with_stop([-1]), "sampling_params.stop"),
+    (with_stop(["a", 2]), "sampling_params.stop"),
     ({"prompt_logprobs_last_n": 2}, "prompt_logprobs_last_n"),  # without prompt_logprobs
     ({"prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "prompt_logprobs_last_n"),
     ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n"),
@@ -140,6 +157,39 @@ def test_valid_options_become_the_spec() -> None:
     dense_target = spec_of(target_prompt_logprobs=dense([[1, -1], [2, 3], [-1, -1], [4, 4]]))
     assert dense_target.target_prompt_logprobs is not None
     assert dense_target.target_prompt_logprobs.cells()[0] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("stop", "strings", "token_ids"),
+    [
+        (None, (), ()),  # the SDK's default: stop at EOS
+        ([], (), ()),  # never stop early
+        (["\n\nUser:"], ("\n\nUser:",), ()),  # tinker-cookbook's RoleColon renderer
+        ([2, 3, VOCAB - 1], (), (2, 3, VOCAB - 1)),  # three ids, as cookbook's GLM-5 renderer
+        ("x" * MAX_STOP_STRING_CHARS, ("x" * MAX_STOP_STRING_CHARS,), ()),
+        (["y" * MAX_STOP_STRING_CHARS] * MAX_STOP_SEQUENCES, ("y" * 256,) * 16, ()),
+        (list(range(MAX_STOP_SEQUENCES)), (), tuple(range(16))),
+    ],
+)
+def test_stops_within_the_bounds_become_the_spec(
+    stop: Any, strings: tuple[str, ...], token_ids: tuple[int, ...]
+) -> None:
+    body = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 4, "stop": stop},
+        "type": "sample",
+    }
+    request = api.decode(msgspec.json.encode(body), api.SampleRequest)
+    spec = sample_spec(request, max_context=64, vocab_size=VOCAB)
+    assert (spec.stop_strings, spec.stop_token_ids) == (strings, token_ids)
+    assert spec.stop_at_eos is (stop is None)
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy() -> None:
+    for temperature, greedy in [(1e-300, True), (0.0, True), (1e-5, False), (0.7, False)]:
+        params = {"max_tokens": 4, "temperature": temperature}
+        assert spec_of(sampling_params=params).greedy is greedy
+    assert not spec_of().greedy
 
 
 def output_for(spec: SampleSpec) -> SampleOutput:

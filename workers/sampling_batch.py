@@ -12,9 +12,11 @@ the per-row token draw.
   decode step whose snapshots do not all fit in the engine's slots at once.
 - `fill_prompt_outputs`: what a request asks of its prompt, from its prefill logits.
 - `draw`: each row draws its next token with its own generator (the exponential race over its
-  temperature-scaled, top-k/top-p-filtered distribution), records its raw logprob (and the raw
-  top-k when asked) and checks its stops. A row's noise comes only from its generator, seeded
-  from (seed, sample index), so its tokens do not depend on which rows share its steps.
+  temperature-scaled, top-k/top-p-filtered distribution; greedy rows, those of a temperature
+  below `protocol.sampling.GREEDY_TEMPERATURE`, have none and take the most likely token),
+  records its raw logprob (and the raw top-k when asked) and checks its stops. A row's noise
+  comes only from its generator, seeded from (seed, sample index), so its tokens do not depend
+  on which rows share its steps.
 
 Invariants:
 - Every row's last real token is in the last column (left padding), so one decode step appends
@@ -189,7 +191,10 @@ class RunningBatch:
             for j, i in enumerate(drawn):
                 noise[j].exponential_(generator=rows[i].generator)
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-            chosen[index] = (probs / noise).argmax(dim=-1)
+            raced = (probs / noise).argmax(dim=-1)
+            # A row whose logits are not finite (a diverged adapter) has no distribution to
+            # draw from (NaN wins every argmax); it takes its most likely token instead.
+            chosen[index] = torch.where(_finite_rows(probs), raced, chosen[index])
         all_raw = torch.log_softmax(logits, dim=-1)
         raw = all_raw.gather(-1, chosen[:, None])[:, 0]
         width = min(max(row.spec.topk_sample_logprobs for row in rows), all_raw.shape[-1])
@@ -250,18 +255,32 @@ def fill_prompt_outputs(output: SampleOutput, spec: SampleSpec, logits: torch.Te
         output.target_prompt_logprobs = picked.masked_fill(index < 0, 0.0).tolist()
     if spec.prompt_alt_tokens_k > 0:
         k = spec.prompt_alt_tokens_k
-        if spec.temperature > 0 and logprobs.shape[0] > 0:
+        # The most likely token by the raw logits, as `draw` takes it (defined even where the
+        # logits are not finite and the logprobs are NaN).
+        greedy = logits[:-1].float().argmax(dim=-1, keepdim=True)
+        if not spec.greedy and logprobs.shape[0] > 0:
             generator = torch.Generator(device=logits.device)
             if spec.seed is None:
                 generator.seed()
             else:
                 generator.manual_seed(_alt_seed(spec.seed))
             probs = torch.softmax(logits[:-1].float() / spec.temperature, dim=-1)
+            # `multinomial` raises on a row that is not a distribution (non-finite logits of a
+            # diverged adapter); such a row puts all its mass on its most likely token.
+            finite = _finite_rows(probs)
+            if not bool(finite.all()):
+                one_hot = torch.zeros_like(probs).scatter_(-1, greedy, 1.0)
+                probs = torch.where(finite[:, None], probs, one_hot)
             draws = torch.multinomial(probs, k, replacement=True, generator=generator)
         else:  # greedy: every draw is the most likely token
-            draws = logprobs.argmax(dim=-1, keepdim=True).expand(-1, k)
+            draws = greedy.expand(-1, k)
         output.prompt_alt_tokens = draws.tolist()
         output.prompt_alt_logprobs = logprobs.gather(-1, draws).tolist()
+
+
+def _finite_rows(probs: torch.Tensor) -> torch.Tensor:
+    """Whether each row of `probs` is a distribution: finite, with some mass."""
+    return torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
 
 
 def _alt_seed(seed: int) -> int:

@@ -11,10 +11,14 @@ Step 1 (admit): waiting requests join in arrival order while their snapshots fit
         snapshot (base-model requests pass), so none waits forever. A sampler checkpoint becomes
         an inference-only snapshot slot of the engine's bank (`Engine.load_snapshot`), by key.
 Step 2 (prefill): one row per admitted request, left-padded, rows grouped by slot so each slot
-        is one routing segment; position ids count real tokens only. The logits give the prompt
-        logprobs (top-k, target ids, alternative-token draws, the last n only when asked) and
-        each request's first-token distribution. The cache's rows are repeated to
-        one row per sample, and the batch merges into the running one
+        is one routing segment; position ids count real tokens only. The decoder's last
+        hidden states go through the output layer at each row's last position (each request's
+        first-token distribution) and, one request at a time, at every prompt position of a
+        request that asks for prompt outputs (prompt logprobs, top-k, target ids,
+        alternative-token draws, the last n only when asked): full-vocabulary logits exist
+        only for the prompts that need them, one prompt at once. A request whose prompt
+        outputs fail is answered with the error; the others go on. The cache's rows are
+        repeated to one row per sample, and the batch merges into the running one
         (`workers.sampling_batch.RunningBatch.merge`: the narrower side is left-padded further).
 Step 3 (draw): each row draws its token, records the token's raw logprob and checks its stops.
 Step 4 (retire): finished rows leave the batch; a request whose samples have all finished is
@@ -29,7 +33,9 @@ between two steps (`workers.sampler_backends.TorchBackend`).
 
 Invariants:
 - Logprobs are raw: log_softmax of the model's logits, before temperature, top-k and top-p,
-  exactly what the trainer's forward computes for the same tokens.
+  exactly what the trainer's forward computes for the same tokens (the same decoder and
+  output layer, `Engine.passes`). A temperature below
+  `protocol.sampling.GREEDY_TEMPERATURE` is greedy.
 - A row's tokens depend only on its request, its adapter and (seed, sample index): its noise
   comes from its own generator, and other rows, padding and the step at which it joined change
   its logits only by rounding.
@@ -46,6 +52,7 @@ empty batch, i.e. everything waiting runs as one generation, as before continuou
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,16 +61,20 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from protocol.errors import NotFound, TwinkleError
+from protocol.errors import NotFound, ServerError, TwinkleError
 from protocol.sampling import SampleOutput, SampleSpec
 from workers.engine import Engine
-from workers.lora import BASE_SLOT, Segment
+from workers.lora import BASE_SLOT, MultiSlotLoraLinear, Segment
 from workers.sampling_batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
 
 # A stop string of n characters spans at most 4n tokens (a character has at most four bytes, a
 # token at least one); the margin is slack. Only this tail of a row is detokenized each step.
 _BYTES_PER_CHAR = 4
 _STOP_WINDOW_MARGIN = 8
+
+_PROMPT_OUTPUTS_FAILED = "the sampler failed on this request's prompt outputs; see its log"
+
+log = logging.getLogger(__name__)
 
 Finished = tuple[int, SampleOutput | TwinkleError]  # (ticket, answer)
 
@@ -115,8 +126,8 @@ class TorchSampler:
         finished: list[Finished] = []
         with torch.no_grad():
             joining = self._admit(finished)
-            if joining:
-                batch = self._prefill_batch(joining)
+            batch = self._prefill_batch(joining, finished) if joining else None
+            if batch is not None:
                 if self._running is None:
                     self._running = batch
                 else:
@@ -229,49 +240,56 @@ class TorchSampler:
 
     # -- step 2: prefill -----------------------------------------------------------------------
 
-    def _prefill_batch(self, requests: list[Request]) -> RunningBatch:
-        """The admitted requests prefilled, one row per sample, with prompt logprobs filled."""
+    def _prefill_batch(
+        self, requests: list[Request], finished: list[Finished]
+    ) -> RunningBatch | None:
+        """The admitted requests prefilled, one row per sample, with their prompt outputs
+        filled; a request whose prompt outputs fail is answered with an error in `finished`
+        and leaves (None when no request is left)."""
         device = self.engine.device
         first_seen = {key: rank for rank, key in enumerate(dict.fromkeys(r.key for r in requests))}
         requests = sorted(requests, key=lambda request: first_seen[request.key])
-        rows = [
-            self._row(r, sample_index)
-            for r in requests
-            for sample_index in range(r.spec.num_samples)
-        ]
-        self._slots(rows)
-        want_prompt = any(r.spec.needs_prompt_rows for r in requests)
+        rows = [[self._row(r, index) for index in range(r.spec.num_samples)] for r in requests]
+        self._slots([row for request_rows in rows for row in request_rows])
+        slots = [request_rows[0].slot for request_rows in rows]  # one per request, in order
         cache = DynamicCache(config=self.engine.model.config)
-        logits, attention_mask = self._prefill(
-            [r.spec.prompt for r in requests],
-            [row.slot for row in rows if row.sample_index == 0],  # one per request, in order
-            cache,
-            want_prompt,
-        )
-        source: list[int] = []  # the prefill row each sample row continues
-        width = logits.shape[1]
+        hidden, attention_mask = self._prefill([r.spec.prompt for r in requests], slots, cache)
+        next_logits = self._head(hidden[:, -1], _segments(slots))
+        kept: list[Row] = []
+        source: list[int] = []  # the prefill row each kept sample row continues
+        width = hidden.shape[1]
         for prefill_row, request in enumerate(requests):
             spec = request.spec
             if spec.needs_prompt_rows:
-                prompt_logits = logits[prefill_row, width - len(spec.prompt) :]
-                fill_prompt_outputs(request.output, spec, prompt_logits)
+                try:
+                    # The full-vocabulary rows of this one prompt, so a batch holds at most
+                    # len(prompt) x vocabulary logits at once, whatever else it prefills.
+                    length = len(spec.prompt)
+                    prompt_logits = self._head(
+                        hidden[prefill_row, width - length :],
+                        [Segment(slots[prefill_row], 0, length)],
+                    )
+                    fill_prompt_outputs(request.output, spec, prompt_logits)
+                    del prompt_logits
+                except Exception:  # this request's own outputs: the others carry on
+                    log.exception("sample ticket %d: its prompt outputs failed", request.ticket)
+                    finished.append((request.ticket, ServerError(_PROMPT_OUTPUTS_FAILED)))
+                    continue
+            kept += rows[prefill_row]
             source += [prefill_row] * spec.num_samples
+        if not kept:
+            return None
         expand = torch.tensor(source, device=device)
         # `reorder_cache` is annotated LongTensor; any int64 index tensor is what it takes.
         cache.reorder_cache(expand)  # type: ignore[arg-type]
-        return RunningBatch(rows, cache, attention_mask[expand], logits[:, -1][expand])
+        return RunningBatch(kept, cache, attention_mask[expand], next_logits[expand])
 
     def _prefill(
-        self,
-        prompts: list[tuple[int, ...]],
-        slots: list[int],
-        cache: DynamicCache,
-        every_position: bool,
+        self, prompts: list[tuple[int, ...]], slots: list[int], cache: DynamicCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the left-padded prompts into `cache`: (logits, attention mask).
-
-        Logits are [rows, width, vocab] with `every_position`, else the last position's only.
-        """
+        """Run the left-padded prompts through the decoder into `cache`: (last hidden states
+        [rows, width, hidden], attention mask [rows, width]); `_head` makes logits of the
+        positions that need them."""
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -281,15 +299,23 @@ class TorchSampler:
         device = self.engine.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         with self._routed(slots):
-            logits = self.engine.model(
+            hidden = self.engine.passes.decoder(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=0 if every_position else 1,
-            ).logits
-        return logits, attention_mask
+            ).last_hidden_state
+        return hidden, attention_mask
+
+    def _head(self, hidden: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """The output layer on token rows `hidden` [T, hidden]: logits [T, vocab], each segment
+        of rows with its slot's LoRA term (an adapter may train the output layer)."""
+        head = self.engine.passes.head
+        if isinstance(head, MultiSlotLoraLinear):
+            return head.with_segments(hidden, segments)
+        logits: torch.Tensor = head(hidden)
+        return logits
 
     # -- steps 3-5: draw, retire, decode -------------------------------------------------------
 
@@ -347,7 +373,7 @@ class TorchSampler:
     def _row(self, request: Request, sample_index: int) -> Row:
         spec = request.spec
         generator = None
-        if spec.temperature > 0:
+        if not spec.greedy:
             generator = torch.Generator(device=self.engine.device)
             if spec.seed is None:
                 generator.seed()

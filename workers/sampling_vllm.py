@@ -79,8 +79,6 @@ _UNEMBED_PATHS = (
     "model.language_model.embed_tokens",
     "language_model.lm_head",
 )
-# vLLM samples greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`).
-GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = 2**63
 # Full-vocabulary prompt rows one request may ask vLLM for (target ids, alternative draws).
 MAX_FULL_ROW_CELLS = 2**22
@@ -318,8 +316,9 @@ class VllmSampler:
 
 
 def is_greedy(spec: SampleSpec) -> bool:
-    """Whether vLLM samples `spec` greedily (it treats temperatures below 1e-5 as 0)."""
-    return spec.temperature < GREEDY_TEMPERATURE
+    """Whether `spec` is sampled greedily: vLLM treats temperatures below its
+    `_SAMPLING_EPS` (1e-5, our `protocol.sampling.GREEDY_TEMPERATURE`) as 0."""
+    return spec.greedy
 
 
 def needs_full_rows(spec: SampleSpec) -> bool:
@@ -336,7 +335,8 @@ def sampling_params(spec: SampleSpec) -> SamplingParams:
     return SamplingParams(
         n=1 if is_greedy(spec) else spec.num_samples,
         max_tokens=spec.max_tokens,
-        temperature=spec.temperature,
+        # Exactly 0 when greedy, so nothing (here or in vLLM) divides by a tiny temperature.
+        temperature=0.0 if is_greedy(spec) else spec.temperature,
         top_k=spec.top_k,
         top_p=spec.top_p,
         # torch generators take 64-bit seeds and vLLM seeds sample i with seed + i; an

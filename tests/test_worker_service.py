@@ -247,3 +247,69 @@ async def test_service_fails_only_the_request_that_crashes_a_pass(
         await asyncio.gather(task, return_exceptions=True)
         await worker_bus.close()
         await gateway_bus.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_model_whose_log_was_trimmed_past_its_snapshot_fails_instead_of_losing_steps(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The ops log keeps what its limits allow, whatever tenant filled it. A restarted worker
+    restores a model's snapshot (seq 4) and finds its log resuming at seq 6: replaying 6 and 7
+    on top of the snapshot would silently drop step 5, which the client saw succeed."""
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    settings = WorkerSettings(
+        base_model=str(model_dir),
+        nats_url=nats_server.url,
+        data_dir=tmp_path / "data",
+        max_rank=8,
+        gap_timeout_s=2.0,
+        snapshot_every=2,  # a snapshot after seq 4, none after seq 6
+        worker_id="w-trimmed",
+    )
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    jobs: list[Job] = [
+        CreateModelJob(
+            request_id="req-m-t-0",
+            model_id="m-t",
+            tenant_id="t",
+            seq_id=0,
+            base_model=str(model_dir),
+            lora=LoraConfig(rank=4, seed=1),
+        )
+    ]
+    for seq in (1, 3, 5):
+        jobs.append(fwd_job("m-t", seq, length=5))
+        jobs.append(
+            OptimStepJob(
+                request_id=f"req-m-t-{seq + 1}", model_id="m-t", tenant_id="t", seq_id=seq + 1
+            )
+        )
+    for job in jobs:
+        await gateway_bus.publish_job(settings.pool, job)
+
+    async def run_worker(until: str) -> Outcome:
+        worker_bus = WorkerBus(nats_server.url)
+        await worker_bus.connect()
+        engine = Engine(settings.base_model, max_slots=2, max_rank=8)
+        task = asyncio.create_task(TrainerService(worker_bus, engine, settings).run())
+        try:
+            return await wait_outcome(gateway_bus, until, timeout_s=60)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await worker_bus.close()
+
+    try:
+        assert (await run_worker("req-m-t-6")).state == "done"
+        assert await gateway_bus.get(subjects.BUCKET_RUNS, subjects.snapshot_key("m-t"))
+        # other tenants' traffic filled the log: its limits dropped everything before seq 6
+        assert gateway_bus.js is not None
+        info = await gateway_bus.js.stream_info(subjects.STREAM_OPS)
+        assert info.state is not None
+        await gateway_bus.js.purge_stream(subjects.STREAM_OPS, seq=info.state.last_seq)
+        await gateway_bus.publish_job(settings.pool, fwd_job("m-t", 7, length=5))
+        out = await run_worker("req-m-t-7")  # the restarted worker takes the model over
+        assert out.state == "error" and "could not be recovered" in out.error, out
+    finally:
+        await gateway_bus.close()

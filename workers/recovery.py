@@ -16,7 +16,12 @@ stored for it:
   as a transaction; a forward-only pass; a save, which only wrote files): settle it, run nothing.
 
 Where recovery is impossible (the log no longer reaches back to the snapshot, or a load's
-checkpoint is gone), the replayed op fails and its model's next ops fail with it, clearly.
+checkpoint is gone), the replayed op fails and its model's next ops fail with it, clearly. The
+log reaches back no further than its limits keep it: with no snapshot, its ops must start at
+the model's creation (seq 0); with one, right after the snapshot's seq, unless the first ops
+missing were never logged (a gateway that stopped between taking a seq and publishing: a gap
+the sequencer fails on its own), which is told apart by the log having been trimmed past the
+snapshot. Replaying on top of a hole would silently leave out a step the client saw succeed.
 """
 
 from __future__ import annotations
@@ -73,6 +78,13 @@ class ModelLog:
     async def snapshot(self, model_id: str) -> SnapshotRecord | None:
         data = await self.bus.get(subjects.BUCKET_RUNS, subjects.snapshot_key(model_id))
         return records.decode(data, SnapshotRecord) if data else None
+
+    async def trimmed_after(self, stream_seq: int) -> bool:
+        """Whether the log's limits (`ops_max_bytes`, `ops_max_age_s`: any tenant's traffic
+        counts) dropped messages past `stream_seq`: the log no longer starts right after it."""
+        assert self.bus.js is not None
+        info = await self.bus.js.stream_info(subjects.STREAM_OPS)
+        return info.state is not None and info.state.first_seq > stream_seq + 1
 
     async def ops_after(self, model_id: str, stream_seq: int) -> AsyncIterator[tuple[Job, int]]:
         """The model's logged ops after `stream_seq`, in log order, with their positions."""

@@ -267,14 +267,20 @@ class TrainerService:
                 )
             )
         first_seq = min((item.job.seq_id for item in logged), default=0)
-        if snapshot is None and first_seq > 0:
-            # The log no longer reaches back to the model's creation and no snapshot covers
-            # it: its state is gone. Its ops fail at once, saying so.
+        expected = 0 if snapshot is None else snapshot.applied_seq + 1
+        if first_seq > expected and (
+            snapshot is None or await self.log_reader.trimmed_after(snapshot.stream_seq)
+        ):
+            # The log no longer reaches back to the model's creation or to its snapshot: ops
+            # the client saw succeed are gone with it. Its ops fail at once, saying so.
             self.ops.lost.add(model_id)
             self.sequencer.start(model_id, applied_seq=first_seq - 1)
             log.error(
-                "model %s cannot be recovered: no snapshot, its log starts at seq %d",
+                "model %s cannot be recovered: it needs its logged ops from seq %d (%s),"
+                " the log starts at seq %d (ops_max_bytes / ops_max_age_s dropped the rest)",
                 model_id,
+                expected,
+                "it has no snapshot" if snapshot is None else "after its snapshot",
                 first_seq,
             )
         replayed = sum(self.sequencer.offer(item) for item in logged)

@@ -318,22 +318,18 @@ class Bus:
         await self._retrying(f"delete {bucket}/{key}", attempt)
 
     async def keys(self, bucket: str, prefix: str = "") -> list[str]:
-        """Keys under `prefix.` (deleted ones included: a read of one answers None).
+        """Keys under `prefix.` (deleted ones included: a read of one answers None); see
+        `topology.kv_keys`."""
+        nc = self.nc
+        assert nc is not None
+        timeout_s = self.settings.request_timeout_s
 
-        One stream-info request with a subject filter: no consumer is created, so a burst of
-        listings leaves nothing behind on the server (a KV watcher would leave a consumer each).
-        """
-        js = self.js
-        assert js is not None
-        subject_prefix = f"$KV.{bucket}."
-        pattern = f"{subject_prefix}{prefix}.>" if prefix else f"{subject_prefix}>"
+        async def request(subject: str, body: bytes) -> bytes:
+            return (await nc.request(subject, body, timeout=timeout_s)).data
 
-        async def attempt() -> list[str]:
-            info = await js.stream_info(f"KV_{bucket}", subjects_filter=pattern)
-            subjects_found = info.state.subjects or {}
-            return sorted(subject[len(subject_prefix) :] for subject in subjects_found)
-
-        return await self._retrying(f"list {bucket}", attempt)
+        return await self._retrying(
+            f"list {bucket}", lambda: topology.kv_keys(request, bucket, prefix)
+        )
 
     async def values(self, bucket: str, prefix: str = "") -> list[bytes]:
         """Current values of the keys under `prefix.`, in key order (direct reads, no consumer)."""

@@ -317,14 +317,16 @@ class WorkerBus:
         await retrying(self.nc, f"delete {bucket}/{key}", attempt, self.retry_s)
 
     async def values(self, bucket: str, prefix: str) -> list[bytes]:
-        """Current values of the keys under `prefix.`: one stream-info request lists the keys
-        (no consumer is created), then one read each."""
-        assert self.js is not None
-        subject_prefix = f"$KV.{bucket}."
-        info = await self.js.stream_info(
-            f"KV_{bucket}", subjects_filter=f"{subject_prefix}{prefix}.>"
-        )
-        keys = sorted(subject[len(subject_prefix) :] for subject in info.state.subjects or {})
+        """Current values of the keys under `prefix.`: the keys (`topology.kv_keys`), then one
+        read each."""
+        nc = self.nc
+        assert nc is not None
+        timeout_s = self.timeout_s
+
+        async def request(subject: str, body: bytes) -> bytes:
+            return (await nc.request(subject, body, timeout=timeout_s)).data
+
+        keys = await topology.kv_keys(request, bucket, prefix)
         found = await asyncio.gather(*(self.get(bucket, key) for key in keys))
         return [value for value in found if value]
 

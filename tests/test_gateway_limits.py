@@ -12,17 +12,20 @@ Each refusal must publish the tombstone of its seq, so the worker runs the next 
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from protocol import subjects
+from protocol import records, subjects
 from protocol import tinker_wire_pb2 as pb
 from protocol.api import LoraConfig
 from protocol.jobs import ForwardBackwardJob, Job, TombstoneJob, decode_job
-from protocol.records import RunRecord
+from protocol.records import RunRecord, SamplerRecord, WorkerRecord
 from protocol.sampling import MAX_LOGPROBS_K
 from twinkle_async.gateway.app import build_app
 from twinkle_async.gateway.state import BUS, REGISTRY
@@ -41,6 +44,7 @@ async def client(nats_server: NatsServer) -> AsyncIterator[TestClient[object, ob
         api_keys={API_KEY: TENANT},
         bus=BusSettings(nats_url=nats_server.url),
         max_request_bytes=BODY_LIMIT_BYTES,
+        max_json_bytes=BODY_LIMIT_BYTES,  # an operator's choice: sample bodies that big
     )
     async with TestClient(TestServer(build_app(settings))) as test_client:
         run = RunRecord(
@@ -126,3 +130,56 @@ async def test_a_job_over_the_bus_message_limit_is_refused_and_settles_the_seq(
     status, answer = await _post(client, _body(2))
     assert status == 200, answer
     assert isinstance(await _published(client, 2), ForwardBackwardJob)
+
+
+async def test_a_sample_over_the_bus_message_limit_is_refused_with_nothing_left_pending(
+    client: TestClient[object, object],
+) -> None:
+    """A sample job fails its publish the same way; before, its future was recorded pending
+    first, and stayed pending for ever behind a 500."""
+    bus, registry = client.app[BUS], client.app[REGISTRY]
+    worker = WorkerRecord(
+        worker_id="w",
+        pool=subjects.pool_of("base"),
+        base_model="base",
+        arch="qwen3",
+        vocab_size=16,
+        max_context=10**7,
+        max_rank=8,
+        slots_total=1,
+        slots_used=0,
+        heartbeat_at=time.time() + 60,
+        sampler_backend="torch",  # a trainer that samples too
+    )
+    await bus.put(subjects.BUCKET_WORKERS, "w", records.encode(worker))
+    deadline = time.monotonic() + 10
+    while not registry.sampler_backends("base"):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    sampler = SamplerRecord(
+        sampling_session_id="sess-limits:sample:0",
+        tenant_id=TENANT,
+        session_id="sess-limits",
+        base_model="base",
+        model_path=None,
+        created_at=time.time(),
+    )
+    await registry.put_sampler(sampler)
+    n_tokens = (MAX_PAYLOAD_BYTES + 1024 * 1024) // 2  # "1," per token
+    body = {
+        "type": "sample",
+        "sampling_session_id": sampler.sampling_session_id,
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1] * n_tokens}]},
+        "sampling_params": {"max_tokens": 1},
+    }
+    data = json.dumps(body, separators=(",", ":")).encode()
+    assert MAX_PAYLOAD_BYTES < len(data) <= BODY_LIMIT_BYTES
+    resp = await client.post(
+        "/api/v1/asample",
+        data=data,
+        headers={"X-API-Key": API_KEY, "Content-Type": "application/json"},
+    )
+    answer = await resp.json()
+    assert resp.status == 413 and "job bus" in answer["detail"], answer
+    assert await bus.keys(subjects.BUCKET_FUTURES) == []  # no future was left pending

@@ -43,7 +43,7 @@ from nats.js.kv import KeyValue
 from protocol import jobs, subjects, topology
 from protocol.backoff import BUS_RETRY
 from protocol.errors import PayloadTooLarge, Unavailable
-from protocol.jobs import Job, SampleJob, encode_sample_job
+from protocol.jobs import Job, SampleJob
 from twinkle_async.settings import BusSettings
 
 log = logging.getLogger(__name__)
@@ -206,13 +206,20 @@ class Bus:
         A sequenced call encodes its job while a refusal can still settle its seq, then hands
         the bytes to `publish_job`.
         """
-        data = jobs.encode_job(job)
+        return self._fitting(jobs.encode_job(job), "send fewer datums per request")
+
+    def encode_sample_job(self, job: SampleJob) -> bytes:
+        """A sample job as it is published, checked as `encode_job` checks a training op: the
+        route encodes it before recording the future, which a failed publish left pending."""
+        return self._fitting(jobs.encode_sample_job(job), "send a shorter prompt")
+
+    def _fitting(self, data: bytes, advice: str) -> bytes:
         limit = self.max_job_bytes()
         if len(data) > limit:
             raise PayloadTooLarge(
                 f"the job is {len(data)} bytes (the request and what the server adds to it,"
                 f" e.g. stable_reinforce provenance), over the {limit} bytes one message on the"
-                " job bus carries; send fewer datums per request"
+                f" job bus carries; {advice}"
             )
         return data
 
@@ -226,11 +233,15 @@ class Bus:
         payload = self.encode_job(job) if data is None else data
         await self._publish(subject, payload, dedupe_id, job.request_id)
 
-    async def publish_sample(self, pool: str, job: SampleJob, dedupe_id: str) -> None:
-        """Publish a sample job for any sampler of the pool; a repeat of `dedupe_id` is dropped."""
-        await self._publish(
-            subjects.sample_subject(pool), encode_sample_job(job), dedupe_id, job.request_id
-        )
+    async def publish_sample(
+        self, pool: str, job: SampleJob, dedupe_id: str, data: bytes | None = None
+    ) -> None:
+        """Publish a sample job for any sampler of the pool; a repeat of `dedupe_id` is dropped.
+
+        `data`: the job as `encode_sample_job` returned it, when the caller has it already.
+        """
+        payload = self.encode_sample_job(job) if data is None else data
+        await self._publish(subjects.sample_subject(pool), payload, dedupe_id, job.request_id)
 
     async def _publish(self, subject: str, data: bytes, dedupe_id: str, request_id: str) -> None:
         """A JetStream publish with `Nats-Msg-Id`, so a retried publish is stored once."""

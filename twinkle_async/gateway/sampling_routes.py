@@ -127,15 +127,6 @@ async def asample(request: web.Request) -> web.Response:
                 " already used by another sample request"
             )
         request_id = claim.request_id
-    await futures.record_pending(
-        request_id,
-        "sample",
-        "",
-        tenant,
-        sampling_session_id=sampler.sampling_session_id,
-        clone_id=clone_id,
-    )
-    in_flight.add(tenant, request_id, time.time())
     job = SampleJob(
         request_id=request_id,
         tenant_id=tenant,
@@ -147,7 +138,18 @@ async def asample(request: web.Request) -> web.Response:
         published_at=time.time(),
         clone_id=clone_id,
     )
-    await request.app[BUS].publish_sample(subjects.pool_of(sampler.base_model), job, dedupe)
+    bus = request.app[BUS]
+    data = bus.encode_sample_job(job)  # past the bus's largest message: a 413, nothing pending
+    await futures.record_pending(
+        request_id,
+        "sample",
+        "",
+        tenant,
+        sampling_session_id=sampler.sampling_session_id,
+        clone_id=clone_id,
+    )
+    in_flight.add(tenant, request_id, time.time())
+    await bus.publish_sample(subjects.pool_of(sampler.base_model), job, dedupe, data)
     return json_response(
         api.UntypedAPIFuture(
             request_id=request_id,

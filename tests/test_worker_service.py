@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from protocol import api, subjects
+from protocol import api, records, subjects
 from protocol.api import LoraConfig
 from protocol.jobs import (
     CreateModelJob,
@@ -25,6 +25,7 @@ from protocol.jobs import (
     UnloadModelJob,
     decode_outcome,
 )
+from protocol.records import SnapshotRecord
 from protocol.tensors import (
     DatumArrays,
     FwdBwdRequest,
@@ -312,4 +313,60 @@ async def test_a_model_whose_log_was_trimmed_past_its_snapshot_fails_instead_of_
         out = await run_worker("req-m-t-7")  # the restarted worker takes the model over
         assert out.state == "error" and "could not be recovered" in out.error, out
     finally:
+        await gateway_bus.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_model_idle_since_its_last_change_is_snapshotted_once(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A model that stops after a few steps, short of `snapshot_every`, is snapshotted once it
+    has been idle for `snapshot_idle_s`: its recovery then needs no ops from long ago, which
+    the log's limits may have dropped."""
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    settings = WorkerSettings(
+        base_model=str(model_dir),
+        nats_url=nats_server.url,
+        data_dir=tmp_path / "data",
+        max_rank=8,
+        gap_timeout_s=1.0,  # the cycle loop looks around every second
+        snapshot_every=100,
+        snapshot_idle_s=1.0,
+    )
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    jobs: list[Job] = [
+        CreateModelJob(
+            request_id="req-m-i-0",
+            model_id="m-i",
+            tenant_id="t",
+            seq_id=0,
+            base_model=str(model_dir),
+            lora=LoraConfig(rank=4, seed=1),
+        ),
+        fwd_job("m-i", 1, length=5),
+        OptimStepJob(request_id="req-m-i-2", model_id="m-i", tenant_id="t", seq_id=2),
+    ]
+    for job in jobs:
+        await gateway_bus.publish_job(settings.pool, job)
+    worker_bus = WorkerBus(nats_server.url)
+    await worker_bus.connect()
+    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
+    task = asyncio.create_task(TrainerService(worker_bus, engine, settings).run())
+    key = subjects.snapshot_key("m-i")
+    try:
+        assert (await wait_outcome(gateway_bus, "req-m-i-2")).state == "done"
+        deadline = time.monotonic() + 20
+        while (data := await gateway_bus.get(subjects.BUCKET_RUNS, key)) is None:
+            assert time.monotonic() < deadline, "no snapshot of the idle model"
+            await asyncio.sleep(0.1)
+        first = records.decode(data, SnapshotRecord)
+        assert (first.applied_seq, first.step) == (2, 1)
+        await asyncio.sleep(3.0)  # idle and unchanged since: not written again
+        again = await gateway_bus.get(subjects.BUCKET_RUNS, key)
+        assert again is not None and records.decode(again, SnapshotRecord) == first
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker_bus.close()
         await gateway_bus.close()

@@ -88,6 +88,14 @@ def worker_options(
             envvar="TWINKLE_SNAPSHOT_EVERY", min=1, help="optim_steps between state snapshots"
         ),
     ] = 5,
+    snapshot_idle_s: Annotated[
+        float,
+        typer.Option(
+            envvar="TWINKLE_SNAPSHOT_IDLE_S",
+            min=1.0,
+            help="a model changed since its last snapshot and idle this long is snapshotted",
+        ),
+    ] = 60.0,
     pass_timeout_s: Annotated[
         float,
         typer.Option(
@@ -142,6 +150,7 @@ def worker_options(
         lease_s=lease_s,
         lease_renew_s=lease_s / 4,
         snapshot_every=snapshot_every,
+        snapshot_idle_s=snapshot_idle_s,
         pass_timeout_s=pass_timeout_s,
         max_attempts=max_attempts,
         sample_timeout_s=sample_timeout_s,

@@ -98,6 +98,11 @@ class Sequencer(Generic[H]):
         """Open a model's line at `applied_seq` (its state was restored up to there)."""
         self.lines[model_id] = ModelLine(applied_seq=applied_seq)
 
+    def pending(self, model_id: str) -> bool:
+        """Whether any op of the model waits in its line."""
+        line = self.lines.get(model_id)
+        return line is not None and bool(line.buffer)
+
     def buffered(self, job: Job) -> bool:
         """Whether this op (same seq) is waiting in its model's line."""
         line = self.lines.get(job.model_id)

@@ -56,7 +56,7 @@ from workers.operations import (
     failed_outcome,
     settled_outcome,
 )
-from workers.recovery import ModelLog
+from workers.recovery import ModelLog, changes_state
 from workers.scheduler import Cycle, FairShare, plan
 from workers.sequencer import Pending, Sequencer
 from workers.settings import WorkerSettings
@@ -120,6 +120,8 @@ class TrainerService:
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         self.journal = CrashJournal(bus, settings.worker_id)
         self._steps_since_snapshot: dict[str, int] = {}
+        # each model's last applied op that changed its state since its snapshot, and when
+        self._unsnapped: dict[str, tuple[Item, float]] = {}
         self.fair_share = FairShare()  # tokens served per tenant and model: who goes first
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -195,6 +197,7 @@ class TrainerService:
         for model_id in gone:
             self.sequencer.forget(model_id)
             self._steps_since_snapshot.pop(model_id, None)
+            self._unsnapped.pop(model_id, None)  # its new owner snapshots it
         loop = asyncio.get_running_loop()
         for model_id in gone:
             await loop.run_in_executor(self.executor, self.engine.release, model_id)
@@ -371,6 +374,7 @@ class TrainerService:
                 pass
             self._wake.clear()
             await self._fail_stalled()
+            await self._snapshot_idle()
             while True:
                 cycles = self._plan()
                 wakes = [cycle.wake_at for cycle in cycles if cycle.wake_at is not None]
@@ -547,6 +551,8 @@ class TrainerService:
     async def _after(self, item: Item) -> None:
         """Snapshot a model after every `snapshot_every`-th optim_step and every save_state."""
         job = item.job
+        if changes_state(job) and not isinstance(job, UnloadModelJob):
+            self._unsnapped[job.model_id] = (item, time.monotonic())
         if isinstance(job, OptimStepJob):
             count = self._steps_since_snapshot.get(job.model_id, 0) + 1
             self._steps_since_snapshot[job.model_id] = count
@@ -556,6 +562,7 @@ class TrainerService:
             await self._snapshot(item)
         elif isinstance(job, UnloadModelJob):
             self._steps_since_snapshot.pop(job.model_id, None)
+            self._unsnapped.pop(job.model_id, None)
             await self.bus.delete(subjects.BUCKET_RUNS, subjects.snapshot_key(job.model_id))
 
     async def _snapshot(self, item: Item) -> None:
@@ -582,6 +589,24 @@ class TrainerService:
         )
         await asyncio.to_thread(prune, directory, written)
         self._steps_since_snapshot[model_id] = 0
+        self._unsnapped.pop(model_id, None)
+
+    async def _snapshot_idle(self) -> None:
+        """Snapshot each model idle for `snapshot_idle_s` since an op changed it. Its ops after
+        its snapshot must stay in the log until the next one, and the log keeps only what its
+        limits allow, whatever tenant filled it: an idle model would otherwise need ops from
+        long ago (and be lost on a takeover if they were trimmed: `_take_over`)."""
+        now = time.monotonic()
+        for model_id, (item, changed_at) in list(self._unsnapped.items()):
+            if now - changed_at < self.settings.snapshot_idle_s:
+                continue
+            if self.sequencer.pending(model_id):
+                continue  # not idle: its next op snapshots when it is
+            try:
+                await self._snapshot(item)
+            except Exception:
+                log.exception("model %s: idle snapshot failed", model_id)
+            self._unsnapped.pop(model_id, None)
 
     async def _fail_stalled(self) -> None:
         for model_id, items in self.sequencer.stalled(

@@ -73,6 +73,9 @@ class WorkerSettings:
     lease_s: float = 10.0  # a dead worker's shards are taken over after this long
     lease_renew_s: float = 2.5
     snapshot_every: int = 5  # optim_steps between a model's state snapshots (and every save_state)
+    snapshot_idle_s: float = (
+        60.0  # a model that changed since its snapshot, idle this long: snapshot
+    )
     pass_timeout_s: float = 600.0  # an engine call running longer stops the worker (restarted)
     max_attempts: int = 3  # an op that stopped the worker this often fails instead of running
     sample_timeout_s: float = 600.0  # a sample request running longer stops its sampler

@@ -3,7 +3,9 @@
 A snapshot holds what a slot holds (weights, both Adam moments, pending gradients, step count,
 scales, LoRA config; see `parking.SlotState`) and where in the model's op log it stands: the
 last applied `seq_id` and that op's stream sequence in `TW_OPS`. It is taken after an
-`optim_step` every `snapshot_every` steps and after every `save_state`.
+`optim_step` every `snapshot_every` steps, after every `save_state`, and once a model that
+changed since its snapshot has been idle for `snapshot_idle_s` (the ops log, which keeps what
+its limits allow, then need not reach back far for it).
 
 Layout: `<checkpoint root>/<run_id>/.state/state-<seq>.safetensors` (one tensor per stored
 buffer row) and `state-<seq>.json` (everything else). Files are written under temporary names

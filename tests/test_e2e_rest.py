@@ -357,6 +357,16 @@ def test_a_published_checkpoint_is_readable_by_all_and_writable_by_none_but_us(
             == rest.get_training_run(trained.run_id).result().base_model
         )
         assert set(other_rest.get_external_weights_urls(trained.export).result().urls) == PEFT_FILES
+        # the copy is theirs, and counts toward their storage quota as a save would
+        quota_url = f"{cluster.base_url}/admin/v1/quotas/other"
+        admin = {"X-Admin-Key": cluster.admin_key}
+        set_quota = httpx.put(quota_url, json={"max_checkpoint_bytes": 1}, headers=admin)
+        assert set_quota.status_code == 200, set_quota.text
+        try:
+            with pytest.raises(tinker.PermissionDeniedError, match="max_checkpoint_bytes"):
+                other_rest.copy_weights(trained.sampler, "their-project").result()
+        finally:
+            httpx.put(quota_url, json={"max_checkpoint_bytes": None}, headers=admin)
         copy = other_rest.copy_weights(trained.sampler, "their-project").result()
         assert copy.endswith("/sampler_weights/rest-sampler") and trained.run_id not in copy
         assert copy in {

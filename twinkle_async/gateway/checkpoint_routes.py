@@ -28,6 +28,7 @@ from protocol import api, paths, rules
 from protocol.errors import NotFound, ServerError, UserError
 from protocol.paths import TinkerPath
 from protocol.records import CheckpointRecord, RunRecord
+from twinkle_async import quotas
 from twinkle_async.gateway import signed_urls
 from twinkle_async.gateway.bodies import json_response, read_json
 from twinkle_async.gateway.checkpoint_files import (
@@ -35,7 +36,7 @@ from twinkle_async.gateway.checkpoint_files import (
     link_copy,
     remove_checkpoint,
 )
-from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.state import QUOTAS, REGISTRY, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
 
@@ -202,6 +203,10 @@ async def copy_weights(request: web.Request) -> web.Response:
         if existing.tenant_id == tenant and existing.copied_from == str(source):
             return json_response(api.CopyWeightsResponse(tinker_path=str(target)))  # a retry
         raise UserError(f"model_seq_id: training run {run_id!r} already exists")
+    limit = (await request.app[QUOTAS].limits(tenant)).max_checkpoint_bytes
+    if limit is not None:  # the copy counts as the caller's, as a save does
+        used = sum(c.size_bytes for c in await registry.tenant_checkpoints(tenant))
+        quotas.check_cap("max_checkpoint_bytes", used, ckpt.size_bytes, limit)
     root = checkpoint_root(request)
     source_dir = paths.checkpoint_dir(root, source)
     target_dir = paths.checkpoint_dir(root, target)

@@ -34,7 +34,8 @@ $(STAMP): pyproject.toml requirements.txt
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q
+	# a native library that crashes at interpreter exit prints its stack instead of a bare abort
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q
 
 # compose.yaml built and run for real (a private dockerd; needs root, installs docker.io,
 # docker-compose and debootstrap with apt when missing; caches under ~/.cache/twinkle-compose)

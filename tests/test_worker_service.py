@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -22,8 +23,10 @@ from protocol.jobs import (
     Job,
     OptimStepJob,
     Outcome,
+    SeqClaim,
     UnloadModelJob,
     decode_outcome,
+    request_type_of,
 )
 from protocol.records import SnapshotRecord
 from protocol.tensors import (
@@ -33,6 +36,7 @@ from protocol.tensors import (
     encode_forward_backward,
 )
 from twinkle_async.bus import Bus
+from twinkle_async.futures import FutureStore
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
@@ -251,12 +255,15 @@ async def test_service_fails_only_the_request_that_crashes_a_pass(
 
 
 @pytest.mark.timeout(120)
-async def test_a_model_whose_log_was_trimmed_past_its_snapshot_fails_instead_of_losing_steps(
-    nats_server: NatsServer, tmp_path: Path
+@pytest.mark.parametrize("lost_seq_5", ["forward_backward", "forward"])
+async def test_a_model_whose_log_was_trimmed_past_its_snapshot_is_lost_only_if_a_change_went(
+    nats_server: NatsServer, tmp_path: Path, lost_seq_5: str
 ) -> None:
     """The ops log keeps what its limits allow, whatever tenant filled it. A restarted worker
-    restores a model's snapshot (seq 4) and finds its log resuming at seq 6: replaying 6 and 7
-    on top of the snapshot would silently drop step 5, which the client saw succeed."""
+    restores a model's snapshot (seq 4) and finds its log resuming at seq 6. If seq 5 was a
+    training pass, replaying 6 and 7 on top of the snapshot would silently drop it, which its
+    client saw succeed: the model is lost, loudly. If it was a forward-only pass, it changed
+    nothing (its claim says so): the model goes on from its snapshot."""
     model_dir = build_tiny_model(tmp_path / "tiny")
     settings = WorkerSettings(
         base_model=str(model_dir),
@@ -269,6 +276,7 @@ async def test_a_model_whose_log_was_trimmed_past_its_snapshot_fails_instead_of_
     )
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
+    futures = FutureStore(gateway_bus)
     jobs: list[Job] = [
         CreateModelJob(
             request_id="req-m-t-0",
@@ -279,14 +287,19 @@ async def test_a_model_whose_log_was_trimmed_past_its_snapshot_fails_instead_of_
             lora=LoraConfig(rank=4, seed=1),
         )
     ]
-    for seq in (1, 3, 5):
+    for seq in (1, 3):
         jobs.append(fwd_job("m-t", seq, length=5))
         jobs.append(
             OptimStepJob(
                 request_id=f"req-m-t-{seq + 1}", model_id="m-t", tenant_id="t", seq_id=seq + 1
             )
         )
-    for job in jobs:
+    fifth = fwd_job("m-t", 5, length=5)
+    jobs.append(msgspec.structs.replace(fifth, forward_only=lost_seq_5 == "forward"))
+    jobs.append(OptimStepJob(request_id="req-m-t-6", model_id="m-t", tenant_id="t", seq_id=6))
+    for job in jobs:  # as a gateway does: each seq claimed, then published
+        claim = SeqClaim(request_id=job.request_id, request_type=request_type_of(job), digest="")
+        await futures.claim("m-t", job.seq_id, claim)
         await gateway_bus.publish_job(settings.pool, job)
 
     async def run_worker(until: str) -> Outcome:
@@ -311,7 +324,10 @@ async def test_a_model_whose_log_was_trimmed_past_its_snapshot_fails_instead_of_
         await gateway_bus.js.purge_stream(subjects.STREAM_OPS, seq=info.state.last_seq)
         await gateway_bus.publish_job(settings.pool, fwd_job("m-t", 7, length=5))
         out = await run_worker("req-m-t-7")  # the restarted worker takes the model over
-        assert out.state == "error" and "could not be recovered" in out.error, out
+        if lost_seq_5 == "forward_backward":
+            assert out.state == "error" and "could not be recovered" in out.error, out
+        else:
+            assert (out.state, out.error) == ("done", ""), out
     finally:
         await gateway_bus.close()
 
@@ -346,6 +362,7 @@ async def test_a_model_idle_since_its_last_change_is_snapshotted_once(
         ),
         fwd_job("m-i", 1, length=5),
         OptimStepJob(request_id="req-m-i-2", model_id="m-i", tenant_id="t", seq_id=2),
+        msgspec.structs.replace(fwd_job("m-i", 3, length=5), forward_only=True),
     ]
     for job in jobs:
         await gateway_bus.publish_job(settings.pool, job)
@@ -355,13 +372,14 @@ async def test_a_model_idle_since_its_last_change_is_snapshotted_once(
     task = asyncio.create_task(TrainerService(worker_bus, engine, settings).run())
     key = subjects.snapshot_key("m-i")
     try:
-        assert (await wait_outcome(gateway_bus, "req-m-i-2")).state == "done"
+        assert (await wait_outcome(gateway_bus, "req-m-i-3")).state == "done"
         deadline = time.monotonic() + 20
         while (data := await gateway_bus.get(subjects.BUCKET_RUNS, key)) is None:
             assert time.monotonic() < deadline, "no snapshot of the idle model"
             await asyncio.sleep(0.1)
         first = records.decode(data, SnapshotRecord)
-        assert (first.applied_seq, first.step) == (2, 1)
+        # at its last op, a forward-only pass: a takeover needs nothing before seq 4
+        assert (first.applied_seq, first.step) == (3, 1)
         await asyncio.sleep(3.0)  # idle and unchanged since: not written again
         again = await gateway_bus.get(subjects.BUCKET_RUNS, key)
         assert again is not None and records.decode(again, SnapshotRecord) == first

@@ -257,6 +257,11 @@ class WorkerBus:
 
         await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s)
 
+    async def retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()` tried again while NATS is away, as `get` and `put` are (`retrying`)."""
+        assert self.nc is not None
+        return await retrying(self.nc, what, call, self.retry_s)
+
     async def get(self, bucket: str, key: str) -> bytes | None:
         assert self.nc is not None
         kv = self.kv[bucket]

@@ -26,6 +26,7 @@ snapshot. Replaying on top of a hole would silently leave out a step the client 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -40,6 +41,7 @@ from protocol.jobs import (
     LoadWeightsJob,
     OptimStepJob,
     UnloadModelJob,
+    decode_claim,
     decode_job,
     decode_outcome,
 )
@@ -49,6 +51,13 @@ from workers.bus import WorkerBus
 log = logging.getLogger(__name__)
 
 Replay = Literal["", "publish", "quiet", "skip"]  # "": a live op from the shard consumer
+
+# Requests that never change a model's adapter or optimizer state (`changes_state`).
+_CHANGES_NOTHING = frozenset(
+    {"forward", "save_weights", "save_weights_for_sampler", "save_weights_external", "tombstone"}
+)
+_CLAIMS_PER_READ = 256
+_MAX_CLAIMS_READ = 100_000  # a hole wider than this is taken as lost without reading it
 
 
 def changes_state(job: Job) -> bool:
@@ -82,9 +91,43 @@ class ModelLog:
     async def trimmed_after(self, stream_seq: int) -> bool:
         """Whether the log's limits (`ops_max_bytes`, `ops_max_age_s`: any tenant's traffic
         counts) dropped messages past `stream_seq`: the log no longer starts right after it."""
-        assert self.bus.js is not None
-        info = await self.bus.js.stream_info(subjects.STREAM_OPS)
-        return info.state is not None and info.state.first_seq > stream_seq + 1
+        js = self.bus.js
+        assert js is not None
+
+        async def first_seq() -> int:
+            info = await js.stream_info(subjects.STREAM_OPS)
+            return info.state.first_seq if info.state is not None else 0
+
+        return await self.bus.retried(f"read {subjects.STREAM_OPS}", first_seq) > stream_seq + 1
+
+    async def changed_between(self, model_id: str, start: int, end: int) -> bool:
+        """Whether an op of seq `start` .. `end - 1`, gone from the log, may have changed the
+        model's state. Each seq's claim (`tw_futures`, kept as long as futures) names its
+        request: a sampler save, a forward-only pass or a refused call changed nothing, and
+        neither did an op that failed (a failed op is a transaction). A seq whose claim or
+        outcome is gone may have: so may any other."""
+        if end - start > _MAX_CLAIMS_READ:
+            return True
+        for low in range(start, end, _CLAIMS_PER_READ):
+            seqs = range(low, min(end, low + _CLAIMS_PER_READ))
+            claims = await asyncio.gather(
+                *(
+                    self.bus.get(subjects.BUCKET_FUTURES, subjects.seq_key(model_id, s))
+                    for s in seqs
+                )
+            )
+            for data in claims:
+                if data is None:
+                    return True
+                claim = decode_claim(data)
+                if claim.request_type in _CHANGES_NOTHING:
+                    continue
+                outcome = await self.bus.get(
+                    subjects.BUCKET_FUTURES, subjects.future_key(claim.request_id)
+                )
+                if outcome is None or decode_outcome(outcome).state != "error":
+                    return True
+        return False
 
     async def ops_after(self, model_id: str, stream_seq: int) -> AsyncIterator[tuple[Job, int]]:
         """The model's logged ops after `stream_seq`, in log order, with their positions."""

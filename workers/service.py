@@ -120,7 +120,7 @@ class TrainerService:
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         self.journal = CrashJournal(bus, settings.worker_id)
         self._steps_since_snapshot: dict[str, int] = {}
-        # each model's last applied op that changed its state since its snapshot, and when
+        # models changed since their snapshot: their last applied op, and when it was applied
         self._unsnapped: dict[str, tuple[Item, float]] = {}
         self.fair_share = FairShare()  # tokens served per tenant and model: who goes first
 
@@ -271,9 +271,20 @@ class TrainerService:
             )
         first_seq = min((item.job.seq_id for item in logged), default=0)
         expected = 0 if snapshot is None else snapshot.applied_seq + 1
-        if first_seq > expected and (
+        # A hole the log's limits made (one before the first op ever logged, with no snapshot,
+        # is one too); other holes are ops never published, which the sequencer fails alone.
+        hole = first_seq > expected and (
             snapshot is None or await self.log_reader.trimmed_after(snapshot.stream_seq)
+        )
+        if (
+            hole
+            and snapshot is not None
+            and not await self.log_reader.changed_between(model_id, expected, first_seq)
         ):
+            # What the log lost past the snapshot changed nothing (sampler saves, forward-only
+            # passes, refused calls): the snapshot is the state before `first_seq`.
+            self.sequencer.start(model_id, applied_seq=first_seq - 1)
+        elif hole:
             # The log no longer reaches back to the model's creation or to its snapshot: ops
             # the client saw succeed are gone with it. Its ops fail at once, saying so.
             self.ops.lost.add(model_id)
@@ -524,6 +535,8 @@ class TrainerService:
         if outcome.state == "done" and publish:
             self._count(item.job)
         self.sequencer.applied(item.job)
+        if item.job.model_id in self._unsnapped:  # the idle snapshot stands at the last op
+            self._unsnapped[item.job.model_id] = (item, time.monotonic())
         if outcome.state == "done":
             await self._after(item)
         if isinstance(item.job, UnloadModelJob):
@@ -565,8 +578,12 @@ class TrainerService:
             self._unsnapped.pop(job.model_id, None)
             await self.bus.delete(subjects.BUCKET_RUNS, subjects.snapshot_key(job.model_id))
 
-    async def _snapshot(self, item: Item) -> None:
-        """Write the model's state as of this op, then point its snapshot record at it."""
+    async def _snapshot(self, item: Item, current: Callable[[], bool] = lambda: True) -> None:
+        """Write the model's state as of this op, then point its snapshot record at it.
+
+        `current`: whether the op is still the model's latest here (asked again after each
+        wait; an idle snapshot runs between cycles, and the shard may move meanwhile).
+        """
         model_id = item.job.model_id
         if not item.stream_seq or not self.engine.has(model_id):
             return
@@ -575,6 +592,8 @@ class TrainerService:
         directory = state_dir(self.settings.checkpoint_root, model_id)
         meta = {"model_id": model_id, "seq_id": item.job.seq_id, "stream_seq": item.stream_seq}
         written = await asyncio.to_thread(write_state, directory, item.job.seq_id, state, meta)
+        if not current():
+            return  # its files go with the next prune
         record = SnapshotRecord(
             model_id=model_id,
             applied_seq=item.job.seq_id,
@@ -597,16 +616,23 @@ class TrainerService:
         limits allow, whatever tenant filled it: an idle model would otherwise need ops from
         long ago (and be lost on a takeover if they were trimmed: `_take_over`)."""
         now = time.monotonic()
-        for model_id, (item, changed_at) in list(self._unsnapped.items()):
-            if now - changed_at < self.settings.snapshot_idle_s:
+        for model_id, (item, applied_at) in list(self._unsnapped.items()):
+            if now - applied_at < self.settings.snapshot_idle_s:
                 continue
             if self.sequencer.pending(model_id):
                 continue  # not idle: its next op snapshots when it is
+
+            def current(model_id: str = model_id, item: Item = item) -> bool:
+                found = self._unsnapped.get(model_id)
+                return found is not None and found[0] is item and self.sequencer.known(model_id)
+
             try:
-                await self._snapshot(item)
+                await self._snapshot(item, current)
             except Exception:
-                log.exception("model %s: idle snapshot failed", model_id)
-            self._unsnapped.pop(model_id, None)
+                log.exception("model %s: idle snapshot failed; trying again later", model_id)
+                if current():
+                    self._unsnapped[model_id] = (item, time.monotonic())
+            return  # one model per look: the others' cycles wait for no more than one write
 
     async def _fail_stalled(self) -> None:
         for model_id, items in self.sequencer.stalled(

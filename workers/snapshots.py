@@ -85,8 +85,16 @@ def read_state(described: Path) -> SlotState:
 
 
 def prune(directory: Path, keep: Path) -> None:
-    """Remove every snapshot file of the directory but `keep`'s pair."""
-    keep_names = {keep.name, keep.with_suffix(".safetensors").name}
+    """Remove the directory's snapshot files older than `keep` (a lower seq). Newer ones, and
+    files being written, may be another worker's: the model's next owner after a handover."""
+    kept = _seq_of(keep.name)
     for path in directory.glob("state-*"):
-        if path.name not in keep_names:
+        seq = _seq_of(path.name)
+        if seq is not None and kept is not None and seq < kept:
             path.unlink(missing_ok=True)
+
+
+def _seq_of(name: str) -> int | None:
+    """The seq in a snapshot file's name (`state-<seq>.json`, `.safetensors`, `.tmp`)."""
+    digits = name.removeprefix("state-").split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None

@@ -163,6 +163,21 @@ def test_a_target_dropped_with_unseen_completions_asks_for_a_scan(how: str) -> N
     assert log.needs_scan(T, seen, created_at=created)
 
 
+def test_a_target_dropped_with_nothing_unseen_costs_no_scan() -> None:
+    clock = Clock()
+    log = SessionCompletions(clock=clock, retain_s=60, max_targets=3)
+    created = clock.now + 1
+    clock.now += 2
+    log.record(done("seen"))
+    _, seen = log.since(T, 0)
+    log.since(T, seen)  # its client has everything: the log is empty
+    clock.now += 61
+    for n in range(3):
+        log.record(done(f"x{n}", Target(f"other:sample:{n}", n)))
+    assert T not in log._logs
+    assert not log.needs_scan(T, seen, created_at=created)
+
+
 async def test_a_held_poll_wakes_on_its_targets_completion_only() -> None:
     log = SessionCompletions()
     other = Target("other:sample:0", 0)

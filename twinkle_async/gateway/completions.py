@@ -14,8 +14,9 @@ Invariants:
   the caller rebuilds them from KV (`needs_scan`, then `record_for` and `mark_complete`).
 - Bounded: at most `max_entries` per target (the oldest go, raising the floor), targets idle
   for `retain_s` are dropped, at most `max_targets` kept (by any tenant's polls). Dropping a
-  target raises the `floor` every log starts from, so what it held is found again by a scan
-  and a poll can never hang on a completion this gateway forgot.
+  target that held completions (or had trimmed some) raises the `floor` every log starts
+  from, so what it held is found again by a scan and a poll can never hang on a completion
+  this gateway forgot; dropping one its client had seen all of costs no scan.
 - `wait` registers its waiter without awaiting first, right after the caller's `since`: no
   record can slip between the two (one event loop).
 """
@@ -104,8 +105,9 @@ class SessionCompletions:
                 return
             del self._logs[target]
             _release(oldest)
-            # what it held (or had trimmed) is gone: a poll from before now must scan again
-            self.floor = self.next_cursor()
+            if oldest.entries or oldest.floor > self.floor:
+                # what it held (or had trimmed) is gone: a poll from before now must scan
+                self.floor = self.next_cursor()
 
     def record(self, outcome: Outcome) -> None:
         """A finished sample outcome from the KV subscription (others are ignored)."""

@@ -704,6 +704,11 @@ def _decoder(type_: Any) -> msgspec.json.Decoder[Any]:
     return decoder
 
 
+# msgspec recurses once per nesting level, even through a field it skips, so a body of a million
+# `[` (2 MB) raises RecursionError: a client's error, not the server's.
+NESTED_TOO_DEEPLY = "JSON nested too deeply"
+
+
 def decode(body: bytes, type_: type[T]) -> T:
     """Decode a JSON request body; malformed JSON or a wrong field is a one-line `UserError`.
 
@@ -713,6 +718,8 @@ def decode(body: bytes, type_: type[T]) -> T:
         result: T = _decoder(type_).decode(body or b"{}")
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise UserError(f"invalid {type_.__name__} body: {exc}") from None
+    except RecursionError:
+        raise UserError(f"invalid {type_.__name__} body: {NESTED_TOO_DEEPLY}") from None
     return result
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -77,26 +78,36 @@ def check_label(field: str, label: str) -> str:
 
 # -- user metadata ------------------------------------------------------------------------------
 
+# Counted in UTF-8 bytes, not characters: a record is stored and listed as bytes, and every
+# listing and sweep reads all of a tenant's records. Per record (a session's tags and metadata
+# together, a run's or a checkpoint's metadata) at most 16 KiB; characters would let four times
+# that through.
 MAX_METADATA_ENTRIES = 64
-MAX_METADATA_CHARS = 1024
+MAX_METADATA_ENTRY_BYTES = 1024
+MAX_METADATA_BYTES = 16 * 1024
+METADATA_RULE = (
+    f"at most {MAX_METADATA_ENTRIES} entries, each key, value or tag at most"
+    f" {MAX_METADATA_ENTRY_BYTES} bytes of UTF-8, {MAX_METADATA_BYTES // 1024} KiB in all"
+)
 
 
 def check_user_metadata(field: str, metadata: dict[str, Any] | None) -> dict[str, str]:
     """Free-form labels, stored and listed as strings (the SDK reads them back as `str`).
 
     The SDK lets a client send any JSON value; a non-string is kept as its JSON text, so
-    `{"epoch": 3}` lists as `{"epoch": "3"}`. Bounded in entries and characters.
+    `{"epoch": 3}` lists as `{"epoch": "3"}`. Bounded in entries and UTF-8 bytes
+    (`METADATA_RULE`).
     """
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise UserError(f"{field}: {len(metadata)} entries; {METADATA_RULE}")
     stored: dict[str, str] = {}
-    for key, value in (metadata or {}).items():
+    for key, value in metadata.items():
         text = value if isinstance(value, str) else _JSON.encode(value).decode()
-        if len(key) > MAX_METADATA_CHARS or len(text) > MAX_METADATA_CHARS:
-            raise UserError(
-                f"{field}: entry {key[:40]!r} is longer than {MAX_METADATA_CHARS} characters"
-            )
+        _check_entry(field, "key", key, key)
+        _check_entry(field, "the value of", key, text)
         stored[key] = text
-    if len(stored) > MAX_METADATA_ENTRIES:
-        raise UserError(f"{field}: {len(stored)} entries, at most {MAX_METADATA_ENTRIES}")
+    _check_total(field, _utf8_bytes(stored.keys()) + _utf8_bytes(stored.values()))
     return stored
 
 
@@ -104,13 +115,42 @@ _JSON = msgspec.json.Encoder()
 
 
 def check_tags(field: str, tags: list[str]) -> list[str]:
-    """A session's tags: a few short labels."""
-    if len(tags) > MAX_METADATA_ENTRIES or any(len(tag) > MAX_METADATA_CHARS for tag in tags):
-        raise UserError(
-            f"{field}: at most {MAX_METADATA_ENTRIES} tags of at most {MAX_METADATA_CHARS}"
-            " characters"
-        )
+    """A session's tags: a few short labels, bounded as metadata is."""
+    if len(tags) > MAX_METADATA_ENTRIES:
+        raise UserError(f"{field}: {len(tags)} tags; {METADATA_RULE}")
+    for tag in tags:
+        _check_entry(field, "tag", tag, tag)
+    _check_total(field, _utf8_bytes(tags))
     return list(tags)
+
+
+def check_session_labels(
+    tags: list[str], metadata: dict[str, Any] | None
+) -> tuple[list[str], dict[str, str]]:
+    """A session's tags and user metadata, which share one record and so one byte budget."""
+    checked_tags = check_tags("tags", tags)
+    stored = check_user_metadata("user_metadata", metadata)
+    total_bytes = (
+        _utf8_bytes(checked_tags) + _utf8_bytes(stored.keys()) + _utf8_bytes(stored.values())
+    )
+    _check_total("tags and user_metadata", total_bytes)
+    return checked_tags, stored
+
+
+def _utf8_bytes(texts: Iterable[str]) -> int:
+    return sum(len(text.encode()) for text in texts)
+
+
+def _check_entry(field: str, what: str, name: str, text: str) -> None:
+    size_bytes = len(text.encode())
+    if size_bytes > MAX_METADATA_ENTRY_BYTES:
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise UserError(f"{field}: {what} {shown!r} is {size_bytes} bytes; {METADATA_RULE}")
+
+
+def _check_total(field: str, total_bytes: int) -> None:
+    if total_bytes > MAX_METADATA_BYTES:
+        raise UserError(f"{field}: {total_bytes} bytes in all; {METADATA_RULE}")
 
 
 # -- checkpoint names ---------------------------------------------------------------------------

@@ -3,12 +3,15 @@ training, exact resume, runs and checkpoints listing, and both tiny model famili
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import tinker
 
-from tests.conftest import Cluster
+from tests.conftest import OTHER_TENANT_KEY, Cluster
 from tests.sdk_helpers import toy_batch, train_steps
 
 pytestmark = pytest.mark.e2e
@@ -130,6 +133,77 @@ def test_legacy_load_state_into_an_existing_client(
     client.load_state_with_optimizer(path).result()
     again = train_steps(client, batch, 3)
     assert max(abs(a - b) for a, b in zip(original, again, strict=True)) <= 1e-5, (original, again)
+
+
+@contextmanager
+def _quota(cluster: Cluster, tenant: str, **limits: int) -> Iterator[None]:
+    """Set limits of `tenant` for the block, then restore the defaults."""
+    url = f"{cluster.base_url}/admin/v1/quotas/{tenant}"
+    admin = {"X-Admin-Key": cluster.admin_key}
+    resp = httpx.put(url, json=limits, headers=admin)
+    assert resp.status_code == 200, resp.text
+    try:
+        yield
+    finally:
+        httpx.put(url, json=dict.fromkeys(limits), headers=admin)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # load_state_* is deprecated in the SDK
+def test_legacy_load_state_keeps_the_model_shape_and_the_rank_quota(
+    cluster: Cluster, tiny_model: Path
+) -> None:
+    """A load into an existing model once took any checkpoint of its base model: a rank-8
+    adapter went into a rank-4 model's slot, past `max_rank`, with its record still saying 4."""
+    service = tinker.ServiceClient(base_url=cluster.base_url, api_key=OTHER_TENANT_KEY)
+    try:
+        wide = service.create_lora_training_client(base_model=str(tiny_model), rank=8).result()
+        narrow = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+        no_attn = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=8, train_attn=False
+        ).result()
+        wide_path = wide.save_state("wide").result().path
+        for model, differs in ((narrow, "rank=4"), (no_attn, "train_attn=False")):
+            with pytest.raises(tinker.APIStatusError) as refused:
+                model.load_state(wide_path).result()
+            assert refused.value.status_code == 400, refused.value
+            assert "rank=8" in str(refused.value) and differs in str(refused.value)
+            assert "create_training_client_from_state" in str(refused.value)
+        with _quota(cluster, "other", max_rank=4):
+            with pytest.raises(tinker.APIStatusError, match="max_rank") as over:
+                wide.load_state(wide_path).result()
+            assert over.value.status_code == 403
+        wide.load_state(wide_path).result()  # the same shape, within quota
+        # every refusal settled its seq: the models go on
+        assert narrow.get_info().lora_rank == 4
+        for model in (wide, narrow, no_attn):
+            assert len(train_steps(model, toy_batch(n=2), 1)) == 1
+    finally:
+        service.close("success").result()
+
+
+def test_exports_and_new_models_count_toward_the_storage_quota(
+    cluster: Cluster, tiny_model: Path
+) -> None:
+    """`save_weights_external` never checked `max_checkpoint_bytes`; a new model writes a
+    session-end checkpoint when unloaded, so it is refused too once the tenant is full."""
+    service = tinker.ServiceClient(base_url=cluster.base_url, api_key=OTHER_TENANT_KEY)
+    try:
+        client = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+        client.save_state("storage-quota").result()  # the tenant holds at least one checkpoint
+        with _quota(cluster, "other", max_checkpoint_bytes=1):
+            with pytest.raises(tinker.APIStatusError, match="max_checkpoint_bytes") as export:
+                client.save_weights_external("over-quota").result()
+            assert export.value.status_code == 403
+            with pytest.raises(tinker.APIStatusError, match="max_checkpoint_bytes") as create:
+                service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+            assert create.value.status_code == 403
+        assert (
+            client.save_weights_external("under-quota")
+            .result()
+            .path.endswith("/external_weights/under-quota")
+        )
+    finally:
+        service.close("success").result()
 
 
 def test_concurrent_clients_match_their_solo_runs(

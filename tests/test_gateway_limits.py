@@ -183,3 +183,42 @@ async def test_a_sample_over_the_bus_message_limit_is_refused_with_nothing_left_
     answer = await resp.json()
     assert resp.status == 413 and "job bus" in answer["detail"], answer
     assert await bus.keys(subjects.BUCKET_FUTURES) == []  # no future was left pending
+
+
+@pytest.mark.parametrize("route", ["create_session", "optim_step"])
+async def test_deeply_nested_json_is_a_400_not_a_500(
+    client: TestClient[object, object], route: str
+) -> None:
+    """A body nested a million levels deep (2 MB) once raised RecursionError in the decoder: a
+    500 and a logged traceback. `optim_step` is read first for its `model_id` and `seq_id`."""
+    depth = 1_000_000
+    nested = b"[" * depth + b"]" * depth
+    body = b'{"model_id":"' + MODEL_ID.encode() + b'","user_metadata":{"a":' + nested + b"}}"
+    resp = await client.post(
+        f"/api/v1/{route}",
+        data=body,
+        headers={"X-API-Key": API_KEY, "Content-Type": "application/json"},
+    )
+    answer = await resp.json()
+    assert resp.status == 400 and answer["category"] == "user", answer
+    assert "nested too deeply" in answer["detail"], answer
+
+
+async def test_session_labels_are_bounded_in_bytes(client: TestClient[object, object]) -> None:
+    """64 tags and 64 metadata entries of 1024 four-byte characters: a 786 KB session record
+    that every listing and sweep would read, once accepted because characters were counted."""
+    wide = "\U0001f600" * 1023
+    body = {
+        "type": "create_session",
+        "sdk_version": "0.38.0",
+        "tags": [f"{i}{wide}" for i in range(64)],
+        "user_metadata": {f"{i}{wide}": wide for i in range(64)},
+    }
+    headers = {"X-API-Key": API_KEY}
+    resp = await client.post("/api/v1/create_session", json=body, headers=headers)
+    answer = await resp.json()
+    assert resp.status == 400 and answer["category"] == "user", answer
+    assert "bytes of UTF-8" in answer["detail"], answer
+    honest = {"type": "create_session", "tags": ["rl"], "user_metadata": {"epoch": 3}}
+    resp = await client.post("/api/v1/create_session", json=honest, headers=headers)
+    assert resp.status == 200, await resp.text()

@@ -469,6 +469,18 @@ def test_sdk_requests_decode() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "type_", [api.CreateSessionRequest, api.CreateModelRequest, api.SampleRequest]
+)
+def test_deeply_nested_json_is_a_user_error(type_: type[Any]) -> None:
+    """msgspec recurses per nesting level, even through a field it skips: a client's million
+    `[` must be a 400 naming the body, not a RecursionError (a 500 with a traceback)."""
+    depth = 1_000_000
+    body = b'{"user_metadata":{"a":' + b"[" * depth + b"]" * depth + b"}}"
+    with pytest.raises(UserError, match=f"invalid {type_.__name__} body: JSON nested too deeply"):
+        api.decode(body, type_)
+
+
 def test_sdk_sample_request_decodes() -> None:
     target = JsonTensorData(data=[1, -1, 3, 4], dtype="int64", shape=[2, 2])
     request = types.SampleRequest(

@@ -115,3 +115,43 @@ def test_a_huge_but_finite_learning_rate_is_for_the_step_to_judge() -> None:
 def test_lora_configs_a_worker_cannot_hold(config: LoraConfig) -> None:
     with pytest.raises(UserError, match="lora_config"):
         rules.check_lora_config(config, max_rank=32)
+
+
+# -- user metadata and tags: bounded in UTF-8 bytes ------------------------------------------------
+
+_WIDE = "\U0001f600"  # 4 bytes of UTF-8, one character
+
+
+def test_labels_are_bounded_in_bytes_not_characters() -> None:
+    """64 tags and 64 entries of 1024 four-byte characters passed a character count: a 786 KB
+    session record, read by every listing and sweep."""
+    wide = _WIDE * 1024
+    with pytest.raises(UserError, match=r"tags: tag .* is 4093 bytes; .*1024 bytes of UTF-8"):
+        rules.check_tags("tags", [f"{i}{wide}"[:1024] for i in range(64)])
+    with pytest.raises(UserError, match=r"user_metadata: key .* is 4096 bytes"):
+        rules.check_user_metadata("user_metadata", {wide: "v"})
+    with pytest.raises(UserError, match=r"user_metadata: the value of 'k' is 4096 bytes"):
+        rules.check_user_metadata("user_metadata", {"k": wide})
+    # within each entry's cap, the record's total is still bounded
+    within = _WIDE * 200  # 800 bytes
+    with pytest.raises(UserError, match=r"user_metadata: \d+ bytes in all; .*16 KiB in all"):
+        rules.check_user_metadata("user_metadata", {f"{i}": within for i in range(64)})
+    with pytest.raises(UserError, match=r"tags: \d+ bytes in all"):
+        rules.check_tags("tags", [f"{i}{within}" for i in range(64)])
+    # a session's tags and metadata share one budget
+    half = {f"{i}": within for i in range(12)}  # ~9.6 KB
+    rules.check_user_metadata("user_metadata", half)
+    rules.check_tags("tags", [f"{i}{within}" for i in range(12)])
+    with pytest.raises(UserError, match=r"tags and user_metadata: \d+ bytes in all"):
+        rules.check_session_labels([f"{i}{within}" for i in range(12)], half)
+
+
+def test_honest_labels_pass_and_read_back_as_strings() -> None:
+    tags, metadata = rules.check_session_labels(
+        ["cookbook", "rl", "日本語"], {"epoch": 3, "lr": 1e-4, "note": "é" * 500, "ok": True}
+    )
+    assert tags == ["cookbook", "rl", "日本語"]
+    assert metadata == {"epoch": "3", "lr": "0.0001", "note": "é" * 500, "ok": "true"}
+    full = {f"key-{i:02d}": "v" * 200 for i in range(64)}  # 64 entries, ~13 KB of ASCII
+    assert rules.check_user_metadata("user_metadata", full) == full
+    assert rules.check_session_labels([], None) == ([], {})

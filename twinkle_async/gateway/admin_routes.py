@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from protocol import records, rules, subjects
+from protocol import api, records, rules, subjects
 from protocol.errors import NotFound, UserError
 from protocol.records import KeyRecord, QuotaRecord, TenantRecord, UsageRecord
 from twinkle_async.gateway.bodies import json_response, read_body
@@ -43,13 +43,6 @@ class QuotaSet(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     tokens_per_minute: int | None | msgspec.UnsetType = msgspec.UNSET
     max_concurrent_samples: int | None | msgspec.UnsetType = msgspec.UNSET
     max_checkpoint_bytes: int | None | msgspec.UnsetType = msgspec.UNSET
-
-
-def _decode(body: bytes, type_: type[Any]) -> Any:
-    try:
-        return msgspec.json.decode(body or b"{}", type=type_)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise UserError(f"invalid {type_.__name__} body: {exc}") from None
 
 
 def _plain(obj: Any) -> Any:
@@ -106,7 +99,7 @@ def _tenant_filter(request: web.Request) -> str | None:
 
 @routes.post("/admin/v1/tenants")
 async def create_tenant(request: web.Request) -> web.Response:
-    body: TenantCreate = _decode(await read_body(request), TenantCreate)
+    body = api.decode(await read_body(request), TenantCreate)
     rules.check_tenant_name("name", body.name)
     rules.check_label("display_name", body.display_name)
     tenant = TenantRecord(name=body.name, created_at=time.time(), display_name=body.display_name)
@@ -158,7 +151,7 @@ async def show_tenant(request: web.Request) -> web.Response:
 
 @routes.post("/admin/v1/keys")
 async def create_key(request: web.Request) -> web.Response:
-    body: KeyCreate = _decode(await read_body(request), KeyCreate)
+    body = api.decode(await read_body(request), KeyCreate)
     tenant = await _known_tenant(request, body.tenant)
     key, record = await request.app[KEYS].create(tenant, rules.check_label("label", body.label))
     return json_response({**_key_view(record), "key": key})
@@ -206,7 +199,7 @@ async def show_quotas(request: web.Request) -> web.Response:
 @routes.put("/admin/v1/quotas/{tenant}")
 async def set_quotas(request: web.Request) -> web.Response:
     tenant = await _known_tenant(request, request.match_info["tenant"])
-    body: QuotaSet = _decode(await read_body(request), QuotaSet)
+    body = api.decode(await read_body(request), QuotaSet)
     quotas = request.app[QUOTAS]
     record = await quotas.record(tenant) or QuotaRecord(tenant_id=tenant)
     for name in LIMIT_NAMES:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from protocol import paths, rules
+from protocol import api, paths, rules
 from protocol.errors import NotFound, UserError
 from protocol.records import CheckpointRecord
 from twinkle_async.gateway.bodies import json_response, read_body
@@ -32,13 +32,6 @@ class CheckpointRef(msgspec.Struct, forbid_unknown_fields=True):
 class CheckpointTtl(msgspec.Struct, forbid_unknown_fields=True):
     path: str
     ttl_seconds: int | None
-
-
-def _decode(body: bytes, type_: type[Any]) -> Any:
-    try:
-        return msgspec.json.decode(body or b"{}", type=type_)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise UserError(f"invalid {type_.__name__} body: {exc}") from None
 
 
 async def _checkpoint(request: web.Request, tinker_path: str) -> CheckpointRecord:
@@ -68,7 +61,7 @@ async def list_checkpoints(request: web.Request) -> web.Response:
 
 @routes.post("/admin/v1/checkpoints/delete")
 async def delete_checkpoint(request: web.Request) -> web.Response:
-    body: CheckpointRef = _decode(await read_body(request), CheckpointRef)
+    body = api.decode(await read_body(request), CheckpointRef)
     ckpt = await _checkpoint(request, body.path)
     await remove_checkpoint(request.app[REGISTRY], request.app[SETTINGS].checkpoint_root, ckpt)
     return json_response({"deleted": ckpt.path})
@@ -87,20 +80,20 @@ async def _change(request: web.Request, tinker_path: str, **fields: Any) -> web.
 
 @routes.post("/admin/v1/checkpoints/publish")
 async def publish_checkpoint(request: web.Request) -> web.Response:
-    body: CheckpointRef = _decode(await read_body(request), CheckpointRef)
+    body = api.decode(await read_body(request), CheckpointRef)
     return await _change(request, body.path, public=True)
 
 
 @routes.post("/admin/v1/checkpoints/unpublish")
 async def unpublish_checkpoint(request: web.Request) -> web.Response:
-    body: CheckpointRef = _decode(await read_body(request), CheckpointRef)
+    body = api.decode(await read_body(request), CheckpointRef)
     return await _change(request, body.path, public=False)
 
 
 @routes.post("/admin/v1/checkpoints/ttl")
 async def set_checkpoint_ttl(request: web.Request) -> web.Response:
     """`ttl_seconds` from now, or null: never expires."""
-    body: CheckpointTtl = _decode(await read_body(request), CheckpointTtl)
+    body = api.decode(await read_body(request), CheckpointTtl)
     ttl_s = rules.check_ttl_seconds("ttl_seconds", body.ttl_seconds)
     expires_at = time.time() + ttl_s if ttl_s is not None else None
     return await _change(request, body.path, expires_at=expires_at)

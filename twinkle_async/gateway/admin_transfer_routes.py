@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 from aiohttp import BodyPartReader, web
 
-from protocol import paths, rules, subjects
+from protocol import api, paths, rules, subjects
 from protocol.api import LoraConfig
 from protocol.errors import NotFound, PayloadTooLarge, ServerError, UserError
 from protocol.jobs import (
@@ -80,10 +80,7 @@ class ExportRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 @routes.post("/admin/v1/checkpoints/export")
 async def export_checkpoint(request: web.Request) -> web.Response:
-    try:
-        body = msgspec.json.decode(await read_body(request) or b"{}", type=ExportRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise UserError(f"invalid ExportRequest body: {exc}") from None
+    body = api.decode(await read_body(request), ExportRequest)
     path = paths.parse_path(body.path)
     registry = request.app[REGISTRY]
     ckpt = await registry.find_checkpoint(path.run_id, path.checkpoint_id)
@@ -261,6 +258,8 @@ async def _receive(request: web.Request, staging: Path, max_bytes: int) -> dict[
         config = json.loads(config_bytes)
     except ValueError as exc:
         raise UserError(f"{ADAPTER_CONFIG}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise UserError(f"{ADAPTER_CONFIG}: {api.NESTED_TOO_DEEPLY}") from None
     if not isinstance(config, dict):
         raise UserError(f"{ADAPTER_CONFIG}: expected a JSON object")
     return config

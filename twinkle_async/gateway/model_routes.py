@@ -26,7 +26,7 @@ from protocol.jobs import Job, UnloadModelJob
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.sequenced import live_run, owned_run, seq_ref, submit_sequenced
 from twinkle_async.gateway.state import LIFECYCLE, REGISTRY
-from twinkle_async.gateway.training_routes import refuse_existing, save_job
+from twinkle_async.gateway.training_routes import check_storage, refuse_existing, save_job
 from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
 
 routes = web.RouteTableDef()
@@ -48,6 +48,7 @@ async def save_weights_external(request: web.Request) -> web.Response:
         await refuse_existing(
             request, run, paths.TinkerPath(run.model_id, "external_weights", name)
         )
+        await check_storage(request, run.tenant_id)
         return save_job(request_id, run, body, name, "external_weights")
 
     return await submit_sequenced(request, run, seq_id, "save_weights_external", raw, build)

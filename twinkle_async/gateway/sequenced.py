@@ -63,6 +63,8 @@ def seq_ref(body: bytes) -> SeqRef:
         raise UserError(f"invalid body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise UserError(f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise UserError(f"invalid body: {api.NESTED_TOO_DEEPLY}") from None
 
 
 def body_digest(body: bytes) -> str:

@@ -64,14 +64,15 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.post("/api/v1/create_session")
 async def create_session(request: web.Request) -> web.Response:
     body = await read_json(request, api.CreateSessionRequest)
+    tags, user_metadata = rules.check_session_labels(body.tags, body.user_metadata)
     now = time.time()
     session = SessionRecord(
         session_id=f"sess-{uuid.uuid4().hex[:16]}",
         tenant_id=request[TENANT],
         created_at=now,
         last_heartbeat=now,
-        tags=rules.check_tags("tags", body.tags),
-        user_metadata=rules.check_user_metadata("user_metadata", body.user_metadata),
+        tags=tags,
+        user_metadata=user_metadata,
         sdk_version=(body.sdk_version or "")[:64],
     )
     await request.app[REGISTRY].put_session(session)

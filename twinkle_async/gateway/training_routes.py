@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from protocol import api, paths, rules, stability
@@ -71,6 +72,7 @@ async def _new_run(
         if limits.max_adapters is not None:
             active = [r for r in await registry.runs(session.tenant_id) if r.unloaded_at is None]
             quotas.check_cap("max_adapters", len(active), 1, limits.max_adapters)
+        await check_storage(request, session.tenant_id)
         run = RunRecord(
             model_id=model_id,
             tenant_id=session.tenant_id,
@@ -85,11 +87,12 @@ async def _new_run(
     return run
 
 
-async def _check_storage(request: web.Request, run: RunRecord) -> None:
-    """A save is refused once the tenant's checkpoints fill its storage quota."""
-    limit = (await request.app[QUOTAS].limits(run.tenant_id)).max_checkpoint_bytes
+async def check_storage(request: web.Request, tenant_id: str) -> None:
+    """A save of any kind is refused once the tenant's checkpoints fill its storage quota; so is
+    a new run, which saves its state as a checkpoint when it is unloaded."""
+    limit = (await request.app[QUOTAS].limits(tenant_id)).max_checkpoint_bytes
     if limit is not None:
-        checkpoints = await request.app[REGISTRY].tenant_checkpoints(run.tenant_id)
+        checkpoints = await request.app[REGISTRY].tenant_checkpoints(tenant_id)
         used = sum(c.size_bytes for c in checkpoints)
         quotas.check_room("max_checkpoint_bytes", used, limit)
 
@@ -243,7 +246,7 @@ async def save_weights(request: web.Request) -> web.Response:
         path = paths.TinkerPath(run_id=run.model_id, kind="weights", name=name)
         if not body.overwrite:
             await refuse_existing(request, run, path)
-        await _check_storage(request, run)
+        await check_storage(request, run.tenant_id)
         return save_job(request_id, run, body, name, "weights")
 
     return await submit_sequenced(request, run, seq_id, "save_weights", raw, build)
@@ -282,7 +285,7 @@ async def save_weights_for_sampler(request: web.Request) -> web.Response:
             )
         else:
             raise UserError("save_weights_for_sampler needs path or sampling_session_seq_id")
-        await _check_storage(request, run)
+        await check_storage(request, run.tenant_id)
         return save_job(
             request_id, run, body, name, "sampler_weights", sampling_session_id=session_sampler
         )
@@ -337,6 +340,9 @@ async def load_weights(request: web.Request) -> web.Response:
                     f"path: checkpoint base model {ckpt.base_model!r} differs from the model's"
                     f" {run.base_model!r}"
                 )
+            limits = await request.app[QUOTAS].limits(run.tenant_id)
+            quotas.check_limit("max_rank", ckpt.lora.rank, limits.max_rank)
+            _check_same_shape(body.path, ckpt.lora, run.lora)
             return LoadWeightsJob(
                 request_id=request_id,
                 model_id=run.model_id,
@@ -375,6 +381,23 @@ async def load_weights(request: web.Request) -> web.Response:
         )
 
     return await submit_sequenced(request, created, 0, "load_weights", raw, build_create)
+
+
+def _check_same_shape(path: str, loaded: api.LoraConfig, model: api.LoraConfig) -> None:
+    """A load into an existing model keeps its adapter's shape: the run record, `get_info` and
+    the SDK's client all hold the shape it was created with. The seed only drew the initial
+    weights a load replaces, so it may differ."""
+    if msgspec.structs.replace(loaded, seed=model.seed) != model:
+        raise UserError(
+            f"path: checkpoint {path!r} has LoRA {_shape(loaded)}, the model has {_shape(model)};"
+            " load it into a new model (create_training_client_from_state) instead"
+        )
+
+
+def _shape(lora: api.LoraConfig) -> str:
+    fields = msgspec.structs.asdict(lora)
+    del fields["seed"]
+    return "(" + ", ".join(f"{name}={value}" for name, value in fields.items()) + ")"
 
 
 async def _loadable(request: web.Request, body: api.LoadWeightsRequest) -> CheckpointRecord:

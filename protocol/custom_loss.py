@@ -21,6 +21,8 @@ Invariants (a hostile tenant controls every field):
 - Constants are small: per node at most `MAX_ARG_LEAVES` leaves nested `MAX_ARG_DEPTH` deep,
   integers within ±2**53, strings of at most `MAX_STR_LEN` characters, and the only torch
   constant is a dtype from `DTYPES` (no devices).
+- Where a tensor lives and how it is allocated is the server's business: the keywords in
+  `PLACEMENT_KEYWORDS` (`device=`, `pin_memory=`, ...) are refused on every node, as is `out=`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ METHODS: frozenset[str] = frozenset(
 )
 GETATTR_NAMES = frozenset({"shape", "dtype", "ndim"})
 DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32", "bool"})
+# Keywords that would put a result on another device (`zeros_like(x, device="meta")` escapes
+# the worker's per-datum guard and fails the whole shared pass) or allocate it differently.
+PLACEMENT_KEYWORDS = frozenset({"device", "pin_memory", "requires_grad", "layout", "memory_format"})
 _ARG_KINDS = frozenset({"ref", "tuple", "dict", "slice", "ellipsis", "float", "dtype"})
 _SPECIAL_FLOATS = frozenset({"inf", "-inf", "nan"})
 
@@ -237,6 +242,10 @@ def _check_call(node: LossNode, defined: set[str]) -> None:
             raise _refuse(node, f"keyword {key[:40]!r} is not a lowercase identifier")
         if key == "out":  # would write into an existing tensor (logprobs, say)
             raise _refuse(node, "out= writes in place; return a new tensor instead")
+        if key in PLACEMENT_KEYWORDS:
+            raise _refuse(
+                node, f"{key}= is not allowed: the server places and allocates the loss's tensors"
+            )
     leaves = [0]
     for arg in [*node.args, *node.kwargs.values()]:
         _check_arg(node, arg, defined, leaves, 0)

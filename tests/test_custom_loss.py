@@ -107,7 +107,7 @@ def test_the_rebuilt_graph_equals_the_python_loss(
     mine = values[0].clone().requires_grad_(True)
     theirs = values[0].clone().requires_grad_(True)
 
-    got, got_metrics = program.run([mine, *values[1:]], ElementBudget(10_000))
+    got, got_metrics = program.run([mine, *values[1:]], ElementBudget(1_000_000))
     want, want_metrics = fn(theirs, *values[1:])
     got.backward()
     want.backward()
@@ -341,7 +341,7 @@ def program_with(node: dict[str, Any], returns: str) -> LossProgram:
     return LossProgram(check(body))
 
 
-def run(program: LossProgram, budget: int = 10_000, n: int = 5) -> Any:
+def run(program: LossProgram, budget: int = 1_000_000, n: int = 5) -> Any:
     values = [torch.zeros(n), torch.ones(n), torch.zeros(n)]
     return program.run(values, ElementBudget(budget))
 
@@ -355,7 +355,7 @@ def test_results_beyond_the_budget_fail_before_anything_is_allocated() -> None:
     }
     program = program_with(node, "big")
     with pytest.raises(CustomLossError, match="node 'big'.*exceed 10000 tensor elements"):
-        run(program)
+        run(program, budget=10_000)
 
 
 @pytest.mark.parametrize(
@@ -387,3 +387,136 @@ def test_value_dependent_shapes_are_refused_clearly() -> None:
     values = [torch.zeros(4), torch.tensor([1.0, 0.0, 1.0, 0.0])]
     with pytest.raises(CustomLossError, match="shape depends on tensor values"):
         program.run(values, ElementBudget(10_000))
+
+
+# -- node counts, index ranges, placement -----------------------------------------------------
+
+
+def scalar_chain(logprobs, weights):  # type: ignore[no-untyped-def]
+    x = (logprobs * weights).sum()
+    for _ in range(1990):  # 1992 nodes that each produce one element
+        x = x * 1.0
+    return x, {}
+
+
+def test_every_node_evaluation_costs_at_least_min_node_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chain of scalar ops costs its node count, charged on the meta run: the datum that
+    would go past the budget is refused there, before its real run."""
+    program = LossProgram(upload(scalar_chain, {"logprobs": 1, "weights": 1}))
+    steps = len(program.steps)
+    runs: list[str] = []
+    evaluate = LossProgram._evaluate
+
+    def spy(self: LossProgram, values: list[Any], budget: ElementBudget | None) -> Any:
+        runs.append(values[0].device.type)
+        return evaluate(self, values, budget)
+
+    monkeypatch.setattr(LossProgram, "_evaluate", spy)
+    budget = ElementBudget(2 * steps * worker.MIN_NODE_COST)
+    values = [torch.zeros(3), torch.ones(3)]
+    program.run(values, budget)
+    assert budget.used == steps * worker.MIN_NODE_COST
+    program.run(values, budget)
+    with pytest.raises(CustomLossError, match=f"at least {worker.MIN_NODE_COST}"):
+        program.run(values, budget)
+    assert runs == ["meta", "cpu", "meta", "cpu", "meta"]
+
+
+def gather_fn(logprobs, index):  # type: ignore[no-untyped-def]
+    return -torch.gather(logprobs, 1, index).sum(), {}
+
+
+def gather_method(logprobs, index):  # type: ignore[no-untyped-def]
+    return -logprobs.gather(-1, index).sum(), {}
+
+
+def tensor_index(logprobs, index):  # type: ignore[no-untyped-def]
+    return -logprobs[index].sum(), {}
+
+
+def column_index(logprobs, index):  # type: ignore[no-untyped-def]
+    return -logprobs[..., index].sum(), {}
+
+
+@pytest.mark.parametrize(
+    ("fn", "ranks", "good", "bad", "fragment"),
+    [
+        (gather_fn, 2, [[0], [2]], [[0], [3]], "node 'gather' (torch.gather): index values span [0, 3], outside [0, 3) for dimension 1"),
+        (gather_method, 2, [[1], [2]], [[-1], [2]], "node 'gather' (gather): index values span [-1, 2], outside [0, 3) for dimension 1"),
+        (tensor_index, 1, [0, -2], [0, 2], "node 'getitem' (operator.getitem): index values span [0, 2], outside [-2, 2) for dimension 0"),
+        (column_index, 1, [0, -3], [1, -4], "node 'getitem' (operator.getitem): index values span [-4, 1], outside [-3, 3) for dimension 1"),
+    ],
+    ids=["torch.gather", "Tensor.gather", "getitem", "getitem-tuple"],
+)  # fmt: skip
+def test_index_tensors_are_checked_against_their_dimension(
+    fn: LossFn, ranks: int, good: list[Any], bad: list[Any], fragment: str
+) -> None:
+    """On CUDA an index out of range is a device-side assert that ends the worker's CUDA
+    context for every tenant: the real run checks the range on the host first."""
+    program = LossProgram(upload(fn, {"logprobs": 2, "index": ranks}))
+    logprobs = -torch.arange(6.0).reshape(2, 3)
+    got, _ = program.run([logprobs, torch.tensor(good)], ElementBudget(1_000_000))
+    torch.testing.assert_close(got, fn(logprobs, torch.tensor(good))[0])
+    with pytest.raises(CustomLossError) as err:
+        program.run([logprobs, torch.tensor(bad)], ElementBudget(1_000_000))
+    assert fragment in str(err.value), str(err.value)
+
+
+def zeros_on_meta(logprobs, weights):  # type: ignore[no-untyped-def]
+    return torch.zeros_like(logprobs, device="meta").sum() + (logprobs * weights).sum(), {}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("device", "meta"),
+        ("device", "cpu"),
+        ("pin_memory", True),
+        ("requires_grad", True),
+        ("layout", "strided"),
+        ("memory_format", "preserve_format"),
+    ],
+)
+def test_placement_keywords_are_refused(key: str, value: Any) -> None:
+    refused(
+        upload_json(zeros_on_meta, {"logprobs": 1, "weights": 1}),
+        "graph.nodes['zeros_like']",
+        "device= is not allowed",
+    )
+    node = {
+        "op": "call_function",
+        "name": "z",
+        "target": "torch.ones_like",
+        "args": [{"ref": "old"}],
+        "kwargs": {key: value},
+    }
+    refused(with_node(node), "graph.nodes['z']", f"{key}= is not allowed")
+
+
+def on_meta(logprobs, weights):  # type: ignore[no-untyped-def]
+    nll = -(logprobs * weights).sum()
+    return torch.zeros_like(nll, device="meta"), {"custom/nll:sum": nll}
+
+
+def unchecked(fn: LossFn, ranks: dict[str, Any]) -> spec.CustomLoss:
+    """The loss the SDK uploads for `fn`, as a worker may receive it without today's checks
+    (one stored before placement keywords were refused)."""
+    body = upload_json(fn, ranks)
+    request = api.decode(json.dumps(body).encode(), api.CreateCustomLossRequest)
+    metrics = list(request.graph.nodes[-1].args[0]["tuple"][1]["dict"])
+    return spec.CustomLoss(
+        "sess-1:loss:0", request.name, request.inputs, request.graph.nodes, metrics
+    )
+
+
+@pytest.mark.parametrize("where", ["loss", "metric"])
+def test_a_loss_or_metric_off_the_inputs_device_fails_its_datum(where: str) -> None:
+    loss = unchecked(on_meta, {"logprobs": 1, "weights": 1})
+    if where == "metric":  # swap: the loss is the nll, the metric the tensor on meta
+        returned = loss.nodes[-1].args[0]["tuple"]
+        returned[0], returned[1]["dict"]["custom/nll:sum"] = {"ref": "neg"}, returned[0]
+    program = LossProgram(loss)
+    with pytest.raises(CustomLossError, match="on device meta, not beside"):
+        program.run([torch.zeros(3), torch.ones(3)], ElementBudget(1_000_000))

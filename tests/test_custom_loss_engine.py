@@ -17,7 +17,7 @@ import torch
 from protocol.errors import UserError
 from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
-from tests.test_custom_loss import upload
+from tests.test_custom_loss import on_meta, scalar_chain, unchecked, upload
 from tests.test_engine import make_request, perturb_b
 from tests.test_fault_isolation import (
     SPECS,
@@ -26,7 +26,9 @@ from tests.test_fault_isolation import (
     slot_state,
     train_round,
 )
+from workers.custom_loss import BUDGET_FACTOR, MIN_NODE_COST, LossProgram
 from workers.engine import Engine
+from workers.isolation import isolate
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -183,3 +185,69 @@ def test_a_custom_request_must_carry_what_its_loss_reads(
     for bad, fragment in cases:
         with pytest.raises(UserError, match=re.escape(fragment)):
             engine.validate("a", bad)
+
+
+def test_a_long_graph_over_many_datums_is_refused_before_it_runs(
+    random_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2000 scalar nodes over 64 datums produce almost no elements but took 15 s of the shared
+    engine (0.23 s a datum): node evaluations count against the budget, checked up front."""
+    engine = Engine(str(random_qwen3), max_slots=3, max_rank=8)
+    engine.create("b", SPECS["b"])
+    ran: list[object] = []
+    monkeypatch.setattr(LossProgram, "_evaluate", lambda *args: ran.append(args))
+    monkeypatch.setattr(engine, "_run_pass", lambda *args: ran.append(args))
+    request = as_custom(make_request("b", [3] * 64, np.random.default_rng(8)), scalar_chain)
+    steps = len(LossProgram(request.custom_loss).steps)  # type: ignore[arg-type]
+    limit = request.max_elements * BUDGET_FACTOR
+    assert steps * 64 * MIN_NODE_COST > limit  # the default budget: 2 Ki nodes × 16 datums
+
+    message = (
+        f"64 datums × {steps} nodes cost at least {64 * steps * MIN_NODE_COST} of the"
+        f" request's custom-loss budget of {limit} tensor elements"
+    )
+    with pytest.raises(UserError, match=re.escape(message)):
+        engine.validate("b", request)
+    with pytest.raises(UserError, match=re.escape(message)):
+        engine.forward_backward([("b", request)])
+    assert ran == []
+    few = dataclasses.replace(request, datums=request.datums[: limit // (steps * MIN_NODE_COST)])
+    engine.validate("b", few)  # a budget, not a ban
+
+
+def test_a_loss_off_the_pass_device_fails_alone_in_one_pass(
+    make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss on meta used to reach the pass's stacking of losses, outside the per-datum guard:
+    the whole pass raised and bisection re-ran it (four passes for three tenants)."""
+    faulty, reference = make_engine(), make_engine()
+    passes: list[int] = []
+    run_pass = faulty._run_pass
+
+    def counted(batch: list[tuple[str, FwdBwdRequest]], slots: list[int]) -> Any:
+        passes.append(len(batch))
+        return run_pass(batch, slots)
+
+    monkeypatch.setattr(faulty, "_run_pass", counted)
+    rng = np.random.default_rng(9)
+    a_request = make_request("a", [5, 3], rng)
+    b_request = make_request("b", [4, 6], rng)
+    loss = unchecked(on_meta, {"logprobs": 1, "weights": 1})
+    b_request = dataclasses.replace(
+        b_request, loss_fn="custom", loss_fn_config={"loss_id": loss.loss_id}, custom_loss=loss
+    )
+    c_request = make_request("c", [7], rng)
+    batch = [("a", a_request), ("b", b_request), ("c", c_request)]
+
+    a_result, b_result, c_result = isolate(
+        faulty.forward_backward, batch, describe=lambda item: f"req-{item[0]}"
+    )
+    a_solo, c_solo = reference.forward_backward([("a", a_request), ("c", c_request)])
+
+    assert passes == [3]
+    assert isinstance(b_result, UserError), b_result
+    assert "the loss is on device meta" in b_result.message, b_result.message
+    assert_same_output(a_result, a_solo)
+    assert_same_output(c_result, c_solo)
+    for model_id in ("a", "c"):
+        assert_same_bits(slot_state(faulty, model_id), slot_state(reference, model_id))

@@ -9,8 +9,15 @@ Invariants:
 - Only names on `protocol.custom_loss`'s allow-lists run, each through `FUNCTIONS` or
   `METHODS` here (a test checks the tables equal the lists); a method's receiver is a tensor.
 - A datum's graph first runs on meta tensors (shapes only, nothing allocated): each result is
-  counted against the request's `ElementBudget` and one over it fails the request before any
-  real tensor is made. Python arithmetic outside tensors stays on bounded numbers.
+  counted against the request's `ElementBudget`, at least `MIN_NODE_COST` per node, and one
+  over it fails the request before any real tensor is made. The minimum bounds node runs, whose
+  fixed cost (~0.1 ms on a scalar) is what a long chain of tiny ops spends; `check_request`
+  refuses a request whose datums × nodes cannot fit before any of it runs. Python arithmetic
+  outside tensors stays on bounded numbers.
+- Index tensors (`gather`, `getitem`) are checked against the indexed dimension on the host
+  before the op runs: on CUDA an index out of range is a device-side assert that would take
+  down the worker's CUDA context for every tenant.
+- The loss and metrics are tensors on the device of the learner log-probs.
 - Anything the graph does wrong is a `UserError` of its own request naming the node; the shared
   pass and the other tenants never see it.
 """
@@ -20,7 +27,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -34,6 +41,10 @@ from protocol.tensors import TARGET_TOKENS, FwdBwdRequest
 # A request's graphs together may produce this many times its declared element budget: what a
 # few dozen elementwise steps over every input cost, and a bound on what a hostile graph holds.
 BUDGET_FACTOR = 8
+# What one node evaluation costs the budget at least (its meta run and its real run together):
+# at the default 4 Mi element budget a request runs at most 32 Ki nodes (datums × nodes, ~4 s
+# on a CPU at worst), which still fits the SDK's largest chunk, 1024 datums, of a 32-node loss.
+MIN_NODE_COST = 1024
 _MAX_PY_INT = 2**63
 _MAX_PY_EXPONENT = 64
 
@@ -97,7 +108,8 @@ class CustomLossError(Exception):
 
 
 class ElementBudget:
-    """The elements a request's graphs may still produce (counted on the meta run)."""
+    """The elements a request's graphs may still produce (counted on the meta run, at least
+    `MIN_NODE_COST` per node)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -108,7 +120,7 @@ class ElementBudget:
         if self.used > self.limit:
             raise CustomLossError(
                 f"its results exceed {self.limit} tensor elements ({BUDGET_FACTOR}x the request's"
-                " element budget)"
+                f" element budget; each node evaluation counts at least {MIN_NODE_COST})"
             )
 
 
@@ -152,7 +164,7 @@ class LossProgram:
         """(loss as a float32 scalar, metrics) of one datum; `CustomLossError` if it fails.
 
         Runs on meta tensors first, so a graph that would allocate beyond `budget` (or fail on
-        shapes) stops before it touches memory.
+        shapes) stops before it touches memory; that run charges every node for both runs.
         """
         meta = [torch.empty(v.shape, dtype=v.dtype, device="meta") for v in values]
         self._evaluate(meta, budget)
@@ -171,7 +183,7 @@ class LossProgram:
                 kwargs = {k: _decode(v, env) for k, v in step.kwargs.items()}
                 result = _call(step, args, kwargs)
                 if budget is not None:
-                    budget.spend(_elements(result))
+                    budget.spend(max(_elements(result), MIN_NODE_COST))
             except CustomLossError as err:
                 raise CustomLossError(f"node {step.name!r} ({step.target}): {err}") from None
             except torch.OutOfMemoryError:
@@ -191,14 +203,21 @@ class LossProgram:
                 ) from None
             env[step.name] = result
         loss, metrics = _decode(self.output, env)
+        device = values[0].device  # the learner log-probs': the pass's device (or meta)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
             raise CustomLossError(
                 f"the loss must be a floating-point scalar tensor, got {_kind(loss)}"
             )
+        if loss.device != device:
+            raise CustomLossError(f"the loss is on device {loss.device}, not beside its inputs")
         for key, value in metrics.items():
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise CustomLossError(
                     f"metric {key!r} must be a one-element tensor, got {_kind(value)}"
+                )
+            if value.device != device:
+                raise CustomLossError(
+                    f"metric {key!r} is on device {value.device}, not beside the inputs"
                 )
         return loss, metrics
 
@@ -207,15 +226,111 @@ def _call(step: _Step, args: list[Any], kwargs: dict[str, Any]) -> Any:
     if step.is_method:
         if not isinstance(args[0], torch.Tensor):
             raise CustomLossError(f"method receiver is {_kind(args[0])}, not a tensor")
+        if step.target == "gather":
+            _check_gather(args, kwargs)
         return step.call(*args, **kwargs)
     if step.target == "getattr":
         receiver, name = args
         if not isinstance(receiver, torch.Tensor) or name not in spec.GETATTR_NAMES:
             raise CustomLossError("getattr reads shape, dtype or ndim of a tensor only")
         return getattr(receiver, name)
+    if step.target == "torch.gather":
+        _check_gather(args, kwargs)
+    elif step.target == "operator.getitem" and isinstance(args[0], torch.Tensor):
+        _check_getitem(*args)
     if step.target in _OPERATOR_TARGETS and not any(isinstance(a, torch.Tensor) for a in args):
         return _scalar_operator(step, args)
     return step.call(*args, **kwargs)
+
+
+# -- index ranges: checked on the host, since on CUDA torch checks them in the kernel (an assert
+# that ends the process's CUDA context). Meta tensors have no values: the real run checks. ----
+
+
+def _check_gather(args: list[Any], kwargs: dict[str, Any]) -> None:
+    """`gather(input, dim, index)` (function or method): index values within [0, size)."""
+    named = dict(zip(("input", "dim", "index"), args, strict=False))
+    named.update({key: kwargs[key] for key in ("input", "dim", "index") if key in kwargs})
+    source, dim, index = named.get("input"), named.get("dim"), named.get("index")
+    if not (isinstance(source, torch.Tensor) and _integer_index(index)):
+        return  # torch refuses it on the host, or there is nothing to check
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise CustomLossError(f"gather's dim must be an integer, got {_kind(dim)}")
+    ndim = max(source.ndim, 1)
+    if not -ndim <= dim < ndim:
+        return  # torch refuses the dim on the host
+    _check_range(index, 0, source.shape[dim] if source.ndim else 1, dim % ndim)
+
+
+def _check_getitem(source: torch.Tensor, index: Any) -> None:
+    """`source[index]`: each integer tensor or list in the index within [-size, size) of the
+    dimension it indexes (Python ints and slices torch checks on the host itself)."""
+    items = index if _is_index_tuple(index) else (index,)
+    taken = [_dims_taken(item) for item in items]
+    rest = source.ndim - sum(n for item, n in zip(items, taken, strict=True) if item is not ...)
+    dim = 0
+    for item, n in zip(items, taken, strict=True):
+        if item is ...:
+            dim += max(rest, 0)
+            continue
+        values = torch.as_tensor(item) if isinstance(item, (list, tuple)) else item
+        if _integer_index(values) and dim < source.ndim:
+            _check_range(values, -source.shape[dim], source.shape[dim], dim)
+        dim += n
+
+
+def _is_index_tuple(index: Any) -> bool:
+    """Whether torch reads `index` as one index per dimension (its `treatSequenceAsTuple`)."""
+    if isinstance(index, tuple):
+        return True
+    if not isinstance(index, list) or len(index) >= 32:
+        return False
+    return any(
+        isinstance(item, (torch.Tensor, list, tuple, slice)) or item is None or item is ...
+        for item in index
+    )
+
+
+def _dims_taken(item: Any) -> int:
+    """How many dimensions of the indexed tensor one index item consumes."""
+    if item is None or isinstance(item, bool):
+        return 0
+    if isinstance(item, (list, tuple)):
+        if _has_tensor(item):
+            # torch would copy the tensors into a new index tensor: ask for one tensor instead
+            raise CustomLossError("an index list holding tensors; stack them into one tensor")
+        item = torch.as_tensor(item)
+    if isinstance(item, torch.Tensor) and item.dtype in (torch.bool, torch.uint8):
+        return item.ndim  # a mask: one dimension per mask dimension
+    return 1
+
+
+def _has_tensor(items: list[Any] | tuple[Any, ...]) -> bool:
+    return any(
+        isinstance(item, torch.Tensor) or (isinstance(item, (list, tuple)) and _has_tensor(item))
+        for item in items
+    )
+
+
+def _integer_index(index: Any) -> TypeGuard[torch.Tensor]:
+    """An index tensor with values to check: integers (not a mask), real, not empty."""
+    return (
+        isinstance(index, torch.Tensor)
+        and index.device.type != "meta"
+        and not index.is_floating_point()
+        and not index.is_complex()
+        and index.dtype not in (torch.bool, torch.uint8)
+        and index.numel() > 0
+    )
+
+
+def _check_range(index: torch.Tensor, low: int, size: int, dim: int) -> None:
+    smallest, largest = torch.stack(torch.aminmax(index)).tolist()  # one device sync
+    if smallest < low or largest >= size:
+        raise CustomLossError(
+            f"index values span [{smallest}, {largest}], outside [{low}, {size}) for dimension"
+            f" {dim} (size {size}) of the indexed tensor"
+        )
 
 
 def _scalar_operator(step: _Step, args: list[Any]) -> Any:
@@ -324,6 +439,16 @@ def check_request(req: FwdBwdRequest, vocab_size: int) -> spec.CustomLoss:
                     f"{where}: shape {array.shape}, but loss {loss.name!r} declared rank"
                     f" {declared.rank}"
                 )
+    steps = len(loss.nodes) - len(loss.inputs) - 1
+    node_runs = steps * len(req.datums)
+    limit = req.max_elements * BUDGET_FACTOR
+    if node_runs * MIN_NODE_COST > limit:
+        raise UserError(
+            f"loss_fn custom ({loss.name}): {len(req.datums)} datums × {steps} nodes cost at"
+            f" least {node_runs * MIN_NODE_COST} of the request's custom-loss budget of {limit}"
+            f" tensor elements ({BUDGET_FACTOR}x its element budget; each node evaluation counts"
+            f" at least {MIN_NODE_COST}): send fewer datums per request or a smaller graph"
+        )
     return loss
 
 

@@ -92,6 +92,12 @@ def sampler_key(sampling_session_id: str) -> str:
     return f"sampler.{token(sampling_session_id)}"
 
 
+def open_session_key(session_id: str) -> str:
+    """KV key (in `tw_sessions`) marking a session not finished yet: the expiry sweeper lists
+    these instead of every session ever made."""
+    return f"open.{token(session_id)}"
+
+
 def clone_counter_key(sampling_session_id: str) -> str:
     """KV key (in `tw_sessions`) of the last clone id `join_sampling_session` handed out."""
     return f"clones.{token(sampling_session_id)}"

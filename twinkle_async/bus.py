@@ -328,6 +328,17 @@ class Bus:
 
         await self._retrying(f"delete {bucket}/{key}", attempt)
 
+    async def erase(self, bucket: str, key: str) -> None:
+        """Remove a key with no delete marker left behind: a purge of its subject in the
+        bucket's stream, so it leaves `keys` too (a deleted key stays listed for ever)."""
+        js = self.js
+        assert js is not None
+
+        async def attempt() -> None:
+            await js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+
+        await self._retrying(f"erase {bucket}/{key}", attempt)
+
     async def keys(self, bucket: str, prefix: str = "") -> list[str]:
         """Keys under `prefix.` (deleted ones included: a read of one answers None); see
         `topology.kv_keys`."""

@@ -49,12 +49,21 @@ class Lifecycle:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._sweep_loop(), name="session-sweeper")
 
+    async def _mark_open_sessions(self) -> None:
+        try:
+            marked = await self.registry.mark_open_sessions()
+        except Exception:  # the sweeper still sees every session marked since
+            log.exception("could not mark the open sessions; older ones may not expire")
+        else:
+            log.debug("%d open sessions marked", marked)
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _sweep_loop(self) -> None:
+        await self._mark_open_sessions()
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             try:
@@ -63,11 +72,12 @@ class Lifecycle:
                 log.exception("session sweep failed; retrying in %.0f s", self.sweep_interval_s)
 
     async def sweep(self, now: float) -> list[str]:
-        """Finish every session whose heartbeats stopped; returns their ids."""
+        """Finish every session whose heartbeats stopped; returns their ids. It reads only the
+        sessions marked open, so its cost follows the live sessions, not every one ever made."""
         expired = [
             session.session_id
-            for session in await self.registry.sessions(None)
-            if not session.finished and now - session.last_heartbeat > self.session_timeout_s
+            for session in await self.registry.open_sessions()
+            if now - session.last_heartbeat > self.session_timeout_s
         ]
         finished = [sid for sid in expired if await self.finish(sid, "expired")]
         if finished:
@@ -86,6 +96,7 @@ class Lifecycle:
             session.finish_reason = reason
             if await self.registry.swap_session(session, revision):
                 break
+        await self.registry.close_session_mark(session_id)
         for run in await self.registry.runs(session.tenant_id):
             if run.session_id == session_id and run.unloaded_at is None:
                 await self.unload(run)

@@ -94,9 +94,50 @@ class Registry:
     # -- sessions ----------------------------------------------------------------------------
 
     async def put_session(self, session: SessionRecord) -> None:
+        """Store a session; an unfinished one is marked open first (`open_sessions`), so a
+        crash between the two writes leaves a mark without a record, which the sweeper drops,
+        never an open session it cannot see."""
+        if not session.finished:
+            await self.bus.put(
+                subjects.BUCKET_SESSIONS, subjects.open_session_key(session.session_id), b"1"
+            )
         await self.bus.put(
             subjects.BUCKET_SESSIONS, subjects.token(session.session_id), records.encode(session)
         )
+
+    async def open_sessions(self) -> list[SessionRecord]:
+        """The sessions marked open (every tenant's): what the expiry sweeper reads, a listing
+        of the live ones rather than of every session ever made. Marks whose session is gone
+        or finished (a crash between the writes) are dropped."""
+        keys = await self.bus.keys(subjects.BUCKET_SESSIONS, "open")
+        ids = [subjects.untoken(key.split(".", 1)[1]) for key in keys]
+        found = await asyncio.gather(
+            *(self.bus.get(subjects.BUCKET_SESSIONS, subjects.token(sid)) for sid in ids)
+        )
+        sessions: list[SessionRecord] = []
+        for session_id, data in zip(ids, found, strict=True):
+            session = records.decode(data, SessionRecord) if data else None
+            if session is None or session.finished:
+                await self.close_session_mark(session_id)
+            else:
+                sessions.append(session)
+        return sessions
+
+    async def close_session_mark(self, session_id: str) -> None:
+        """The session is finished: its open mark goes, leaving nothing a listing would see."""
+        await self.bus.erase(subjects.BUCKET_SESSIONS, subjects.open_session_key(session_id))
+
+    async def mark_open_sessions(self) -> int:
+        """Mark every unfinished session open (sessions stored before marks existed); a full
+        read of the bucket, once per gateway start. Returns how many were marked."""
+        marked = 0
+        for session in await self.sessions(None):
+            if not session.finished:
+                await self.bus.put(
+                    subjects.BUCKET_SESSIONS, subjects.open_session_key(session.session_id), b"1"
+                )
+                marked += 1
+        return marked
 
     async def session(
         self, session_id: str, tenant_id: str, field: str = "session_id"

@@ -128,6 +128,16 @@ def highest_seq_key(model_id: str) -> str:
     return f"hiseq.{token(model_id)}"
 
 
+def tenant_runs_prefix(tenant_id: str) -> str:
+    """The prefix (in `tw_runs`) of a tenant's run index: one key per run it owns, so its
+    runs are listed without reading every tenant's."""
+    return f"tenant.{token(tenant_id)}"
+
+
+def tenant_run_key(tenant_id: str, model_id: str) -> str:
+    return f"{tenant_runs_prefix(tenant_id)}.{token(model_id)}"
+
+
 def snapshot_key(model_id: str) -> str:
     """KV key (in `tw_runs`) of a model's latest state snapshot record."""
     return f"snap.{token(model_id)}"

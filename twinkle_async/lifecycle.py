@@ -49,13 +49,16 @@ class Lifecycle:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._sweep_loop(), name="session-sweeper")
 
-    async def _mark_open_sessions(self) -> None:
+    async def _index_older_records(self) -> None:
+        """Sessions and runs stored before their indexes existed (open marks, tenant keys):
+        indexed once as this gateway starts."""
         try:
             marked = await self.registry.mark_open_sessions()
-        except Exception:  # the sweeper still sees every session marked since
-            log.exception("could not mark the open sessions; older ones may not expire")
+            runs = await self.registry.index_runs()
+        except Exception:  # the sweeper and listings still see everything indexed since
+            log.exception("could not index older sessions and runs; some may not be listed")
         else:
-            log.debug("%d open sessions marked", marked)
+            log.debug("%d open sessions marked, %d runs indexed", marked, runs)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -63,7 +66,7 @@ class Lifecycle:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _sweep_loop(self) -> None:
-        await self._mark_open_sessions()
+        await self._index_older_records()
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             try:

@@ -257,6 +257,10 @@ class Registry:
     # -- runs --------------------------------------------------------------------------------
 
     async def put_run(self, run: RunRecord) -> None:
+        """Store a run, indexed under its tenant first (`tenant_run_key`), so a crash between
+        the writes leaves an index key without a record (skipped), never a run its tenant's
+        listings miss."""
+        await self._index_run(run)
         await self.bus.put(subjects.BUCKET_RUNS, subjects.token(run.model_id), records.encode(run))
         self._remember_run(run.model_id, run)
 
@@ -266,14 +270,29 @@ class Registry:
             subjects.BUCKET_RUNS, subjects.token(run.model_id), records.encode(run)
         )
         if stored:
+            await self._index_run(run)
             self._remember_run(run.model_id, run)
         return stored
 
+    async def _index_run(self, run: RunRecord) -> None:
+        key = subjects.tenant_run_key(run.tenant_id, run.model_id)
+        await self.bus.put(subjects.BUCKET_RUNS, key, b"1")
+
     async def delete_run(self, model_id: str) -> None:
-        """A run's record and its seq count."""
+        """A run's record, its seq count and its tenant index key."""
         await self.bus.delete(subjects.BUCKET_RUNS, subjects.highest_seq_key(model_id))
         await self.bus.delete(subjects.BUCKET_RUNS, subjects.token(model_id))
+        await self.bus.erase(subjects.BUCKET_RUNS, f"tenant.*.{subjects.token(model_id)}")
         self._remember_run(model_id, None)
+
+    async def index_runs(self) -> int:
+        """Index every run under its tenant (runs stored before the index existed, or whose
+        `create_run` stopped before indexing); a full read of the bucket, once per gateway
+        start. Returns how many runs there are."""
+        found = await self.runs(None)
+        for run in found:
+            await self._index_run(run)
+        return len(found)
 
     async def find_run(self, model_id: str) -> RunRecord | None:
         """The run's record as stored now."""
@@ -308,12 +327,19 @@ class Registry:
         self._runs[model_id] = (time.monotonic(), msgspec.structs.replace(run))
 
     async def runs(self, tenant_id: str | None) -> list[RunRecord]:
-        """A tenant's runs (every tenant's for None), oldest first."""
-        found = [
-            records.decode(value, RunRecord)
-            for value in await self._bare_values(subjects.BUCKET_RUNS)
-        ]
-        mine = [run for run in found if tenant_id is None or run.tenant_id == tenant_id]
+        """A tenant's runs, read through its index (every tenant's, from every record, for
+        None), oldest first."""
+        if tenant_id is None:
+            values = await self._bare_values(subjects.BUCKET_RUNS)
+        else:
+            prefix = subjects.tenant_runs_prefix(tenant_id)
+            keys = await self.bus.keys(subjects.BUCKET_RUNS, prefix)
+            found = await asyncio.gather(
+                *(self.bus.get(subjects.BUCKET_RUNS, key[len(prefix) + 1 :]) for key in keys)
+            )
+            values = [value for value in found if value]
+        runs = [records.decode(value, RunRecord) for value in values]
+        mine = [run for run in runs if tenant_id is None or run.tenant_id == tenant_id]
         return sorted(mine, key=lambda run: run.created_at)
 
     async def _bare_values(self, bucket: str) -> list[bytes]:
@@ -348,8 +374,12 @@ class Registry:
         return [records.decode(value, CheckpointRecord) for value in values]
 
     async def tenant_checkpoints(self, tenant_id: str) -> list[CheckpointRecord]:
-        """The tenant's own checkpoints across all its runs, newest first."""
-        mine = [ckpt for ckpt in await self.all_checkpoints() if ckpt.tenant_id == tenant_id]
+        """The tenant's own checkpoints across all its runs (a run goes only after its
+        checkpoints), newest first: read run by run, not from every tenant's."""
+        per_run = await asyncio.gather(
+            *(self.checkpoints(run.model_id) for run in await self.runs(tenant_id))
+        )
+        mine = [ckpt for found in per_run for ckpt in found if ckpt.tenant_id == tenant_id]
         return sorted(mine, key=lambda ckpt: ckpt.created_at, reverse=True)
 
     async def owned_checkpoint(

@@ -128,14 +128,14 @@ def highest_seq_key(model_id: str) -> str:
     return f"hiseq.{token(model_id)}"
 
 
-def tenant_runs_prefix(tenant_id: str) -> str:
-    """The prefix (in `tw_runs`) of a tenant's run index: one key per run it owns, so its
-    runs are listed without reading every tenant's."""
+def tenant_index_prefix(tenant_id: str) -> str:
+    """The prefix (in `tw_runs`, `tw_sessions`) of a tenant's index of its records: one key per
+    run or session it owns, so they are listed without reading every tenant's."""
     return f"tenant.{token(tenant_id)}"
 
 
-def tenant_run_key(tenant_id: str, model_id: str) -> str:
-    return f"{tenant_runs_prefix(tenant_id)}.{token(model_id)}"
+def tenant_index_key(tenant_id: str, record_id: str) -> str:
+    return f"{tenant_index_prefix(tenant_id)}.{token(record_id)}"
 
 
 def snapshot_key(model_id: str) -> str:

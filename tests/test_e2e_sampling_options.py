@@ -18,6 +18,7 @@ import tinker
 import torch
 from tinker import types
 
+from protocol.sampling import MAX_LOGPROBS_K
 from tests.conftest import ADMIN_KEY, Cluster
 from tests.sdk_helpers import toy_batch, train_steps
 
@@ -28,17 +29,26 @@ ATOL = 1e-3
 
 
 def trainer_full(client: tinker.TrainingClient, tokens: list[int], vocab: int) -> np.ndarray:
-    """The trainer's logprob of every vocabulary token after each prefix: [len - 1, vocab]."""
-    every = np.broadcast_to(np.arange(vocab, dtype=np.int64), (len(tokens) - 1, vocab))
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData.from_numpy(every.copy()),
-            "weights": types.TensorData.from_numpy(np.zeros(every.shape, dtype=np.float32)),
-        },
-    )
-    out = client.forward([datum], "cross_entropy").result()
-    return out.loss_fn_outputs[0]["logprobs"].to_numpy().reshape(len(tokens) - 1, vocab)
+    """The trainer's logprob of every vocabulary token after each prefix: [len - 1, vocab].
+    One forward whose datums each score `MAX_LOGPROBS_K` of the ids, the widest [N, K]
+    targets a request takes."""
+    n = len(tokens) - 1
+    columns = np.arange(-(-vocab // MAX_LOGPROBS_K) * MAX_LOGPROBS_K, dtype=np.int64) % vocab
+    datums = []
+    for ids in columns.reshape(-1, MAX_LOGPROBS_K):
+        targets = np.broadcast_to(ids, (n, ids.size)).copy()
+        datums.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData.from_numpy(targets),
+                    "weights": types.TensorData.from_numpy(np.zeros(targets.shape, np.float32)),
+                },
+            )
+        )
+    out = client.forward(datums, "cross_entropy").result()
+    scored = [o["logprobs"].to_numpy().reshape(n, MAX_LOGPROBS_K) for o in out.loss_fn_outputs]
+    return np.concatenate(scored, axis=1)[:, :vocab]
 
 
 @pytest.fixture(params=["torch", "vllm"])

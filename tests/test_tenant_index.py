@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from protocol import records, subjects
 from protocol.api import LoraConfig
-from protocol.records import CheckpointRecord, RunRecord
+from protocol.records import CheckpointRecord, RunRecord, SessionRecord
 from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.registry import Registry
@@ -84,9 +84,52 @@ async def test_a_tenants_runs_and_checkpoints_cost_what_it_owns(nats_server: Nat
 
         await registry.delete_run("small-bb")  # its index key goes too, leaving no marker
         assert [r.model_id for r in await registry.runs("small")] == ["small-a", "small-legacy"]
-        keys = await bus.keys(subjects.BUCKET_RUNS, subjects.tenant_runs_prefix("small"))
+        keys = await bus.keys(subjects.BUCKET_RUNS, subjects.tenant_index_prefix("small"))
         assert keys == sorted(
-            subjects.tenant_run_key("small", m) for m in ("small-a", "small-legacy")
+            subjects.tenant_index_key("small", m) for m in ("small-a", "small-legacy")
         )
     finally:
         await bus.close()
+
+
+async def test_a_tenants_sessions_cost_what_it_owns(nats_server: NatsServer) -> None:
+    bus = CountingSessionBus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        registry = Registry(bus)
+        for n in range(30):
+            await registry.put_session(session("big", f"sess-big-{n}", finished=True))
+        await registry.put_session(session("small", "sess-small-1"))
+        legacy = session("small", "sess-small-0", finished=True)  # stored before the index
+        await bus.put(
+            subjects.BUCKET_SESSIONS, subjects.token(legacy.session_id), records.encode(legacy)
+        )
+        bus.reads = 0
+        assert [s.session_id for s in await registry.sessions("small")] == ["sess-small-1"]
+        assert bus.reads == 1
+        await registry.mark_open_sessions()  # as a gateway starts
+        assert [s.session_id for s in await registry.sessions("small")] == [
+            "sess-small-0",
+            "sess-small-1",
+        ]
+        assert len(await registry.sessions(None)) == 32
+    finally:
+        await bus.close()
+
+
+class CountingSessionBus(Bus):
+    reads = 0
+
+    async def get(self, bucket: str, key: str) -> bytes | None:
+        self.reads += bucket == subjects.BUCKET_SESSIONS and "." not in key
+        return await super().get(bucket, key)
+
+
+def session(tenant_id: str, session_id: str, finished: bool = False) -> SessionRecord:
+    return SessionRecord(
+        session_id=session_id,
+        tenant_id=tenant_id,
+        created_at=float(session_id[-1]),
+        last_heartbeat=0.0,
+        finished=finished,
+    )

@@ -94,9 +94,11 @@ class Registry:
     # -- sessions ----------------------------------------------------------------------------
 
     async def put_session(self, session: SessionRecord) -> None:
-        """Store a session; an unfinished one is marked open first (`open_sessions`), so a
-        crash between the two writes leaves a mark without a record, which the sweeper drops,
-        never an open session it cannot see."""
+        """Store a session: indexed under its tenant and, unfinished, marked open
+        (`open_sessions`) first, so a crash between the writes leaves an index key or a mark
+        without a record (skipped, dropped), never a session a listing or the sweeper misses."""
+        key = subjects.tenant_index_key(session.tenant_id, session.session_id)
+        await self.bus.put(subjects.BUCKET_SESSIONS, key, b"1")
         if not session.finished:
             await self.bus.put(
                 subjects.BUCKET_SESSIONS, subjects.open_session_key(session.session_id), b"1"
@@ -128,10 +130,13 @@ class Registry:
         await self.bus.erase(subjects.BUCKET_SESSIONS, subjects.open_session_key(session_id))
 
     async def mark_open_sessions(self) -> int:
-        """Mark every unfinished session open (sessions stored before marks existed); a full
-        read of the bucket, once per gateway start. Returns how many were marked."""
+        """Index every session under its tenant and mark every unfinished one open (sessions
+        stored before these existed); a full read of the bucket, once per gateway start.
+        Returns how many were marked open."""
         marked = 0
         for session in await self.sessions(None):
+            key = subjects.tenant_index_key(session.tenant_id, session.session_id)
+            await self.bus.put(subjects.BUCKET_SESSIONS, key, b"1")
             if not session.finished:
                 await self.bus.put(
                     subjects.BUCKET_SESSIONS, subjects.open_session_key(session.session_id), b"1"
@@ -152,10 +157,11 @@ class Registry:
         return session
 
     async def sessions(self, tenant_id: str | None) -> list[SessionRecord]:
-        """A tenant's sessions (every tenant's for None), oldest first."""
+        """A tenant's sessions, read through its index (every tenant's, from every record,
+        for None), oldest first."""
         found = [
             records.decode(value, SessionRecord)
-            for value in await self._bare_values(subjects.BUCKET_SESSIONS)
+            for value in await self._owned_values(subjects.BUCKET_SESSIONS, tenant_id)
         ]
         mine = [s for s in found if tenant_id is None or s.tenant_id == tenant_id]
         return sorted(mine, key=lambda session: session.created_at)
@@ -257,7 +263,7 @@ class Registry:
     # -- runs --------------------------------------------------------------------------------
 
     async def put_run(self, run: RunRecord) -> None:
-        """Store a run, indexed under its tenant first (`tenant_run_key`), so a crash between
+        """Store a run, indexed under its tenant first (`tenant_index_key`), so a crash between
         the writes leaves an index key without a record (skipped), never a run its tenant's
         listings miss."""
         await self._index_run(run)
@@ -275,7 +281,7 @@ class Registry:
         return stored
 
     async def _index_run(self, run: RunRecord) -> None:
-        key = subjects.tenant_run_key(run.tenant_id, run.model_id)
+        key = subjects.tenant_index_key(run.tenant_id, run.model_id)
         await self.bus.put(subjects.BUCKET_RUNS, key, b"1")
 
     async def delete_run(self, model_id: str) -> None:
@@ -329,18 +335,20 @@ class Registry:
     async def runs(self, tenant_id: str | None) -> list[RunRecord]:
         """A tenant's runs, read through its index (every tenant's, from every record, for
         None), oldest first."""
-        if tenant_id is None:
-            values = await self._bare_values(subjects.BUCKET_RUNS)
-        else:
-            prefix = subjects.tenant_runs_prefix(tenant_id)
-            keys = await self.bus.keys(subjects.BUCKET_RUNS, prefix)
-            found = await asyncio.gather(
-                *(self.bus.get(subjects.BUCKET_RUNS, key[len(prefix) + 1 :]) for key in keys)
-            )
-            values = [value for value in found if value]
+        values = await self._owned_values(subjects.BUCKET_RUNS, tenant_id)
         runs = [records.decode(value, RunRecord) for value in values]
         mine = [run for run in runs if tenant_id is None or run.tenant_id == tenant_id]
         return sorted(mine, key=lambda run: run.created_at)
+
+    async def _owned_values(self, bucket: str, tenant_id: str | None) -> list[bytes]:
+        """The records a tenant's index names (each caller checks the owner), or every record
+        of the bucket for None."""
+        if tenant_id is None:
+            return await self._bare_values(bucket)
+        prefix = subjects.tenant_index_prefix(tenant_id)
+        keys = await self.bus.keys(bucket, prefix)
+        found = await asyncio.gather(*(self.bus.get(bucket, k[len(prefix) + 1 :]) for k in keys))
+        return [value for value in found if value]
 
     async def _bare_values(self, bucket: str) -> list[bytes]:
         """Values of a bucket's records keyed by a bare id token (dotted keys are indexes)."""

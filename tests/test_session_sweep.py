@@ -38,14 +38,19 @@ def session(session_id: str, heartbeat_at: float, finished: bool = False) -> Ses
     )
 
 
+def lifecycle_on(bus: Bus) -> tuple[Registry, Lifecycle]:
+    registry = Registry(bus)
+    lifecycle = Lifecycle(
+        registry, FutureStore(bus), bus, session_timeout_s=TIMEOUT_S, sweep_interval_s=60
+    )
+    return registry, lifecycle
+
+
 async def test_the_sweeper_reads_open_sessions_only(nats_server: NatsServer) -> None:
     bus = CountingBus(BusSettings(nats_url=nats_server.url))
     await bus.connect()
     try:
-        registry = Registry(bus)
-        lifecycle = Lifecycle(
-            registry, FutureStore(bus), bus, session_timeout_s=TIMEOUT_S, sweep_interval_s=60
-        )
+        registry, lifecycle = lifecycle_on(bus)
         now = 10_000.0
         for n in range(40):  # the history: finished sessions
             await registry.put_session(session(f"sess-done-{n}", 0.0, finished=True))
@@ -81,10 +86,7 @@ async def test_a_finished_session_loses_its_mark(nats_server: NatsServer, finish
     bus = Bus(BusSettings(nats_url=nats_server.url))
     await bus.connect()
     try:
-        registry = Registry(bus)
-        lifecycle = Lifecycle(
-            registry, FutureStore(bus), bus, session_timeout_s=TIMEOUT_S, sweep_interval_s=60
-        )
+        registry, lifecycle = lifecycle_on(bus)
         await registry.put_session(session("sess-a", 0.0, finished=finished))
         marks = await bus.keys(subjects.BUCKET_SESSIONS, "open")
         assert marks == ([] if finished else [subjects.open_session_key("sess-a")])

@@ -7,7 +7,9 @@ fails alone while the others of its pass succeed; the service's metrics count wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -78,18 +80,61 @@ async def wait_outcome(bus: Bus, request_id: str, timeout_s: float = 60.0) -> Ou
     raise TimeoutError(request_id)
 
 
+def worker_settings(nats_server: NatsServer, tmp_path: Path, **overrides: Any) -> WorkerSettings:
+    """A worker on a tiny model built offline, against the test's nats-server."""
+    return WorkerSettings(
+        base_model=str(build_tiny_model(tmp_path / "tiny")),
+        nats_url=nats_server.url,
+        data_dir=tmp_path / "data",
+        max_rank=8,
+        **overrides,
+    )
+
+
+def create_job(model_id: str, model_dir: Path, *, rank: int = 4, seed: int = 1) -> CreateModelJob:
+    return CreateModelJob(
+        request_id=f"req-{model_id}-0",
+        model_id=model_id,
+        tenant_id="t",
+        seq_id=0,
+        base_model=str(model_dir),
+        lora=LoraConfig(rank=rank, seed=seed),
+    )
+
+
+def optim_job(model_id: str, seq_id: int) -> OptimStepJob:
+    return OptimStepJob(
+        request_id=f"req-{model_id}-{seq_id}", model_id=model_id, tenant_id="t", seq_id=seq_id
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    settings: WorkerSettings, engine: Engine | None = None
+) -> AsyncIterator[Engine]:
+    """A trainer service (a fresh engine unless given) serving until the block ends."""
+    engine = engine or Engine(settings.base_model, max_slots=2, max_rank=8)
+    worker_bus = WorkerBus(settings.nats_url)
+    await worker_bus.connect()
+    task = asyncio.create_task(TrainerService(worker_bus, engine, settings).run())
+    try:
+        yield engine
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker_bus.close()
+
+
 @pytest.mark.timeout(120)
 async def test_service_merges_models_and_fails_gaps(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    model_dir = build_tiny_model(tmp_path / "tiny")
-    settings = WorkerSettings(
-        base_model=str(model_dir),
-        nats_url=nats_server.url,
-        data_dir=tmp_path / "data",
-        max_rank=8,
+    settings = worker_settings(
+        nats_server,
+        tmp_path,
         gap_timeout_s=1.0,
     )
+    model_dir = Path(settings.base_model)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
     models = ["m-a", "m-b", "m-c"]
@@ -164,40 +209,23 @@ async def test_service_merges_models_and_fails_gaps(
 
 @pytest.mark.timeout(120)
 async def test_service_unloads_a_model(nats_server: NatsServer, tmp_path: Path) -> None:
-    model_dir = build_tiny_model(tmp_path / "tiny")
-    settings = WorkerSettings(
-        base_model=str(model_dir), nats_url=nats_server.url, data_dir=tmp_path / "data", max_rank=8
-    )
+    settings = worker_settings(nats_server, tmp_path)
+    model_dir = Path(settings.base_model)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
     jobs: list[Job] = [
-        CreateModelJob(
-            request_id="req-u-0",
-            model_id="m-u",
-            tenant_id="t",
-            seq_id=0,
-            base_model=str(model_dir),
-            lora=LoraConfig(rank=4, seed=1),
-        ),
-        UnloadModelJob(request_id="req-u-1", model_id="m-u", tenant_id="t", seq_id=1),
+        create_job("m-u", model_dir),
+        UnloadModelJob(request_id="req-m-u-1", model_id="m-u", tenant_id="t", seq_id=1),
     ]
     for job in jobs:
         await gateway_bus.publish_job(settings.pool, job)
-
-    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
-    worker_bus = WorkerBus(nats_server.url)
-    await worker_bus.connect()
-    service = TrainerService(worker_bus, engine, settings)
-    task = asyncio.create_task(service.run())
     try:
-        out = await wait_outcome(gateway_bus, "req-u-1")
-        assert (out.state, out.error) == ("done", "")
-        assert api.decode(out.payload, api.UnloadModelResponse).model_id == "m-u"
-        assert not engine.has("m-u") and engine.slots_used() == 0
+        async with running_worker(settings) as engine:
+            out = await wait_outcome(gateway_bus, "req-m-u-1")
+            assert (out.state, out.error) == ("done", "")
+            assert api.decode(out.payload, api.UnloadModelResponse).model_id == "m-u"
+            assert not engine.has("m-u") and engine.slots_used() == 0
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await worker_bus.close()
         await gateway_bus.close()
 
 
@@ -215,10 +243,8 @@ class FaultyEngine(Engine):
 async def test_service_fails_only_the_request_that_crashes_a_pass(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    model_dir = build_tiny_model(tmp_path / "tiny")
-    settings = WorkerSettings(
-        base_model=str(model_dir), nats_url=nats_server.url, data_dir=tmp_path / "data", max_rank=8
-    )
+    settings = worker_settings(nats_server, tmp_path)
+    model_dir = Path(settings.base_model)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
     models = ["m-a", "m-bad", "m-c"]
@@ -264,55 +290,32 @@ async def test_a_model_whose_log_was_trimmed_past_its_snapshot_is_lost_only_if_a
     training pass, replaying 6 and 7 on top of the snapshot would silently drop it, which its
     client saw succeed: the model is lost, loudly. If it was a forward-only pass, it changed
     nothing (its claim says so): the model goes on from its snapshot."""
-    model_dir = build_tiny_model(tmp_path / "tiny")
-    settings = WorkerSettings(
-        base_model=str(model_dir),
-        nats_url=nats_server.url,
-        data_dir=tmp_path / "data",
-        max_rank=8,
+    settings = worker_settings(
+        nats_server,
+        tmp_path,
         gap_timeout_s=2.0,
         snapshot_every=2,  # a snapshot after seq 4, none after seq 6
         worker_id="w-trimmed",
     )
+    model_dir = Path(settings.base_model)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
     futures = FutureStore(gateway_bus)
-    jobs: list[Job] = [
-        CreateModelJob(
-            request_id="req-m-t-0",
-            model_id="m-t",
-            tenant_id="t",
-            seq_id=0,
-            base_model=str(model_dir),
-            lora=LoraConfig(rank=4, seed=1),
-        )
-    ]
-    for seq in (1, 3):
-        jobs.append(fwd_job("m-t", seq, length=5))
-        jobs.append(
-            OptimStepJob(
-                request_id=f"req-m-t-{seq + 1}", model_id="m-t", tenant_id="t", seq_id=seq + 1
-            )
-        )
     fifth = fwd_job("m-t", 5, length=5)
-    jobs.append(msgspec.structs.replace(fifth, forward_only=lost_seq_5 == "forward"))
-    jobs.append(OptimStepJob(request_id="req-m-t-6", model_id="m-t", tenant_id="t", seq_id=6))
+    jobs: list[Job] = [
+        create_job("m-t", model_dir),
+        *(job for seq in (1, 3) for job in (fwd_job("m-t", seq, 5), optim_job("m-t", seq + 1))),
+        msgspec.structs.replace(fifth, forward_only=lost_seq_5 == "forward"),
+        optim_job("m-t", 6),
+    ]
     for job in jobs:  # as a gateway does: each seq claimed, then published
         claim = SeqClaim(request_id=job.request_id, request_type=request_type_of(job), digest="")
         await futures.claim("m-t", job.seq_id, claim)
         await gateway_bus.publish_job(settings.pool, job)
 
     async def run_worker(until: str) -> Outcome:
-        worker_bus = WorkerBus(nats_server.url)
-        await worker_bus.connect()
-        engine = Engine(settings.base_model, max_slots=2, max_rank=8)
-        task = asyncio.create_task(TrainerService(worker_bus, engine, settings).run())
-        try:
+        async with running_worker(settings):
             return await wait_outcome(gateway_bus, until, timeout_s=60)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await worker_bus.close()
 
     try:
         assert (await run_worker("req-m-t-6")).state == "done"
@@ -339,52 +342,37 @@ async def test_a_model_idle_since_its_last_change_is_snapshotted_once(
     """A model that stops after a few steps, short of `snapshot_every`, is snapshotted once it
     has been idle for `snapshot_idle_s`: its recovery then needs no ops from long ago, which
     the log's limits may have dropped."""
-    model_dir = build_tiny_model(tmp_path / "tiny")
-    settings = WorkerSettings(
-        base_model=str(model_dir),
-        nats_url=nats_server.url,
-        data_dir=tmp_path / "data",
-        max_rank=8,
+    settings = worker_settings(
+        nats_server,
+        tmp_path,
         gap_timeout_s=1.0,  # the cycle loop looks around every second
         snapshot_every=100,
         snapshot_idle_s=1.0,
     )
+    model_dir = Path(settings.base_model)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
     jobs: list[Job] = [
-        CreateModelJob(
-            request_id="req-m-i-0",
-            model_id="m-i",
-            tenant_id="t",
-            seq_id=0,
-            base_model=str(model_dir),
-            lora=LoraConfig(rank=4, seed=1),
-        ),
+        create_job("m-i", model_dir),
         fwd_job("m-i", 1, length=5),
-        OptimStepJob(request_id="req-m-i-2", model_id="m-i", tenant_id="t", seq_id=2),
+        optim_job("m-i", 2),
         msgspec.structs.replace(fwd_job("m-i", 3, length=5), forward_only=True),
     ]
     for job in jobs:
         await gateway_bus.publish_job(settings.pool, job)
-    worker_bus = WorkerBus(nats_server.url)
-    await worker_bus.connect()
-    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
-    task = asyncio.create_task(TrainerService(worker_bus, engine, settings).run())
     key = subjects.snapshot_key("m-i")
     try:
-        assert (await wait_outcome(gateway_bus, "req-m-i-3")).state == "done"
-        deadline = time.monotonic() + 20
-        while (data := await gateway_bus.get(subjects.BUCKET_RUNS, key)) is None:
-            assert time.monotonic() < deadline, "no snapshot of the idle model"
-            await asyncio.sleep(0.1)
-        first = records.decode(data, SnapshotRecord)
-        # at its last op, a forward-only pass: a takeover needs nothing before seq 4
-        assert (first.applied_seq, first.step) == (3, 1)
-        await asyncio.sleep(3.0)  # idle and unchanged since: not written again
-        again = await gateway_bus.get(subjects.BUCKET_RUNS, key)
-        assert again is not None and records.decode(again, SnapshotRecord) == first
+        async with running_worker(settings):
+            assert (await wait_outcome(gateway_bus, "req-m-i-3")).state == "done"
+            deadline = time.monotonic() + 20
+            while (data := await gateway_bus.get(subjects.BUCKET_RUNS, key)) is None:
+                assert time.monotonic() < deadline, "no snapshot of the idle model"
+                await asyncio.sleep(0.1)
+            first = records.decode(data, SnapshotRecord)
+            # at its last op, a forward-only pass: a takeover needs nothing before seq 4
+            assert (first.applied_seq, first.step) == (3, 1)
+            await asyncio.sleep(3.0)  # idle and unchanged since: not written again
+            again = await gateway_bus.get(subjects.BUCKET_RUNS, key)
+            assert again is not None and records.decode(again, SnapshotRecord) == first
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await worker_bus.close()
         await gateway_bus.close()

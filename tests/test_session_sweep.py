@@ -4,6 +4,8 @@ whose heartbeats stopped, and still sees sessions stored before marks existed.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from protocol import records, subjects
@@ -64,7 +66,7 @@ async def test_the_sweeper_reads_open_sessions_only(nats_server: NatsServer) -> 
         assert bus.session_reads <= 6, bus.session_reads  # 3 marks read, the finish's own reads
         stale = await registry.session("sess-stale", "t")
         assert stale.finished and stale.finish_reason == "expired"
-        assert [s.session_id for s in await registry.open_sessions()] == ["sess-live"]
+        assert [s.session_id for s in await registry.open_sessions(now, TIMEOUT_S)] == ["sess-live"]
         assert await bus.keys(subjects.BUCKET_SESSIONS, "open") == [
             subjects.open_session_key("sess-live")
         ]
@@ -91,6 +93,24 @@ async def test_a_finished_session_loses_its_mark(nats_server: NatsServer, finish
         marks = await bus.keys(subjects.BUCKET_SESSIONS, "open")
         assert marks == ([] if finished else [subjects.open_session_key("sess-a")])
         assert await lifecycle.finish("sess-a", "success") is not finished
+        assert await bus.keys(subjects.BUCKET_SESSIONS, "open") == []
+    finally:
+        await bus.close()
+
+
+async def test_a_mark_whose_record_is_still_coming_is_kept(nats_server: NatsServer) -> None:
+    """`put_session` marks a session open before writing its record: a sweep between the two
+    must not drop the mark, or the session would never expire."""
+    bus = Bus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        registry, _ = lifecycle_on(bus)
+        await registry._mark_open("sess-new")  # the record is not written yet
+        now = time.time()
+        assert await registry.open_sessions(now, TIMEOUT_S) == []
+        mark = subjects.open_session_key("sess-new")
+        assert await bus.keys(subjects.BUCKET_SESSIONS, "open") == [mark]
+        await registry.open_sessions(now + TIMEOUT_S + 1, TIMEOUT_S)  # it never came
         assert await bus.keys(subjects.BUCKET_SESSIONS, "open") == []
     finally:
         await bus.close()

@@ -133,3 +133,25 @@ def session(tenant_id: str, session_id: str, finished: bool = False) -> SessionR
         last_heartbeat=0.0,
         finished=finished,
     )
+
+
+async def test_a_tenant_with_many_runs_reads_only_its_checkpoints(nats_server: NatsServer) -> None:
+    """Past a few runs the checkpoints come from one key listing of the bucket, not one listing
+    per run; still only the tenant's records are read."""
+    bus = CountingBus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        registry = Registry(bus)
+        for tenant_id, n_runs in (("many", 20), ("other", 10)):
+            for n in range(n_runs):
+                run_id = f"{tenant_id}-run-{n}"
+                await registry.put_run(run(tenant_id, run_id))
+                ckpt = checkpoint(tenant_id, run_id, "w")
+                key = subjects.checkpoint_key(run_id, ckpt.checkpoint_id)
+                await bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
+        bus.reads = 0
+        found = await registry.tenant_checkpoints("many")
+        assert len(found) == 20 and {c.tenant_id for c in found} == {"many"}
+        assert bus.reads == 40  # its 20 runs, then its 20 checkpoints
+    finally:
+        await bus.close()

@@ -45,6 +45,7 @@ class Lifecycle:
         self.session_timeout_s = session_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self._task: asyncio.Task[None] | None = None
+        self._indexing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._sweep_loop(), name="session-sweeper")
@@ -61,12 +62,14 @@ class Lifecycle:
             log.debug("%d open sessions marked, %d runs indexed", marked, runs)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._indexing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _sweep_loop(self) -> None:
-        await self._index_older_records()
+        indexing = asyncio.create_task(self._index_older_records(), name="index-older-records")
+        self._indexing = indexing  # held: the loop's first sweeps do not wait for it
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             try:
@@ -79,7 +82,7 @@ class Lifecycle:
         sessions marked open, so its cost follows the live sessions, not every one ever made."""
         expired = [
             session.session_id
-            for session in await self.registry.open_sessions()
+            for session in await self.registry.open_sessions(now, self.session_timeout_s)
             if now - session.last_heartbeat > self.session_timeout_s
         ]
         finished = [sid for sid in expired if await self.finish(sid, "expired")]
@@ -99,10 +102,13 @@ class Lifecycle:
             session.finish_reason = reason
             if await self.registry.swap_session(session, revision):
                 break
-        await self.registry.close_session_mark(session_id)
         for run in await self.registry.runs(session.tenant_id):
             if run.session_id == session_id and run.unloaded_at is None:
                 await self.unload(run)
+        try:
+            await self.registry.close_session_mark(session_id)
+        except Exception:  # the next sweep drops the mark of a finished session
+            log.exception("session %s: its open mark stays until the next sweep", session_id)
         return True
 
     async def unload(self, run: RunRecord, save_as: str = SESSION_END_CHECKPOINT) -> str:

@@ -35,6 +35,10 @@ RUN_CACHE_S = 1.0  # how long `Registry.run` uses a run record again without rea
 _MAX_CACHED_RUNS = 10_000
 
 
+# Up to this many runs, a tenant's checkpoints are listed run by run (one listing each).
+_RUN_BY_RUN = 16
+
+
 class Registry:
     """Typed reads and writes of `tw_sessions`, `tw_runs`, `tw_checkpoints`, `tw_workers`."""
 
@@ -100,17 +104,20 @@ class Registry:
         key = subjects.tenant_index_key(session.tenant_id, session.session_id)
         await self.bus.put(subjects.BUCKET_SESSIONS, key, b"1")
         if not session.finished:
-            await self.bus.put(
-                subjects.BUCKET_SESSIONS, subjects.open_session_key(session.session_id), b"1"
-            )
+            await self._mark_open(session.session_id)
         await self.bus.put(
             subjects.BUCKET_SESSIONS, subjects.token(session.session_id), records.encode(session)
         )
 
-    async def open_sessions(self) -> list[SessionRecord]:
+    async def _mark_open(self, session_id: str) -> None:
+        key = subjects.open_session_key(session_id)
+        await self.bus.put(subjects.BUCKET_SESSIONS, key, repr(time.time()).encode())
+
+    async def open_sessions(self, now: float, grace_s: float) -> list[SessionRecord]:
         """The sessions marked open (every tenant's): what the expiry sweeper reads, a listing
-        of the live ones rather than of every session ever made. Marks whose session is gone
-        or finished (a crash between the writes) are dropped."""
+        of the live ones rather than of every session ever made. A finished session's mark
+        is dropped; so is one without a record (a crash between the writes), once it is older
+        than `grace_s`: a younger one may be a session whose record is being written."""
         keys = await self.bus.keys(subjects.BUCKET_SESSIONS, "open")
         ids = [subjects.untoken(key.split(".", 1)[1]) for key in keys]
         found = await asyncio.gather(
@@ -119,11 +126,18 @@ class Registry:
         sessions: list[SessionRecord] = []
         for session_id, data in zip(ids, found, strict=True):
             session = records.decode(data, SessionRecord) if data else None
-            if session is None or session.finished:
-                await self.close_session_mark(session_id)
-            else:
+            if session is not None and not session.finished:
                 sessions.append(session)
+            elif session is not None or await self._mark_age(session_id, now) > grace_s:
+                await self.close_session_mark(session_id)
         return sessions
+
+    async def _mark_age(self, session_id: str, now: float) -> float:
+        data = await self.bus.get(subjects.BUCKET_SESSIONS, subjects.open_session_key(session_id))
+        try:
+            return now - float(data or b"0")
+        except ValueError:  # not a time: as old as can be
+            return float("inf")
 
     async def close_session_mark(self, session_id: str) -> None:
         """The session is finished: its open mark goes, leaving nothing a listing would see."""
@@ -133,14 +147,16 @@ class Registry:
         """Index every session under its tenant and mark every unfinished one open (sessions
         stored before these existed); a full read of the bucket, once per gateway start.
         Returns how many were marked open."""
+        indexed = set(await self.bus.keys(subjects.BUCKET_SESSIONS, "tenant"))
+        opened = set(await self.bus.keys(subjects.BUCKET_SESSIONS, "open"))
         marked = 0
         for session in await self.sessions(None):
             key = subjects.tenant_index_key(session.tenant_id, session.session_id)
-            await self.bus.put(subjects.BUCKET_SESSIONS, key, b"1")
+            if key not in indexed:
+                await self.bus.put(subjects.BUCKET_SESSIONS, key, b"1")
             if not session.finished:
-                await self.bus.put(
-                    subjects.BUCKET_SESSIONS, subjects.open_session_key(session.session_id), b"1"
-                )
+                if subjects.open_session_key(session.session_id) not in opened:
+                    await self._mark_open(session.session_id)
                 marked += 1
         return marked
 
@@ -271,12 +287,14 @@ class Registry:
         self._remember_run(run.model_id, run)
 
     async def create_run(self, run: RunRecord) -> bool:
-        """Store a new run; False when its model_id is taken (an import never replaces one)."""
+        """Store a new run; False when its model_id is taken (an import never replaces one).
+        Indexed first, as `put_run` does (an index key whose record is another tenant's is
+        skipped by the owner check of every listing)."""
+        await self._index_run(run)
         stored = await self.bus.create(
             subjects.BUCKET_RUNS, subjects.token(run.model_id), records.encode(run)
         )
         if stored:
-            await self._index_run(run)
             self._remember_run(run.model_id, run)
         return stored
 
@@ -295,9 +313,11 @@ class Registry:
         """Index every run under its tenant (runs stored before the index existed, or whose
         `create_run` stopped before indexing); a full read of the bucket, once per gateway
         start. Returns how many runs there are."""
+        indexed = set(await self.bus.keys(subjects.BUCKET_RUNS, "tenant"))
         found = await self.runs(None)
         for run in found:
-            await self._index_run(run)
+            if subjects.tenant_index_key(run.tenant_id, run.model_id) not in indexed:
+                await self._index_run(run)
         return len(found)
 
     async def find_run(self, model_id: str) -> RunRecord | None:
@@ -383,11 +403,21 @@ class Registry:
 
     async def tenant_checkpoints(self, tenant_id: str) -> list[CheckpointRecord]:
         """The tenant's own checkpoints across all its runs (a run goes only after its
-        checkpoints), newest first: read run by run, not from every tenant's."""
-        per_run = await asyncio.gather(
-            *(self.checkpoints(run.model_id) for run in await self.runs(tenant_id))
-        )
-        mine = [ckpt for found in per_run for ckpt in found if ckpt.tenant_id == tenant_id]
+        checkpoints), newest first: only the tenant's records are read, listed run by run for
+        a few runs, from one listing of the bucket's keys for more."""
+        runs = await self.runs(tenant_id)
+        if len(runs) <= _RUN_BY_RUN:
+            per_run = await asyncio.gather(*(self.checkpoints(run.model_id) for run in runs))
+            found = [ckpt for ckpts in per_run for ckpt in ckpts]
+        else:  # one key listing of the bucket, then only the tenant's records
+            own = {subjects.token(run.model_id) for run in runs}
+            keys = await self.bus.keys(subjects.BUCKET_CHECKPOINTS)
+            mine_keys = [key for key in keys if key.split(".", 1)[0] in own]
+            values = await asyncio.gather(
+                *(self.bus.get(subjects.BUCKET_CHECKPOINTS, key) for key in mine_keys)
+            )
+            found = [records.decode(value, CheckpointRecord) for value in values if value]
+        mine = [ckpt for ckpt in found if ckpt.tenant_id == tenant_id]
         return sorted(mine, key=lambda ckpt: ckpt.created_at, reverse=True)
 
     async def owned_checkpoint(

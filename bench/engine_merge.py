@@ -35,8 +35,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.tensors import DatumArrays, FwdBwdRequest
-from workers.calibration import measure
-from workers.engine import Engine
+from workers.trainer.calibration import measure
+from workers.trainer.engine import Engine
 
 SIZES = {"1x32": (1, 32), "4x128": (4, 128)}
 ADAM = AdamParams(learning_rate=1e-4)
@@ -181,7 +181,7 @@ def main() -> None:
         engine = Engine(str(model), max_slots=16, max_rank=16)
         engine.bank.set_kind(args.lora_kind)
         if args.token_budget is None:
-            # as a worker does at start-up (`workers.calibration`)
+            # as a worker does at start-up (`workers.trainer.calibration`)
             found = measure(engine)
             engine.pass_tokens = found.pass_tokens
             curve = ", ".join(f"{size}: {rate:.0f}" for size, rate in found.curve)

@@ -3,14 +3,14 @@
 Builds random-weight models in memory (no hub, nothing saved): a Qwen3-4B-shaped Qwen3 (hidden
 2560, 36 layers, FFN 9728, 32 query / 8 KV heads of 128, vocab 151936, tied) and a small
 Qwen3.5-shaped hybrid (Gated DeltaNet linear attention + full attention). Wraps each with the
-project's `workers.lora.LoraBank` (fp32 adapters, rank 16 on attention and MLP, one slot per
+project's `workers.engine.lora.LoraBank` (fp32 adapters, rank 16 on attention and MLP, one slot per
 tenant) and times merged training passes: forward + backward over N = 1, 4, 16 tenants' rows,
 each tenant `--seqs` sequences of `--seq-len` tokens, one segment per tenant, the loss a chunked
 cross-entropy over the final hidden states (the [tokens, vocab] logits are never all held).
 
 Rows of the table:
 - `loop` / `gather` / `grouped`: the merged pass with `MultiSlotLoraLinear` routed through
-  `workers.lora_kernels.segment_lora(kind=...)` (patched here, in this process only).
+  `workers.engine.lora_kernels.segment_lora(kind=...)` (patched here, in this process only).
 - `base`: the frozen base alone, the input embeddings requiring grad so that the backward still
   runs through every layer: the ceiling for any LoRA kind.
 - `solo`: the same N tenants as N one-tenant passes, with the device's default kind: what
@@ -49,9 +49,9 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from workers import lora_kernels  # noqa: E402
-from workers.kernels import linear_attention_path, lora_path  # noqa: E402
-from workers.lora import BASE_SLOT, LoraBank, Segment, SlotRouting  # noqa: E402
+from workers.engine import lora_kernels  # noqa: E402
+from workers.engine.kernels import linear_attention_path, lora_path  # noqa: E402
+from workers.engine.lora import BASE_SLOT, LoraBank, Segment, SlotRouting  # noqa: E402
 
 RANK, ALPHA = 16, 32.0
 _GRAD_LAYOUT_RELAXED = getattr(

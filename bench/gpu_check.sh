@@ -7,8 +7,8 @@
 # of torch:   bash bench/gpu_check.sh [gpu_bench.py options]
 #
 # Python packages the benchmark needs: torch (CUDA build, >= 2.8 for the grouped GEMM kind) and
-# transformers >= 5 (Qwen3 and Qwen3.5 models). That is all: it imports `workers.lora`,
-# `workers.lora_kernels` and `workers.kernels` from this checkout (PYTHONPATH), which need only
+# transformers >= 5 (Qwen3 and Qwen3.5 models). That is all: it imports `workers.engine.lora`,
+# `workers.engine.lora_kernels` and `workers.engine.kernels` from this checkout (PYTHONPATH), which need only
 # torch. `pip install -e .[worker]` gives the whole worker; optional, for Qwen3.5's fused linear
 # attention: `flash-linear-attention` and `causal-conv1d`. Nothing is installed unless
 # GPU_CHECK_PIP=1 (the machine may not reach PyPI): missing packages are reported instead.

@@ -18,7 +18,7 @@ import torch
 
 from protocol.api import AdamParams
 from workers import optimizer
-from workers.optimizer import SlotAdamW
+from workers.engine.optimizer import SlotAdamW
 
 
 def median_ms(opt: SlotAdamW, slots: int, repeats: int) -> float:

@@ -3,7 +3,7 @@
 One round is `forward_backward(cross_entropy)` then `optim_step`, each awaited before the next.
 The loop runs N rounds twice per batch shape:
 
-- in-process, on `workers.engine.Engine` directly (one torch thread, no transport);
+- in-process, on `workers.trainer.engine.Engine` directly (one torch thread, no transport);
 - through the official SDK → gateway → NATS → worker of a local `twinkle-async up`.
 
 Both use the same random Qwen3 built offline (`workers.tiny_model`, by default hidden 256,
@@ -48,8 +48,8 @@ from tinker import types  # noqa: E402
 
 from protocol.api import AdamParams, LoraConfig  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
-from workers.engine import Engine  # noqa: E402
 from workers.tiny_model import build_tiny_model  # noqa: E402
+from workers.trainer.engine import Engine  # noqa: E402
 
 WARMUP = 3
 

@@ -45,9 +45,9 @@ def child(mode: str, tokens: int, vocab: int, model_dir: str) -> None:
     from engine_merge import request
 
     from protocol.api import LoraConfig
-    from workers.engine import Engine
-    from workers.lora import Segment
-    from workers.passes import pin_malloc_threshold, target_logprobs
+    from workers.engine.lora import Segment
+    from workers.engine.passes import pin_malloc_threshold, target_logprobs
+    from workers.trainer.engine import Engine
 
     pin_malloc_threshold()  # as the worker does: see its docstring
     torch.set_num_threads(1)

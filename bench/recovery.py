@@ -96,8 +96,8 @@ def snapshot_cost(model: Path, label: str, tmp: Path) -> None:
 
     from protocol.api import AdamParams, LoraConfig
     from protocol.tensors import DatumArrays, FwdBwdRequest
-    from workers.engine import Engine
-    from workers.snapshots import write_state
+    from workers.trainer.engine import Engine
+    from workers.trainer.snapshots import write_state
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     engine = Engine(str(model), max_slots=2, max_rank=16)

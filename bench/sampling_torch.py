@@ -33,10 +33,10 @@ import torch  # noqa: E402
 from protocol.api import LoraConfig  # noqa: E402
 from protocol.jobs import SampleJob  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.sampler_backends import Prepared, TorchBackend  # noqa: E402
-from workers.sampling_torch import TorchSampler  # noqa: E402
+from workers.sampler.backends import Prepared, TorchBackend  # noqa: E402
+from workers.sampler.torch_sampler import TorchSampler  # noqa: E402
 from workers.tiny_model import build_tiny_model  # noqa: E402
+from workers.trainer.engine import Engine  # noqa: E402
 
 ADAPTERS = 4
 

@@ -3,7 +3,7 @@
 Job: the wire shape of `create_custom_loss` (SDK `CreateCustomLossRequest`: `name`, `inputs`,
 `graph`), and `check_custom_loss`, which turns a request into a validated `CustomLoss` or refuses
 it with a `UserError` naming the node and its target. Nothing here runs the graph: the worker
-(`workers.custom_loss`) rebuilds it from its own table of the names allowed here.
+(`workers.engine.custom_loss`) rebuilds it from its own table of the names allowed here.
 
 Place in the flow: the gateway checks the upload once (`create_custom_loss`), stores the
 `CustomLoss` per session, and a `forward_backward(loss_fn="custom")` carries it to the worker in

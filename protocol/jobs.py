@@ -205,7 +205,7 @@ class Outcome(msgspec.Struct, frozen=True):
     sampling_session_id: str = ""
     clone_id: int = 0
     # a pending sample: times a sampler began it; one that stopped before answering leaves its
-    # count (`workers.sample_guard`)
+    # count (`workers.sampler.guard`)
     attempts: int = 0
 
 

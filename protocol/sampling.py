@@ -36,7 +36,7 @@ MAX_LOGPROBS_K = 20
 GREEDY_TEMPERATURE = 1e-5
 # Stop strings or stop token ids per request (as common inference servers allow), and the
 # longest stop string: each is searched for in every row's decoded tail at every decode step,
-# and that tail is `_BYTES_PER_CHAR` tokens per character long (workers.sampling_torch). The
+# and that tail is `_BYTES_PER_CHAR` tokens per character long (workers.sampler.torch_sampler). The
 # tinker-cookbook renderers send at most three.
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_STRING_CHARS = 256

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from protocol.api import LoraConfig
-from workers.calibration import cached_or_measured, measure
-from workers.engine import Engine
+from workers.trainer.calibration import cached_or_measured, measure
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -34,16 +34,18 @@ def test_the_result_is_cached_per_model_and_device(
     random_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = Engine(str(random_qwen3), max_slots=2, max_rank=8)
-    monkeypatch.setattr("workers.calibration.measure", lambda e: _fixed(512))
+    monkeypatch.setattr("workers.trainer.calibration.measure", lambda e: _fixed(512))
     first = cached_or_measured(engine, tmp_path, threads=1)
-    monkeypatch.setattr("workers.calibration.measure", lambda e: pytest.fail("measured twice"))
+    monkeypatch.setattr(
+        "workers.trainer.calibration.measure", lambda e: pytest.fail("measured twice")
+    )
     assert cached_or_measured(engine, tmp_path, threads=1) == first
     assert first.pass_tokens == 512
-    monkeypatch.setattr("workers.calibration.measure", lambda e: _fixed(1024))
+    monkeypatch.setattr("workers.trainer.calibration.measure", lambda e: _fixed(1024))
     assert cached_or_measured(engine, tmp_path, threads=2).pass_tokens == 1024  # another key
 
 
 def _fixed(size: int):  # type: ignore[no-untyped-def]
-    from workers.calibration import Calibration
+    from workers.trainer.calibration import Calibration
 
     return Calibration(size, ((size, 1000.0),))

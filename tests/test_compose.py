@@ -138,7 +138,7 @@ def test_gateway_command_and_flags_exist() -> None:
 @pytest.mark.parametrize("name", ["worker", "worker-gpu", "sampler"])
 def test_worker_commands_parse(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from workers import __main__ as worker_main
-    from workers import sampler_main
+    from workers.sampler import main as sampler_main
 
     for key, value in SERVICES[name]["environment"].items():
         monkeypatch.setenv(key, _expand(value))

@@ -18,8 +18,8 @@ from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 from protocol import api
 from protocol import custom_loss as spec
 from protocol.errors import UserError
-from workers import custom_loss as worker
-from workers.custom_loss import CustomLossError, ElementBudget, LossProgram
+from workers.engine import custom_loss as worker
+from workers.engine.custom_loss import CustomLossError, ElementBudget, LossProgram
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

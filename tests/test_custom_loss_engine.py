@@ -26,9 +26,9 @@ from tests.test_fault_isolation import (
     slot_state,
     train_round,
 )
-from workers.custom_loss import BUDGET_FACTOR, MIN_NODE_COST, LossProgram
-from workers.engine import Engine
-from workers.isolation import isolate
+from workers.engine.custom_loss import BUDGET_FACTOR, MIN_NODE_COST, LossProgram
+from workers.engine.isolation import isolate
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -19,7 +19,7 @@ import typer
 from admin_cli.app import app as admin_app
 from twinkle_async.cli import app as cli_app
 from workers.__main__ import worker_options
-from workers.sampler_main import sampler_options
+from workers.sampler.main import sampler_options
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"

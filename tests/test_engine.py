@@ -17,7 +17,7 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, UserError
 from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.engine import Engine
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -20,8 +20,8 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
 from tests.test_engine import make_request, perturb_b
-from workers.engine import Engine
-from workers.isolation import isolate
+from workers.engine.isolation import isolate
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -1,4 +1,4 @@
-"""Bisection (`workers.isolation`) on plain values: a fake batch runner that fails whenever a
+"""Bisection (`workers.engine.isolation`) on plain values: a fake batch runner that fails whenever a
 poisoned item is in its group. Only poisoned items fail, each with its own error (category kept)
 or a server error naming it; every other item's result equals running it alone; the number of
 calls stays within 1 + 2·k·⌈log2 n⌉ for k poisoned items among n."""
@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.errors import ErrorCategory, ServerError, TwinkleError, UserError
-from workers.isolation import isolate
+from workers.engine.isolation import isolate
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def test_a_crashing_culprit_is_logged_with_its_traceback(
             raise RuntimeError("device fault")
         return group
 
-    with caplog.at_level(logging.INFO, logger="workers.isolation"):
+    with caplog.at_level(logging.INFO, logger="workers.engine.isolation"):
         results = isolate(run, ["req-1", "req-bad", "req-2"], describe=str)
     assert results[0] == "req-1" and results[2] == "req-2"
     assert isinstance(results[1], ServerError) and "req-bad" in results[1].message

@@ -1,4 +1,4 @@
-"""workers.kernels: the linear-attention path a model runs, and the LoRA kind of a device."""
+"""workers.engine.kernels: the linear-attention path a model runs, and the LoRA kind of a device."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from workers.kernels import linear_attention_path, lora_path
+from workers.engine.kernels import linear_attention_path, lora_path
 from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.records import LeaseRecord
-from workers.leases import plan
+from workers.trainer.leases import plan
 
 N = 16
 
@@ -69,7 +69,7 @@ def test_rounds_settle_every_shard_with_one_owner_and_an_even_spread(
 def test_replay_modes_follow_the_stored_outcome() -> None:
     from protocol.api import AdamParams
     from protocol.jobs import ForwardBackwardJob, OptimStepJob, SaveWeightsJob
-    from workers.recovery import replay_mode
+    from workers.trainer.recovery import replay_mode
 
     train = ForwardBackwardJob(request_id="r", model_id="m", tenant_id="t", seq_id=3)
     forward = ForwardBackwardJob(

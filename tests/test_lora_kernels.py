@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from workers.lora import BASE_SLOT, LoraBank, Segment, SlotRouting
-from workers.lora_kernels import (
+from workers.engine.lora import BASE_SLOT, LoraBank, Segment, SlotRouting
+from workers.engine.lora_kernels import (
     SegmentSpec,
     _active_segments,
     _grouped,

@@ -19,7 +19,7 @@ from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.engine import Engine
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -11,8 +11,8 @@ import torch
 
 from protocol.api import AdamParams
 from protocol.errors import UserError
-from workers import optimizer as optimizer_module
-from workers.optimizer import SlotAdamW, _bounded
+from workers.engine import optimizer as optimizer_module
+from workers.engine.optimizer import SlotAdamW, _bounded
 
 P = 64  # values per slot
 

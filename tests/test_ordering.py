@@ -13,8 +13,8 @@ from protocol.jobs import (
     SaveWeightsJob,
     TombstoneJob,
 )
-from workers.scheduler import FairShare, plan
-from workers.sequencer import Pending, Sequencer
+from workers.trainer.scheduler import FairShare, plan
+from workers.trainer.sequencer import Pending, Sequencer
 
 
 def fwd(model: str, seq: int, tokens: int = 10) -> Job:

@@ -1,11 +1,11 @@
-"""`workers.packing.layout`: every datum once, within the budget, one segment per slot and pass."""
+"""`workers.engine.packing.layout`: every datum once, within the budget, one segment per slot and pass."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.packing import layout
+from workers.engine.packing import layout
 
 ITEMS = st.lists(
     st.tuples(st.integers(0, 5), st.lists(st.integers(1, 40), min_size=1, max_size=6)),

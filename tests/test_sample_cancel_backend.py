@@ -16,9 +16,9 @@ from protocol.errors import Cancelled
 from protocol.sampling import SampleOutput, SampleSpec
 from tests.test_sampler_torch_backend import count_steps, driver_gone, executor, prepared
 from tests.test_sampling_torch import assert_same, prompt, tiny_qwen3
-from workers.engine import Engine
-from workers.sampler_backends import TorchBackend
-from workers.sampling_torch import TorchSampler
+from workers.sampler.backends import TorchBackend
+from workers.sampler.torch_sampler import TorchSampler
+from workers.trainer.engine import Engine
 
 __all__ = ["executor", "tiny_qwen3"]  # fixtures
 

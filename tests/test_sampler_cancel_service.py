@@ -24,8 +24,8 @@ from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
-from workers.sampler_backends import Prepared
-from workers.sampler_service import SamplerService
+from workers.sampler.backends import Prepared
+from workers.sampler.service import SamplerService
 
 POOL = "tiny-pool"
 BODY = json.dumps(

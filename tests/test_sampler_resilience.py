@@ -29,9 +29,9 @@ from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
-from workers.sample_guard import pending_of
-from workers.sampler_backends import Prepared
-from workers.sampler_service import SamplerService
+from workers.sampler.backends import Prepared
+from workers.sampler.guard import pending_of
+from workers.sampler.service import SamplerService
 
 POOL = "tiny-pool"
 
@@ -176,7 +176,7 @@ async def test_an_answer_whose_write_fails_is_redelivered_and_the_service_serves
         assert found["req-dropped"].state == "done" and found["req-next"].state == "done"
         assert not task.done()
         assert backend.seen.count("req-dropped") == 2  # sampled again after the failed write
-        ours = [r for r in caplog.records if r.name == "workers.sampler_service"]
+        ours = [r for r in caplog.records if r.name == "workers.sampler.service"]
         assert any("req-dropped" in record.getMessage() for record in ours)
         assert not [r for r in caplog.records if r.name == "asyncio"]  # no exception lost
     finally:

@@ -19,9 +19,9 @@ from protocol.errors import NotFound, ServerError
 from protocol.jobs import SampleJob
 from protocol.sampling import SampleOutput, SampleSpec
 from tests.test_sampling_torch import adapter, assert_same, prompt, tiny_qwen3, train_step
-from workers.engine import Engine
-from workers.sampler_backends import Prepared, TorchBackend
-from workers.sampling_torch import TorchSampler
+from workers.sampler.backends import Prepared, TorchBackend
+from workers.sampler.torch_sampler import TorchSampler
+from workers.trainer.engine import Engine
 
 __all__ = ["tiny_qwen3"]  # the fixture, shared with the sampler's own tests
 

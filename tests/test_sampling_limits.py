@@ -19,10 +19,10 @@ from transformers import DynamicCache
 
 from protocol.errors import ServerError, TwinkleError
 from protocol.sampling import SampleOutput, SampleSpec, TargetIds
-from workers.engine import Engine
-from workers.lora import BASE_SLOT
-from workers.sampling_batch import Request, Row, RunningBatch, fill_prompt_outputs
-from workers.sampling_torch import TorchSampler
+from workers.engine.lora import BASE_SLOT
+from workers.sampler.batch import Request, Row, RunningBatch, fill_prompt_outputs
+from workers.sampler.torch_sampler import TorchSampler
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -20,10 +20,10 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound
 from protocol.sampling import MAX_LOGPROBS_K, SampleOutput, SampleSpec, TargetIds
 from protocol.tensors import DatumArrays, FwdBwdRequest
-from workers.engine import Engine
-from workers.sampling_batch import mergeable
-from workers.sampling_torch import TorchSampler
+from workers.sampler.batch import mergeable
+from workers.sampler.torch_sampler import TorchSampler
 from workers.tiny_model import EOS_ID, build_tiny_model
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

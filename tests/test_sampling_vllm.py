@@ -41,14 +41,14 @@ from protocol.errors import UserError  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec, TargetIds  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
 from tests.test_sampling_torch import forward_logprobs  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.sampling_vllm import (  # noqa: E402
+from workers.sampler.vllm_sampler import (  # noqa: E402
     SEED_RANGE,
     VllmSampler,
     sampling_params,
     trains_unembed,
 )
 from workers.tiny_model import build_tiny_model  # noqa: E402
+from workers.trainer.engine import Engine  # noqa: E402
 
 TOLERANCE = 1e-3
 MAX_LORA_RANK = 8

@@ -14,10 +14,10 @@ from typing import Any
 
 from protocol import subjects
 from protocol.jobs import ForwardBackwardJob, Job, OptimStepJob
-from workers.operations import Result, done_outcome
-from workers.sequencer import Pending
-from workers.service import TrainerService
 from workers.settings import WorkerSettings
+from workers.trainer.operations import Result, done_outcome
+from workers.trainer.sequencer import Pending
+from workers.trainer.service import TrainerService
 from workers.watchdog import running_key
 
 

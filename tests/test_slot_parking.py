@@ -20,9 +20,9 @@ import torch
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.checkpoints import read_checkpoint
-from workers.engine import Engine
-from workers.lora import LAYER_GROUPS
+from workers.engine.lora import LAYER_GROUPS
+from workers.trainer.checkpoints import read_checkpoint
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -176,7 +176,7 @@ def test_a_call_over_more_tenants_than_slots_runs_in_groups(
             assert tight_metrics.keys() == roomy_metrics.keys()
             for name, value in tight_metrics.items():
                 # relative: a pass of 2 tenants and one of 8 compute the LoRA terms differently
-                # (`workers.lora_kernels`), equal to rounding
+                # (`workers.engine.lora_kernels`), equal to rounding
                 assert abs(value - roomy_metrics[name]) <= TOLERANCE * max(1.0, abs(value))
     assert tight.slots_used() == 2 and tight.adapters_total() == len(TENANTS)
     for model_id in TENANTS:
@@ -233,7 +233,7 @@ def test_max_parked_drops_the_oldest_parked_tenant(
     make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = make_engine(max_slots=2, max_parked=2, create=False)
-    with caplog.at_level(logging.WARNING, logger="workers.engine"):
+    with caplog.at_level(logging.WARNING, logger="workers.trainer.engine"):
         for model_id in TENANTS:  # t0, t1 parked as t2, t3 arrive; t4 parks t2 and drops t0
             engine.create(model_id, SPECS[model_id])
     assert not engine.has("t0") and all(engine.has(model_id) for model_id in TENANTS[1:])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.snapshots import prune
+from workers.trainer.snapshots import prune
 
 
 def test_prune_removes_only_older_snapshots(tmp_path: Path) -> None:

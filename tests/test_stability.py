@@ -17,7 +17,7 @@ from protocol import tinker_wire_pb2 as pb
 from protocol.errors import UserError
 from protocol.stability import Span
 from protocol.tensors import decode_forward_backward
-from workers.losses import STABLE_REINFORCE, resolve_config
+from workers.engine.losses import STABLE_REINFORCE, resolve_config
 
 PROMPT = [5, 6, 7, 8]
 SAMPLED = [40, 41, 42]

@@ -100,3 +100,51 @@ def test_no_kv_listing_through_a_nats_py_watcher() -> None:
         for path in sorted((ROOT / package).rglob("*.py")):
             found += [f"{path.relative_to(ROOT)}:{line}" for line in awaited_kv_listings(path)]
     assert not found, "\n".join(found)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name a file imports (`from a.b import c` gives `a.b` and `a.b.c`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+# room of workers/ -> the rooms it may not import (DESIGN.md §10)
+FORBIDDEN_ROOMS: dict[str, set[str]] = {
+    "engine": {"trainer", "sampler"},
+    "trainer": {"sampler"},
+    "sampler": set(),
+}
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN_ROOMS))
+def test_worker_rooms_import_only_what_they_may(room: str) -> None:
+    violations = []
+    for path in sorted((ROOT / "workers" / room).rglob("*.py")):
+        for name in imported_modules(path):
+            parts = name.split(".")
+            if parts[0] == "workers" and len(parts) > 1 and parts[1] in FORBIDDEN_ROOMS[room]:
+                violations.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not violations, "\n".join(violations)
+
+
+def test_worker_modules_live_in_a_room() -> None:
+    """Only the process entry points and what every room shares stay at the top of workers/."""
+    shared = {
+        "__init__",
+        "__main__",
+        "bus",
+        "metrics",
+        "settings",
+        "tiny_model",
+        "usage",
+        "watchdog",
+    }
+    loose = {p.stem for p in (ROOT / "workers").glob("*.py")} - shared
+    assert not loose, f"modules outside engine/, trainer/, sampler/: {sorted(loose)}"

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from twinkle_async.cli import app
 from twinkle_async.up import UpOptions, _commands
 from workers import __main__ as worker_main
-from workers import sampler_main
+from workers.sampler import main as sampler_main
 from workers.settings import WorkerSettings
 
 
@@ -159,7 +159,7 @@ def test_every_flag_up_passes_parses(
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 0, result.output
     (options,) = seen
-    parsers = {"workers": worker_main.parse_args, "workers.sampler_main": sampler_main.parse_args}
+    parsers = {"workers": worker_main.parse_args, "workers.sampler.main": sampler_main.parse_args}
     commands = _commands("m", "nats://127.0.0.1:4222", options)
     assert [role for role, _ in commands] == roles
     for role, command in commands:

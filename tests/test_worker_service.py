@@ -42,10 +42,10 @@ from twinkle_async.futures import FutureStore
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
-from workers.engine import Engine
-from workers.service import TrainerService
 from workers.settings import WorkerSettings
 from workers.tiny_model import build_tiny_model
+from workers.trainer.engine import Engine
+from workers.trainer.service import TrainerService
 
 
 def fwd_job(model_id: str, seq_id: int, length: int) -> ForwardBackwardJob:

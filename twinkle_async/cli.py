@@ -304,7 +304,7 @@ def worker(ctx: typer.Context) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def sampler(ctx: typer.Context) -> None:
     """Run a sampler: `twinkle-async sampler --base-model ID --backend vllm [--nats-url ...]`."""
-    os.execv(sys.executable, [sys.executable, "-m", "workers.sampler_main", *ctx.args])
+    os.execv(sys.executable, [sys.executable, "-m", "workers.sampler.main", *ctx.args])
 
 
 @app.command("make-tiny-model")

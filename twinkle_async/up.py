@@ -89,14 +89,14 @@ def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[
     ]
     trainer = [sys.executable, "-m", "workers", *common, *options.worker_args]
     # A stable id per trainer: restarted after a crash, it finds its own shard leases and the
-    # journal of what it was running (workers/leases.py, workers/watchdog.py).
+    # journal of what it was running (workers/trainer/leases.py, workers/watchdog.py).
     host = socket.gethostname().split(".")[0] or "host"
     commands = [
         ("trainer", [*trainer, "--worker-id", f"{host}-{subjects.pool_of(base_model)}-{index}"])
         for index in range(options.workers_per_model)
     ]
     if options.vllm_sampler:
-        sampler = [sys.executable, "-m", "workers.sampler_main", *common, "--backend", "vllm"]
+        sampler = [sys.executable, "-m", "workers.sampler.main", *common, "--backend", "vllm"]
         commands.append(("sampler", [*sampler, *options.sampler_args]))
     return commands
 

@@ -173,13 +173,13 @@ async def serve(settings: WorkerSettings) -> None:
     from prometheus_client import CollectorRegistry
 
     from workers.bus import WorkerBus
-    from workers.engine import Engine
     from workers.metrics import SamplerMetrics, TrainerMetrics, serve_metrics
-    from workers.service import TrainerService
+    from workers.trainer.engine import Engine
+    from workers.trainer.service import TrainerService
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    from workers.passes import pin_malloc_threshold
+    from workers.engine.passes import pin_malloc_threshold
 
     pin_malloc_threshold()
     registry = CollectorRegistry()
@@ -195,7 +195,7 @@ async def serve(settings: WorkerSettings) -> None:
         if settings.token_budget:
             engine.pass_tokens = settings.token_budget
         else:
-            from workers.calibration import cached_or_measured
+            from workers.trainer.calibration import cached_or_measured
 
             found = await asyncio.to_thread(
                 cached_or_measured,
@@ -204,7 +204,7 @@ async def serve(settings: WorkerSettings) -> None:
                 torch.get_num_threads(),
             )
             engine.pass_tokens = found.pass_tokens
-        from workers.kernels import linear_attention_path, lora_path
+        from workers.engine.kernels import linear_attention_path, lora_path
 
         log.info(
             "engine %s on %s (%s): passes of %d tokens, linear attention %s, LoRA %s",
@@ -226,9 +226,9 @@ async def serve(settings: WorkerSettings) -> None:
         )
         runs = [service.run()]
         if settings.sampler == "torch":
-            from workers.sampler_backends import TorchBackend
-            from workers.sampler_service import SamplerService
-            from workers.sampling_torch import TorchSampler
+            from workers.sampler.backends import TorchBackend
+            from workers.sampler.service import SamplerService
+            from workers.sampler.torch_sampler import TorchSampler
 
             backend = TorchBackend(TorchSampler(engine), engine, service.executor)
             sampler = SamplerService(

@@ -1,6 +1,6 @@
 """Worker settings, built once in `main()` from flags and `TWINKLE_*` variables, then passed down.
 
-Both worker entry points (`workers/__main__.py`, the trainer; `workers/sampler_main.py`, a
+Both worker entry points (`workers/__main__.py`, the trainer; `workers/sampler/main.py`, a
 sampler process) declare their options once, as the parameters of a function that returns a
 `WorkerSettings` (Typer options with `envvar="TWINKLE_..."`: a flag wins over its variable, the
 variable over the default). `parse` turns a command line into settings and runs nothing (tests,
@@ -35,7 +35,7 @@ AckWaitS = Annotated[
 
 # Both entry points sample: a request sampling longer than this stops the process (the engine
 # cannot be interrupted); it is restarted, the request runs alone, and after `max_attempts`
-# such stops it fails (`workers.sample_guard`).
+# such stops it fails (`workers.sampler.guard`).
 SampleTimeoutS = Annotated[
     float,
     typer.Option(
@@ -63,7 +63,9 @@ class WorkerSettings:
     max_parked: int | None = None  # adapters parked in host memory beyond the slots (None: any)
     device: str = "cpu"
     threads: int | None = None
-    token_budget: int | None = None  # tokens of one pass (None: measured, `workers.calibration`)
+    token_budget: int | None = (
+        None  # tokens of one pass (None: measured, `workers.trainer.calibration`)
+    )
     merge: bool = True  # False: each pass and fused step holds one model's work (a baseline)
     gap_timeout_s: float = 120.0
     ack_wait_s: float = 120.0

@@ -30,7 +30,7 @@ _IDS_DECODER = msgspec.msgpack.Decoder(list[str])
 def stop_process(reason: str, request_ids: list[str]) -> NoReturn:
     """Stop this process at once: an engine call that ran past its limit cannot be interrupted.
     Its supervisor (`up`, or compose's restart policy) starts it again; what was running then
-    becomes a suspect (the journal here, or `workers.sample_guard` for samples)."""
+    becomes a suspect (the journal here, or `workers.sampler.guard` for samples)."""
     log.critical("%s (%s); stopping this process", reason, ", ".join(request_ids))
     logging.shutdown()
     os._exit(70)

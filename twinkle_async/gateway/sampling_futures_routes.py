@@ -153,7 +153,7 @@ async def cancel_future(request: web.Request) -> web.Response:
     body = await read_json(request, CancelFutureRequest)
     request_id = rules.check_request_id("request_id", body.request_id)
     tenant = request[TENANT]
-    # A sampler counts each start on the pending outcome (`workers.sample_guard`), so a
+    # A sampler counts each start on the pending outcome (`workers.sampler.guard`), so a
     # compare-and-set that lost to one reads the outcome again; one that finished is left.
     for _ in range(_MAX_CANCEL_TRIES):
         entry = await request.app[BUS].entry(

@@ -3,7 +3,7 @@
 Job: `check_request` (a `custom` request's datums carry every input its loss declares, at its
 rank), and `LossProgram`, the graph of a `protocol.custom_loss.CustomLoss` as a list of steps
 whose functions come from this module's tables, never from a name looked up in the graph.
-`workers.passes` runs a program on each datum's learner log-probs inside the shared pass.
+`workers.engine.passes` runs a program on each datum's learner log-probs inside the shared pass.
 
 Invariants:
 - Only names on `protocol.custom_loss`'s allow-lists run, each through `FUNCTIONS` or
@@ -458,7 +458,7 @@ def _check_targets(where: str, targets: np.ndarray, n_tokens: int, vocab_size: i
     if targets.ndim not in (1, 2) or targets.shape[0] != n_tokens:
         raise UserError(f"{where}: shape {targets.shape}, expected [{n_tokens}] or [{n_tokens}, K]")
     if targets.ndim == 2 and not 1 <= targets.shape[1] <= MAX_LOGPROBS_K:
-        # as `workers.losses` checks it: a pass pads every datum to the widest K it holds
+        # as `workers.engine.losses` checks it: a pass pads every datum to the widest K it holds
         raise UserError(f"{where}: shape {targets.shape}; K must be in 1..{MAX_LOGPROBS_K}")
     if targets.size and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise UserError(f"{where}: an id outside the vocabulary [0, {vocab_size})")

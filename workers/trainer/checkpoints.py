@@ -34,7 +34,7 @@ import torch
 
 from protocol.api import LoraConfig
 from protocol.errors import UserError
-from workers.lora import LayerGroup, LayerLayout
+from workers.engine.lora import LayerGroup, LayerLayout
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

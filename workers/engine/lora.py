@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from protocol.errors import ServerError
-from workers.lora_kernels import LoraKind, segment_lora
+from workers.engine.lora_kernels import LoraKind, segment_lora
 
 LayerGroup = Literal["attn", "mlp", "unembed"]
 LAYER_GROUPS: tuple[LayerGroup, ...] = ("attn", "mlp", "unembed")
@@ -152,7 +152,7 @@ class MultiSlotLoraLinear(nn.Module):
 
     def update(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor | None:
         """The LoRA term of rows `x`, or None where no row has one. The maths is
-        `workers.lora_kernels.segment_lora`, in the kind `self.kind` (None: the device's best).
+        `workers.engine.lora_kernels.segment_lora`, in the kind `self.kind` (None: the device's best).
         """
         per_row = math.prod(x.shape[1:-1])  # tokens per row of dim 0
         specs = []

@@ -2,8 +2,8 @@
 
 Job: the shared forward/backward pass and the fused optimizer step, nothing else. The worker
 service calls it synchronously from one dedicated thread; nothing here is thread-safe or
-asynchronous. Which slot each tenant holds, parking and snapshots are `workers.residency`'s
-(`self.slots`); checkpoint files of a slot are `workers.slot_checkpoints`'s.
+asynchronous. Which slot each tenant holds, parking and snapshots are `workers.trainer.residency`'s
+(`self.slots`); checkpoint files of a slot are `workers.trainer.slot_checkpoints`'s.
 
 Step 1 (`create` / `load`, delegated to `self.slots`): a model_id takes a slot of the `LoraBank`.
 Step 2 (`validate`): a request is checked before it joins a pass; a bad field is a `UserError`
@@ -16,7 +16,7 @@ Step 3 (`forward_backward`): rows are packed tenant by tenant (one contiguous se
         and its slot's gradients are restored from a copy taken before the pass.
 Step 4 (`optim_step`): one fused AdamW step over the stepping slots, each with its own settings;
         a step that cannot be applied (overflow, non-finite gradient or update) fails alone and
-        leaves its slot exactly as it was (`workers.optimizer`).
+        leaves its slot exactly as it was (`workers.engine.optimizer`).
 
 A call naming more tenants than there are slots runs as several sub-passes (or sub-steps) of at
 most `max_slots` tenants (`sub_calls`), with results in request order.
@@ -24,7 +24,7 @@ most `max_slots` tenants (`sub_calls`), with results in request order.
 Transactions: one sub-pass or sub-step is a transaction per tenant. A tenant's failure is its own
 result and leaves its slot as it was; a sub-call that raises (a fault not pinned on one item) has
 changed no state, so the caller may re-run its items in smaller groups to find the culprit
-(`workers.isolation`, used by the service one sub-call at a time). Slots a pass does not train
+(`workers.engine.isolation`, used by the service one sub-call at a time). Slots a pass does not train
 receive exact zeros from the backward: their values never change (a -0.0 may become +0.0).
 
 Invariants: the base model is frozen and in eval mode (no dropout); adapters, gradients and
@@ -44,14 +44,14 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.custom_loss import check_request as check_custom_request
-from workers.lora import LoraBank, SlotRouting
-from workers.losses import check_inputs, get_loss, resolve_config
-from workers.optimizer import SlotAdamW
-from workers.parking import ParkedAdapters
-from workers.passes import CUSTOM, PassResults, PassRunner, not_finite
-from workers.residency import Residency
-from workers.slot_checkpoints import SlotCheckpoints
+from workers.engine.custom_loss import check_request as check_custom_request
+from workers.engine.lora import LoraBank, SlotRouting
+from workers.engine.losses import check_inputs, get_loss, resolve_config
+from workers.engine.optimizer import SlotAdamW
+from workers.engine.passes import CUSTOM, PassResults, PassRunner, not_finite
+from workers.trainer.parking import ParkedAdapters
+from workers.trainer.residency import Residency
+from workers.trainer.slot_checkpoints import SlotCheckpoints
 
 
 class Engine:

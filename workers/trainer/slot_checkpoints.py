@@ -1,9 +1,9 @@
 """Slot checkpoint I/O: one slot of the adapter bank to and from a PEFT-layout directory.
 
-Job: export a tenant's slot as a checkpoint (`workers.checkpoints` owns the files and their
+Job: export a tenant's slot as a checkpoint (`workers.trainer.checkpoints` owns the files and their
 layout), read a checkpoint and check it against this model before anything is touched, and
 write a checked checkpoint into a slot. Which slot a tenant or a snapshot holds is
-`workers.residency`'s decision; this module only moves the values of a slot it is given.
+`workers.trainer.residency`'s decision; this module only moves the values of a slot it is given.
 
 Invariants:
 - Reading and checking change no state: a malformed or incompatible checkpoint is a `UserError`
@@ -25,7 +25,9 @@ import torch
 from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.rules import check_lora_config
-from workers.checkpoints import (
+from workers.engine.lora import LayerGroup, LoraBank
+from workers.engine.optimizer import SlotAdamW
+from workers.trainer.checkpoints import (
     MOMENTS,
     AdapterCheckpoint,
     adapter_key,
@@ -34,9 +36,7 @@ from workers.checkpoints import (
     target_modules_for,
     write_checkpoint,
 )
-from workers.lora import LayerGroup, LoraBank
-from workers.optimizer import SlotAdamW
-from workers.parking import GROUP_FLAGS, Tenant, trained_groups
+from workers.trainer.parking import GROUP_FLAGS, Tenant, trained_groups
 
 
 @dataclass(frozen=True)

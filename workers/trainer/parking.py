@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from protocol.api import LoraConfig
-from workers.checkpoints import MOMENTS
-from workers.lora import LAYER_GROUPS, LayerGroup, LoraBank
-from workers.optimizer import SlotAdamW
+from workers.engine.lora import LAYER_GROUPS, LayerGroup, LoraBank
+from workers.engine.optimizer import SlotAdamW
+from workers.trainer.checkpoints import MOMENTS
 
 log = logging.getLogger(__name__)
 

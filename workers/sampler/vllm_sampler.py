@@ -63,7 +63,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from protocol.errors import ServerError, UserError
 from protocol.sampling import SampledSequence, SampleOutput, SampleSpec, TopK, keep_last_n
-from workers.checkpoints import ADAPTER_CONFIG
+from workers.trainer.checkpoints import ADAPTER_CONFIG
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,8 @@ from protocol.jobs import (
 from protocol.paths import CONTENT_ID_FILE, TinkerPath, checkpoint_dir, parse_path
 from protocol.records import CheckpointRecord
 from protocol.rules import check_lora_config
-from workers.checkpoints import (
+from workers.engine.lora import LayerGroup, LayerLayout
+from workers.trainer.checkpoints import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MOMENTS,
@@ -58,10 +59,9 @@ from workers.checkpoints import (
     target_modules_for,
     write_checkpoint,
 )
-from workers.engine import Engine
-from workers.lora import LayerGroup, LayerLayout
-from workers.parking import GROUP_FLAGS
-from workers.slot_checkpoints import StoredAdapter
+from workers.trainer.engine import Engine
+from workers.trainer.parking import GROUP_FLAGS
+from workers.trainer.slot_checkpoints import StoredAdapter
 
 _PREFIX = "base_model.model."
 _BASE_COPY = ".base_layer.weight"

@@ -2,7 +2,7 @@
 
 A worker that gains a shard (its owner died, or handed it over) meets models it has no state
 for. Before the first op of such a model runs, the worker restores the model's latest snapshot
-(`workers.snapshots`, pointer in KV `tw_runs`, `snap.<model>`), or starts from nothing when
+(`workers.trainer.snapshots`, pointer in KV `tw_runs`, `snap.<model>`), or starts from nothing when
 there is none, and reads the model's ops after the snapshot straight from the `TW_OPS` log
 (one message-get per op, by subject: no consumer is created). Each logged op is replayed in its
 `seq_id` order through the ordinary cycle, in one of three modes, chosen by the outcome already

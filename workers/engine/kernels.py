@@ -27,11 +27,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from workers.lora_kernels import LoraKind, choose_kind
+from workers.engine.lora_kernels import LoraKind, choose_kind
 
 LinearAttentionPath = Literal["none", "torch", "fla", "causal-conv1d+fla", "causal-conv1d+torch"]
 
-# Modules that hold a hybrid model's linear-attention layers (see `workers.lora._ATTN_PARENTS`).
+# Modules that hold a hybrid model's linear-attention layers (see `workers.engine.lora._ATTN_PARENTS`).
 _LINEAR_ATTENTION_NAMES = frozenset({"linear_attn"})
 _CHUNK_RULE = "torch_chunk_gated_delta_rule"
 _CONV = "causal_conv1d_fn"
@@ -85,7 +85,7 @@ def _source(function: Callable[..., object] | None) -> str:
 def lora_path(device: torch.device | str, dtype: torch.dtype | None = None) -> LoraKind:
     """The `segment_lora` kind a pass on `device` runs, for the engine's dtype by default.
 
-    The engine computes in bf16 on CUDA and fp32 elsewhere (`workers.engine.Engine`); shapes are
+    The engine computes in bf16 on CUDA and fp32 elsewhere (`workers.trainer.engine.Engine`); shapes are
     assumed aligned (every Qwen3 / Qwen3.5 size and the usual ranks are multiples of 8).
     """
     device = torch.device(device)

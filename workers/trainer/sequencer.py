@@ -25,7 +25,7 @@ class Pending(Generic[H]):
     """A received op and the handle to ack once its outcome is stored.
 
     `stream_seq` is the op's position in the ops log (a snapshot records it); `replay` says how
-    an op read back from the log while taking a model over is run (see `workers.recovery`; ""
+    an op read back from the log while taking a model over is run (see `workers.trainer.recovery`; ""
     for an op delivered live).
     """
 

@@ -19,7 +19,7 @@ Step 2 (prefill): one row per admitted request, left-padded, rows grouped by slo
         only for the prompts that need them, one prompt at once. A request whose prompt
         outputs fail is answered with the error; the others go on. The cache's rows are
         repeated to one row per sample, and the batch merges into the running one
-        (`workers.sampling_batch.RunningBatch.merge`: the narrower side is left-padded further).
+        (`workers.sampler.batch.RunningBatch.merge`: the narrower side is left-padded further).
 Step 3 (draw): each row draws its token, records the token's raw logprob and checks its stops.
 Step 4 (retire): finished rows leave the batch; a request whose samples have all finished is
         returned by `step`.
@@ -29,7 +29,7 @@ Step 5 (decode): the remaining rows take one step together. Their snapshots are 
 
 `sample` runs requests to completion with these steps (tests, tools). The trainer's service calls
 `submit` and `step` on the engine's thread, one step per executor call, so training calls run
-between two steps (`workers.sampler_backends.TorchBackend`).
+between two steps (`workers.sampler.backends.TorchBackend`).
 
 Invariants:
 - Logprobs are raw: log_softmax of the model's logits, before temperature, top-k and top-p,
@@ -63,9 +63,9 @@ from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTraine
 
 from protocol.errors import NotFound, ServerError, TwinkleError
 from protocol.sampling import SampleOutput, SampleSpec
-from workers.engine import Engine
-from workers.lora import BASE_SLOT, MultiSlotLoraLinear, Segment
-from workers.sampling_batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
+from workers.engine.lora import BASE_SLOT, MultiSlotLoraLinear, Segment
+from workers.sampler.batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
+from workers.trainer.engine import Engine
 
 # A stop string of n characters spans at most 4n tokens (a character has at most four bytes, a
 # token at least one); the margin is slack. Only this tail of a row is detokenized each step.

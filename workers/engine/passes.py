@@ -1,7 +1,7 @@
 """The forward/backward passes of one engine call: rows in, per-datum log-probs and losses out.
 
 Job: run a validated call's items (one tenant's slot each) as passes of at most `pass_tokens`
-token positions (`workers.packing.layout`), and in each pass:
+token positions (`workers.engine.packing.layout`), and in each pass:
 Step 1: build the rows: each datum's tokens at its piece's place; packed rows restart position
         ids per sequence (the model then masks block-diagonally), padded rows carry an attention
         mask instead. Each slot's rows are one routing segment.
@@ -10,8 +10,8 @@ Step 3: pick each datum's hidden states out of the rows, then compute the log-pr
         every target token in chunks of `chunk_tokens` tokens: output layer (its LoRA term per
         slot included), logsumexp and gather per chunk, recomputed chunk by chunk in the
         backward. A pass never holds [tokens, vocab] logits, only [chunk, vocab].
-Step 4: each datum's elementwise loss (`workers.losses`), or for loss_fn "custom" the
-        request's own graph run on the datum (`workers.custom_loss`; a graph that fails fails
+Step 4: each datum's elementwise loss (`workers.engine.losses`), or for loss_fn "custom" the
+        request's own graph run on the datum (`workers.engine.custom_loss`; a graph that fails fails
         its request alone and none of its datums adds gradient); one backward per pass of the
         sum of the finite losses of training datums, so gradients of every pass add up in the
         slots.
@@ -38,17 +38,17 @@ from torch.utils.checkpoint import checkpoint
 
 from protocol.errors import TwinkleError, UserError
 from protocol.tensors import TARGET_TOKENS, FwdBwdOutput, FwdBwdRequest
-from workers.custom_loss import (
+from workers.engine.custom_loss import (
     BUDGET_FACTOR,
     CustomLossError,
     ElementBudget,
     LossProgram,
     metric_values,
 )
-from workers.custom_loss import failed as custom_failed
-from workers.lora import MultiSlotLoraLinear, Segment, SlotRouting
-from workers.losses import LossFn, Settings, get_loss, resolve_config
-from workers.packing import PassLayout, Piece, layout
+from workers.engine.custom_loss import failed as custom_failed
+from workers.engine.lora import MultiSlotLoraLinear, Segment, SlotRouting
+from workers.engine.losses import LossFn, Settings, get_loss, resolve_config
+from workers.engine.packing import PassLayout, Piece, layout
 
 CUSTOM = "custom"
 CUSTOM_OUTPUT_TYPE = "CustomLossReturn"

@@ -2,13 +2,13 @@
 
 Job: give each model_id a slot when it is created or loaded, bring parked tenants back when a
 call needs them, keep inference-only snapshots in the slots no tenant holds, and save or load a
-tenant's slot through `workers.slot_checkpoints`. The engine's passes and steps ask this class
+tenant's slot through `workers.trainer.slot_checkpoints`. The engine's passes and steps ask this class
 for slots (`resident`, `sub_calls`) and never assign rows themselves.
 
 Slot pressure: a tenant that needs a slot takes a free one, else the least recently used
 snapshot's, else the least recently used resident tenant's, which is *parked*: its whole slot
 state (weights, both Adam moments, pending gradients, step count, scales, spec) is copied to
-host memory (`workers.parking.ParkedAdapters`) and the slot is freed; a snapshot with no slot to
+host memory (`workers.trainer.parking.ParkedAdapters`) and the slot is freed; a snapshot with no slot to
 take parks one too. Every call that names a tenant accepts a parked one; those that need its slot
 (a pass, a step, a save, `slot`) restore it first, bit-exactly, so training never notices a park.
 A call naming more tenants than there are slots runs as several sub-calls of at most `max_slots`
@@ -17,7 +17,7 @@ tenants (`sub_calls`), resident tenants first. Without this a server would refus
 the oldest parked tenant is dropped (with a warning) and its later requests fail as not loaded.
 
 Snapshots: a snapshot is a sampler checkpoint in a slot of its own that only sampling passes
-read (`workers.sampling_torch`): it is never trained, stepped or saved, so what it samples cannot
+read (`workers.sampler.torch_sampler`): it is never trained, stepped or saved, so what it samples cannot
 change. Idle slots keep snapshots until a tenant asks for a slot.
 
 Invariants: a model_id is resident (in `_tenants`, least recently used first) or parked, never
@@ -38,10 +38,10 @@ import torch
 from protocol.api import LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
 from protocol.rules import check_lora_config
-from workers.lora import LoraBank
-from workers.optimizer import SlotAdamW
-from workers.parking import ParkedAdapters, SlotState, Tenant, trained_groups
-from workers.slot_checkpoints import SlotCheckpoints
+from workers.engine.lora import LoraBank
+from workers.engine.optimizer import SlotAdamW
+from workers.trainer.parking import ParkedAdapters, SlotState, Tenant, trained_groups
+from workers.trainer.slot_checkpoints import SlotCheckpoints
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every sampler of a pool (the torch sampler inside a trainer, or a vLLM sampler process) reads
 the shared durable consumer `sample-<pool>` on the work-queue stream `TW_SAMPLE`, so each job is
-taken once, and hands it to its backend (`workers.sampler_backends`).
+taken once, and hands it to its backend (`workers.sampler.backends`).
 A sampling session names an immutable sampler checkpoint; adapters load by its path and are
 cached by it, so training never changes what a session samples.
 Every answered request, its time (`observe_batch` of one) and generated token is observed on `self.metrics`.
@@ -17,7 +17,7 @@ Answers: a job is acked once its answer is written over the pending future (a co
 a cancel that landed first stands); an answer over the KV value limit fails its own request;
 a write that fails hands the job back at once. Jobs queued or sampling are kept alive
 (`in_progress`) while they wait. A request that stopped a sampler runs alone, and fails after
-`max_attempts` stops (`workers.sample_guard`). A request still sampling after
+`max_attempts` stops (`workers.sampler.guard`). A request still sampling after
 `sample_timeout_s` stops the process (the engine cannot be interrupted, and a sampler that
 kept its jobs alive for ever would stall their clients for ever): the supervisor restarts it,
 and the guard runs the request alone, then fails it.
@@ -42,7 +42,8 @@ from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.bus import WorkerBus
 from workers.metrics import SamplerMetrics
-from workers.sample_guard import (
+from workers.sampler.backends import FAILED, Prepared, SamplerBackend
+from workers.sampler.guard import (
     Gate,
     Pending,
     begin,
@@ -51,7 +52,6 @@ from workers.sample_guard import (
     too_many_attempts,
     write_answer,
 )
-from workers.sampler_backends import FAILED, Prepared, SamplerBackend
 from workers.usage import UsageBook
 from workers.watchdog import stop_process
 

@@ -28,7 +28,7 @@ import torch
 
 from protocol.api import LoraConfig
 from protocol.tensors import DatumArrays, FwdBwdRequest
-from workers.engine import Engine
+from workers.trainer.engine import Engine
 
 log = logging.getLogger(__name__)
 

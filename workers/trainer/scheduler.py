@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from protocol.jobs import ForwardBackwardJob, OptimStepJob, TombstoneJob
-from workers.sequencer import Pending
+from workers.trainer.sequencer import Pending
 
 H = TypeVar("H")
 

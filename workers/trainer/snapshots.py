@@ -26,8 +26,8 @@ import safetensors.torch
 
 from protocol.api import LoraConfig
 from protocol.errors import ServerError
-from workers.lora import LAYER_GROUPS, LayerGroup
-from workers.parking import HostRow, SlotState
+from workers.engine.lora import LAYER_GROUPS, LayerGroup
+from workers.trainer.parking import HostRow, SlotState
 
 STATE_DIR = ".state"
 

@@ -3,9 +3,9 @@
 `TrainerService` (transport, ordering, cycles) hands each planned group of jobs to one of these
 methods on the engine's single thread: `shared_pass` (every forward/forward_backward of a cycle,
 across tenants), `optim_steps` (the cycle's fused step), `other` (create, save, load, unload, a
-tombstone, an adapter import or a merged export: `workers.transfer`). Each returns one outcome per job, in order, with a checkpoint record where a save
+tombstone, an adapter import or a merged export: `workers.trainer.transfer`). Each returns one outcome per job, in order, with a checkpoint record where a save
 wrote one. A bad job fails alone with a `user` error; an engine call that raises is re-run in
-halves until the jobs that make it fail are alone (`workers.isolation`).
+halves until the jobs that make it fail are alone (`workers.engine.isolation`).
 
 Checkpoints are written in the PEFT layout under the checkpoint root (`protocol.paths`); an
 overwrite first moves the name's current content to its version directory, where sampling
@@ -47,11 +47,11 @@ from protocol.paths import (
 )
 from protocol.records import CheckpointRecord
 from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
-from workers.engine import Engine
-from workers.isolation import isolate
+from workers.engine.isolation import isolate
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
-from workers.transfer import export_merged, import_adapter
+from workers.trainer.engine import Engine
+from workers.trainer.transfer import export_merged, import_adapter
 
 Result = tuple[Outcome, CheckpointRecord | None]
 C = TypeVar("C")  # one engine call's item: (model_id, request) or (model_id, AdamParams)
@@ -173,7 +173,7 @@ class EngineOps:
     ) -> list[R | TwinkleError]:
         """`run(calls)` one engine transaction at a time (`Engine.sub_calls`); a transaction
         that raises has changed nothing and is re-run in halves until the requests that make it
-        fail are alone (`workers.isolation`), so only those fail."""
+        fail are alone (`workers.engine.isolation`), so only those fail."""
         results: dict[int, R | TwinkleError] = {}
         for group in self.engine.sub_calls([job.model_id for job in jobs]):
             outputs = isolate(

@@ -26,7 +26,7 @@ Kinds:
   and probed once per device), and with 16-byte aligned shapes.
 
 Place in the flow: `MultiSlotLoraLinear.forward` flattens its rows and calls `segment_lora`;
-`workers.kernels` reports which kind a device runs.
+`workers.engine.kernels` reports which kind a device runs.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ LORA_KINDS: tuple[LoraKind, ...] = ("loop", "gather", "grouped")
 SegmentSpec = tuple[int, int, int, float]  # (slot, start, stop, scale)
 
 _CPU_GATHER_FROM = 4  # active segments from which a CPU pass gathers instead of looping
-_BASE_SLOT = -1  # `workers.lora.BASE_SLOT`; not imported, so this module has no model imports
+_BASE_SLOT = (
+    -1
+)  # `workers.engine.lora.BASE_SLOT`; not imported, so this module has no model imports
 
 GroupedMM = Callable[..., torch.Tensor]
 # The public name where torch has it, else the private op that MoE code calls.

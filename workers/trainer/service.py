@@ -2,15 +2,15 @@
 
 Step 3 (DESIGN.md §3): every op of the owned shards is offered to the per-model sequencer.
 Step 4: each cycle plans one shared forward/backward pass across models, one fused optimizer
-step, then saves/loads (`workers/scheduler.py`; with `--no-merge`, one model's per cycle), and
+step, then saves/loads (`workers/trainer/scheduler.py`; with `--no-merge`, one model's per cycle), and
 runs them on the engine's single thread.
 Step 5: each op's outcome is written to KV `tw_futures`, then the op is acked; a crash between
 the two only re-runs the op and rewrites the same key.
 
-The engine-thread work itself is `workers.operations`. This module is the transport and the
-order around it: which shards this worker consumes (`workers.leases`), taking over a model it
-has no state for (a snapshot, then the model's logged ops: `workers.recovery`), snapshots after
-optimizer steps and saves (`workers.snapshots`), the pass watchdog and the journal that turns a
+The engine-thread work itself is `workers.trainer.operations`. This module is the transport and the
+order around it: which shards this worker consumes (`workers.trainer.leases`), taking over a model it
+has no state for (a snapshot, then the model's logged ops: `workers.trainer.recovery`), snapshots after
+optimizer steps and saves (`workers.trainer.snapshots`), the pass watchdog and the journal that turns a
 crash into strikes (`workers.watchdog`). Passes, fused steps, cycles, slots and every written
 outcome are observed on `self.metrics`.
 """
@@ -47,20 +47,20 @@ from protocol.jobs import (
 )
 from protocol.records import SnapshotRecord, WorkerRecord
 from workers.bus import WorkerBus
-from workers.engine import Engine
-from workers.leases import LeaseKeeper
 from workers.metrics import TrainerMetrics
-from workers.operations import (
+from workers.settings import WorkerSettings
+from workers.trainer.engine import Engine
+from workers.trainer.leases import LeaseKeeper
+from workers.trainer.operations import (
     EngineOps,
     Result,
     failed_outcome,
     settled_outcome,
 )
-from workers.recovery import ModelLog, changes_state
-from workers.scheduler import Cycle, FairShare, plan
-from workers.sequencer import Pending, Sequencer
-from workers.settings import WorkerSettings
-from workers.snapshots import prune, read_state, state_dir, write_state
+from workers.trainer.recovery import ModelLog, changes_state
+from workers.trainer.scheduler import Cycle, FairShare, plan
+from workers.trainer.sequencer import Pending, Sequencer
+from workers.trainer.snapshots import prune, read_state, state_dir, write_state
 from workers.usage import UsageBook
 from workers.watchdog import CrashJournal, stop_process
 
@@ -127,7 +127,7 @@ class TrainerService:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve until cancelled: the shards this worker holds leases on (`workers.leases`)."""
+        """Serve until cancelled: the shards this worker holds leases on (`workers.trainer.leases`)."""
         await self.journal.inherit(self.settings.worker_id)  # restarted after a crash?
         tasks = [
             asyncio.create_task(self._cycle_loop(), name="cycles"),
@@ -228,7 +228,7 @@ class TrainerService:
     async def _take_over(self, model_id: str) -> None:
         """A model this worker has no line for: restore its snapshot, queue its logged ops.
 
-        See `workers.recovery`. The ops are offered in log order; the sequencer runs them in
+        See `workers.trainer.recovery`. The ops are offered in log order; the sequencer runs them in
         seq order and drops what it already has.
         """
         started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""`python -m workers.sampler_main`: a sampler process (the `twinkle-async sampler` command).
+"""`python -m workers.sampler.main`: a sampler process (the `twinkle-async sampler` command).
 
 Serves one pool's sample jobs with vLLM (`--backend vllm`, the production choice) or with the
 torch sampler on its own copy of the model (`--backend torch`), and reports itself in
@@ -104,8 +104,8 @@ async def serve(settings: WorkerSettings) -> None:
 
     from workers.bus import WorkerBus
     from workers.metrics import SamplerMetrics, serve_metrics
-    from workers.sampler_backends import SamplerBackend, TorchBackend, VllmBackend
-    from workers.sampler_service import SamplerService
+    from workers.sampler.backends import SamplerBackend, TorchBackend, VllmBackend
+    from workers.sampler.service import SamplerService
 
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
@@ -115,7 +115,7 @@ async def serve(settings: WorkerSettings) -> None:
         if settings.sampler == "vllm":
             from transformers import AutoConfig
 
-            from workers.sampling_vllm import VllmSampler
+            from workers.sampler.vllm_sampler import VllmSampler
 
             config = AutoConfig.from_pretrained(settings.base_model)
             text = getattr(config, "text_config", config)
@@ -126,8 +126,8 @@ async def serve(settings: WorkerSettings) -> None:
             closer = sampler.close
             backend = VllmBackend(sampler, int(text.vocab_size), int(text.max_position_embeddings))
         else:
-            from workers.engine import Engine
-            from workers.sampling_torch import TorchSampler
+            from workers.sampler.torch_sampler import TorchSampler
+            from workers.trainer.engine import Engine
 
             engine = Engine(
                 settings.base_model, max_slots=settings.max_slots, max_rank=settings.max_rank

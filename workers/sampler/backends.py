@@ -1,9 +1,9 @@
-"""The engines behind the sampler service (`workers.sampler_service`), and the job they get.
+"""The engines behind the sampler service (`workers.sampler.service`), and the job they get.
 
 Both backends are concurrent: each job is submitted at once, the engine batches continuously,
 and each job is answered as soon as its request is done:
 - torch (`TorchBackend`): jobs join the trainer's running generation at its next step, one
-  step per call on the engine's thread, between training calls (`workers.sampling_torch`);
+  step per call on the engine's thread, between training calls (`workers.sampler.torch_sampler`);
 - vLLM (`VllmBackend`): each job is one request of the vLLM engine.
 (A backend that is not `concurrent` gets everything waiting as one `sample_many` call, served
 one call at a time.) A cancel (`cancel`) takes a request's rows out of the torch sampler's
@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from protocol.errors import Cancelled, ServerError, TwinkleError
 from protocol.jobs import SampleJob
 from protocol.sampling import SampleOutput, SampleSpec
-from workers.sample_guard import Pending
+from workers.sampler.guard import Pending
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The torch sampler's running batch: the rows in generation, their KV cache, their attention mask
-and the logits each row draws its next token from (continuous batching, `workers.sampling_torch`).
+and the logits each row draws its next token from (continuous batching, `workers.sampler.torch_sampler`).
 
 Job: the cache surgery that lets requests join and leave a generation between decode steps, and
 the per-row token draw.

@@ -1,0 +1,1 @@
+"""Sampling: the torch and vLLM backends, the sampler service and its guard."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, cast
 
 import torch
@@ -38,6 +38,15 @@ from torch import nn
 
 from protocol.errors import ServerError
 from workers.engine.lora_kernels import LoraKind, segment_lora
+from workers.engine.moe_lora import (
+    EXPERT_PROJECTIONS,
+    ExpertFactors,
+    ExpertProjection,
+    ExpertShape,
+    MultiSlotLoraExperts,
+    expert_shape,
+    projection_shape,
+)
 
 LayerGroup = Literal["attn", "mlp", "unembed"]
 LAYER_GROUPS: tuple[LayerGroup, ...] = ("attn", "mlp", "unembed")
@@ -46,7 +55,9 @@ LAYER_GROUPS: tuple[LayerGroup, ...] = ("attn", "mlp", "unembed")
 # blocks of hybrid models such as Qwen3.5 (`linear_attn`, with in_proj_qkv/in_proj_z/out_proj…).
 # Classifying by parent rather than by projection name covers architectures we never listed.
 _ATTN_PARENTS = frozenset({"self_attn", "linear_attn", "attention", "self_attention"})
-_MLP_PARENTS = frozenset({"mlp", "feed_forward"})
+_MLP_PARENTS = frozenset({"mlp", "feed_forward", "shared_expert", "shared_experts"})
+# Linears of a MoE block that are never trained: the router and Qwen3.5's shared-expert gate.
+_UNTRAINED_LEAVES = frozenset({"gate", "router", "shared_expert_gate"})
 # Multimodal checkpoints also have `attn`/`mlp` blocks in their vision tower; tenants train text.
 _VISION_PREFIXES = ("visual", "vision")
 
@@ -71,9 +82,37 @@ def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
         parent = parts[-2] if len(parts) >= 2 else ""
         if parent in _ATTN_PARENTS:
             targets[path] = "attn"
-        elif parent in _MLP_PARENTS:
+        elif parent in _MLP_PARENTS and parts[-1] not in _UNTRAINED_LEAVES:
             targets[path] = "mlp"
     return targets
+
+
+def find_expert_modules(model: nn.Module) -> dict[str, ExpertShape]:
+    """The fused experts modules of a MoE model (`mlp.experts`), by module path."""
+    found: dict[str, ExpertShape] = {}
+    for path, module in model.named_modules():
+        if any(part.startswith(_VISION_PREFIXES) for part in path.split(".")):
+            continue
+        shape = expert_shape(module)
+        if shape is not None:
+            found[path] = shape
+    return found
+
+
+def find_unwrappable_experts(model: nn.Module) -> list[str]:
+    """Expert blocks the bank cannot adapt: per-expert `ModuleList`s (`experts.{e}.w1`, the
+    Mixtral layout) and experts modules whose parameters are not the fused 3-D layout."""
+    fused = find_expert_modules(model)
+    unwrappable: set[str] = set()
+    for path, module in model.named_modules():
+        parts = path.split(".")
+        if not parts or parts[-1] not in {"experts", "routed_experts"} or path in fused:
+            continue
+        if any(part.startswith(_VISION_PREFIXES) for part in parts):
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=True)):
+            unwrappable.add(path)
+    return sorted(unwrappable)
 
 
 @dataclass(frozen=True)
@@ -177,6 +216,18 @@ class LayerLayout:
     out_features: int
     a_offset: int
     b_offset: int
+    # Fused MoE experts' factors (`workers.engine.moe_lora`): 0 for a 2-D factor, shared by the
+    # experts of a block; E for one factor per expert (A `[E, r, in]`, B `[E, out, r]`).
+    a_experts: int = 0
+    b_experts: int = 0
+
+    @property
+    def a_size(self) -> int:
+        return max(1, self.a_experts) * self.in_features
+
+    @property
+    def b_size(self) -> int:
+        return max(1, self.b_experts) * self.out_features
 
 
 class LoraBank:
@@ -192,30 +243,50 @@ class LoraBank:
         device: torch.device,
     ) -> None:
         targets = find_target_linears(model)
-        if not targets:
+        experts = find_expert_modules(model)
+        if not targets and not experts:
             raise ServerError("the base model has no attention, MLP or output linears to adapt")
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.routing = routing
+        # Expert blocks left unadapted: an adapter training the MLP is refused on such a model.
+        self.unwrappable_experts = find_unwrappable_experts(model)
         layouts: list[LayerLayout] = []
         offset = 0
+
+        def lay_out(
+            path: str, group: LayerGroup, features: tuple[int, int], experts_ab: tuple[int, int]
+        ) -> None:
+            nonlocal offset
+            layout = LayerLayout(path, group, *features, offset, 0, *experts_ab)
+            b_offset = offset + layout.a_size * max_rank
+            layouts.append(replace(layout, b_offset=b_offset))
+            offset = b_offset + layout.b_size * max_rank
+
         for path, group in targets.items():
             linear = cast(nn.Linear, model.get_submodule(path))
-            a_size = max_rank * linear.in_features
-            layouts.append(
-                LayerLayout(
-                    path, group, linear.in_features, linear.out_features, offset, offset + a_size
-                )
-            )
-            offset += a_size + linear.out_features * max_rank
+            lay_out(path, group, (linear.in_features, linear.out_features), (0, 0))
+        for path, shape in experts.items():
+            for projection in EXPERT_PROJECTIONS:
+                in_f, out_f, a_e, b_e = projection_shape(shape, projection)
+                lay_out(f"{path}.{projection}", "mlp", (in_f, out_f), (a_e, b_e))
         self.layouts: tuple[LayerLayout, ...] = tuple(layouts)
         self.slot_numel = offset
         self.weights = torch.zeros(max_slots, offset, dtype=torch.float32, device=device)
         self.grads = torch.zeros_like(self.weights)
         self.scales: dict[LayerGroup, list[float]] = {g: [0.0] * max_slots for g in LAYER_GROUPS}
+        self.ranks = [0] * max_slots  # each slot's true rank (0: free)
         self.layers: dict[str, MultiSlotLoraLinear] = {}
-        for layout in self.layouts:
-            self._wrap(model, layout)
+        self.expert_layers: dict[str, MultiSlotLoraExperts] = {}
+        by_path = {layout.path: layout for layout in self.layouts}
+        for path in targets:
+            self._wrap(model, by_path[path])
+        for path, shape in experts.items():
+            self._wrap_experts(model, path, shape, by_path)
+
+    def groups_present(self) -> frozenset[LayerGroup]:
+        """The layer groups this model has layers of."""
+        return frozenset(layout.group for layout in self.layouts)
 
     def set_kind(self, kind: LoraKind | None) -> None:
         """How every wrapped linear computes its LoRA term (None: the device's best)."""
@@ -240,15 +311,39 @@ class LoraBank:
         setattr(parent, leaf, layer)
         self.layers[layout.path] = layer
 
+    def _wrap_experts(
+        self, model: nn.Module, path: str, shape: ExpertShape, by_path: dict[str, LayerLayout]
+    ) -> None:
+        factors: dict[ExpertProjection, ExpertFactors] = {}
+        for projection in EXPERT_PROJECTIONS:
+            layout = by_path[f"{path}.{projection}"]
+            lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
+            lora_A.grad = self._stacked_a(self.grads, layout)
+            lora_B = nn.Parameter(self._stacked_b(self.weights, layout))
+            lora_B.grad = self._stacked_b(self.grads, layout)
+            factors[projection] = ExpertFactors(lora_A, lora_B)
+        parent_path, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        layer = MultiSlotLoraExperts(
+            getattr(parent, leaf),
+            shape=shape,
+            factors=factors,
+            slot_scales=self.scales["mlp"],
+            slot_ranks=self.ranks,
+            routing=self.routing,
+        )
+        setattr(parent, leaf, layer)
+        self.expert_layers[path] = layer
+
     def _stacked_a(self, buffer: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
-        size = self.max_rank * layout.in_features
-        chunk = buffer[:, layout.a_offset : layout.a_offset + size]
-        return chunk.view(self.max_slots, self.max_rank, layout.in_features)
+        chunk = buffer[:, layout.a_offset : layout.a_offset + self.max_rank * layout.a_size]
+        experts = (layout.a_experts,) if layout.a_experts else ()
+        return chunk.view(self.max_slots, *experts, self.max_rank, layout.in_features)
 
     def _stacked_b(self, buffer: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
-        size = layout.out_features * self.max_rank
-        chunk = buffer[:, layout.b_offset : layout.b_offset + size]
-        return chunk.view(self.max_slots, layout.out_features, self.max_rank)
+        chunk = buffer[:, layout.b_offset : layout.b_offset + layout.b_size * self.max_rank]
+        experts = (layout.b_experts,) if layout.b_experts else ()
+        return chunk.view(self.max_slots, *experts, layout.out_features, self.max_rank)
 
     def slot_views(
         self, buffer: torch.Tensor, slot: int, rank: int
@@ -258,8 +353,8 @@ class LoraBank:
         `buffer` is any [S, P] tensor with the bank's layout: weights, grads or a moment.
         """
         for layout in self.layouts:
-            a = self._stacked_a(buffer, layout)[slot, :rank]
-            b = self._stacked_b(buffer, layout)[slot, :, :rank]
+            a = self._stacked_a(buffer, layout)[slot][..., :rank, :]
+            b = self._stacked_b(buffer, layout)[slot][..., :rank]
             yield layout, a, b
 
     def init_slot(
@@ -277,10 +372,11 @@ class LoraBank:
         for layout, a, _ in self.slot_views(self.weights, slot, rank):
             if layout.group not in trained:
                 continue
-            # Drawn on the CPU so a seed gives the same adapter on every device.
-            init = torch.empty(rank, layout.in_features, dtype=torch.float32)
+            # Drawn on the CPU so a seed gives the same adapter on every device; a per-expert A
+            # is drawn as one [E·rank, in] matrix, as PEFT draws its fused-experts A (fan-in `in`).
+            init = torch.empty(a.numel() // layout.in_features, layout.in_features)
             nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
-            a.copy_(init)
+            a.copy_(init.view(a.shape))
         self.set_scales(slot, rank=rank, groups=trained, lora_alpha=lora_alpha)
 
     def set_scales(
@@ -289,6 +385,7 @@ class LoraBank:
         trained = frozenset(groups)
         for group in LAYER_GROUPS:
             self.scales[group][slot] = lora_alpha / rank if group in trained else 0.0
+        self.ranks[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot's weights, gradients and scales (its optimizer state is the optimizer's)."""
@@ -296,3 +393,4 @@ class LoraBank:
         self.grads[slot].zero_()
         for group in LAYER_GROUPS:
             self.scales[group][slot] = 0.0
+        self.ranks[slot] = 0

@@ -60,6 +60,21 @@ def parse_adapter_key(key: str) -> tuple[str, Matrix]:
     return match["path"], matrix
 
 
+def file_shapes(layout: LayerLayout, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a layer's A and B in a checkpoint file, at the adapter's true rank.
+
+    A linear's are PEFT's `[r, in]` and `[out, r]`. A fused MoE block's expert projections are
+    Tinker's own 3-D tensors (`mlp.experts.w1` …, what tinker-cookbook's `weights` tools read):
+    A `[E or 1, r, in]` and B `[E or 1, out, r]`, 1 for the factor the experts share.
+    """
+    if not (layout.a_experts or layout.b_experts):
+        return (rank, layout.in_features), (layout.out_features, rank)
+    return (
+        (max(1, layout.a_experts), rank, layout.in_features),
+        (max(1, layout.b_experts), layout.out_features, rank),
+    )
+
+
 def target_modules_for(trained: Iterable[str], all_linears: Iterable[str]) -> list[str] | str:
     """PEFT `target_modules` selecting exactly the trained module paths.
 
@@ -196,7 +211,8 @@ def match_layers(
         layout = layers.get(path)
         if layout is None:
             raise UserError(f"{ADAPTER_WEIGHTS}: {path!r} is not an adaptable layer of this model")
-        shape = (rank, layout.in_features) if matrix == "A" else (layout.out_features, rank)
+        a_shape, b_shape = file_shapes(layout, rank)
+        shape = a_shape if matrix == "A" else b_shape
         if tuple(tensor.shape) != shape:
             raise UserError(
                 f"{ADAPTER_WEIGHTS}: {key} has shape {tuple(tensor.shape)}, expected {shape}"

@@ -67,8 +67,8 @@ class ParkedAdapters:
     Only an adapter's own values travel (its rank, its trained layer groups): the bank keeps the
     rest of a slot at exactly 0, so writing them back into a cleared slot restores it
     bit-exactly, in a fraction of the row's size. A row with anything else non-zero (a NaN that
-    reached the padding) is kept whole. All-zero rows (no pending gradient, no step yet) are
-    not kept at all.
+    reached the padding) is kept whole. All-zero rows (no pending gradient, no step yet, an
+    adapter that trains no layer this model has) are not kept at all.
     """
 
     def __init__(self, bank: LoraBank, optimizer: SlotAdamW, *, max_parked: int | None) -> None:
@@ -143,6 +143,7 @@ class ParkedAdapters:
                 self._copy_in(row, buffer, slot, parked.spec.rank, groups)
         for group, scale in parked.scales.items():
             self.bank.scales[group][slot] = scale  # in place: the layers share these lists
+        self.bank.ranks[slot] = parked.spec.rank
         self.optimizer.steps[slot] = parked.step
         return Tenant(slot, parked.spec, parked.lora_alpha)
 
@@ -164,7 +165,10 @@ class ParkedAdapters:
         self, buffer: torch.Tensor, slot: int, rank: int, groups: frozenset[LayerGroup]
     ) -> HostRow | None:
         row = buffer[slot]
-        packed = torch.cat([view.reshape(-1) for view in self._views(buffer, slot, rank, groups)])
+        views = self._views(buffer, slot, rank, groups)
+        # No views: the adapter trains no layer this model has (MLP only, on a model whose MLP
+        # the bank does not wrap). Its part is empty, so an all-zero row stores nothing.
+        packed = torch.cat([view.reshape(-1) for view in views]) if views else row[:0].clone()
         # One device sync: non-zeros (NaN included) in the adapter's part and in the whole row.
         in_packed, in_row = torch.stack([packed.count_nonzero(), row.count_nonzero()]).tolist()
         if in_row == 0:

@@ -75,6 +75,7 @@ class Residency:
         if self.has(model_id):
             raise UserError(f"model_id {model_id!r} already has an adapter")
         check_lora_config(spec, self.bank.max_rank)
+        self.check_targets(spec)
         slot = self._slot_for_tenant(keep=())
         generator = torch.Generator()
         if spec.seed is None:
@@ -90,6 +91,23 @@ class Residency:
         )
         self.optimizer.reset_slot(slot)
         self._tenants[model_id] = Tenant(slot, spec, self.lora_alpha)
+
+    def check_targets(self, spec: LoraConfig) -> None:
+        """A `UserError` unless the adapter trains something on this model, and all of it: an
+        MLP adapter on a model whose experts the bank cannot adapt is refused, never trained
+        without them."""
+        groups = trained_groups(spec)
+        if spec.train_mlp and self.bank.unwrappable_experts:
+            raise UserError(
+                f"train_mlp: this base model's experts ({self.bank.unwrappable_experts[0]}) are"
+                " not fused 3-D expert weights, which expert LoRA needs; use train_mlp=False"
+            )
+        if not groups & self.bank.groups_present():
+            present = sorted(self.bank.groups_present())
+            raise UserError(
+                f"LoRA config trains none of this base model's layer groups (it has {present});"
+                " set train_attn, train_mlp or train_unembed"
+            )
 
     def has(self, model_id: str) -> bool:
         """Whether `model_id` has an adapter here, resident or parked."""

@@ -31,6 +31,7 @@ from workers.trainer.checkpoints import (
     MOMENTS,
     AdapterCheckpoint,
     adapter_key,
+    file_shapes,
     match_layers,
     read_checkpoint,
     target_modules_for,
@@ -120,8 +121,8 @@ class SlotCheckpoints:
         for suffix, buffer in buffers:
             for layout, a, b in self.bank.slot_views(buffer, slot, spec.rank):
                 if layout.group in stored.groups:
-                    a.copy_(values[adapter_key(layout.path, "A") + suffix])
-                    b.copy_(values[adapter_key(layout.path, "B") + suffix])
+                    a.copy_(values[adapter_key(layout.path, "A") + suffix].view(a.shape))
+                    b.copy_(values[adapter_key(layout.path, "B") + suffix].view(b.shape))
         return Tenant(slot, spec, checkpoint.lora_alpha)
 
     def _export(
@@ -132,8 +133,9 @@ class SlotCheckpoints:
         exported: dict[str, torch.Tensor] = {}
         for layout, a, b in self.bank.slot_views(buffer, tenant.slot, tenant.spec.rank):
             if layout.group in groups:
-                exported[adapter_key(layout.path, "A") + suffix] = _exported(a)
-                exported[adapter_key(layout.path, "B") + suffix] = _exported(b)
+                a_shape, b_shape = file_shapes(layout, tenant.spec.rank)
+                exported[adapter_key(layout.path, "A") + suffix] = _exported(a).view(a_shape)
+                exported[adapter_key(layout.path, "B") + suffix] = _exported(b).view(b_shape)
         return exported
 
 

@@ -48,12 +48,14 @@ from protocol.paths import CONTENT_ID_FILE, TinkerPath, checkpoint_dir, parse_pa
 from protocol.records import CheckpointRecord
 from protocol.rules import check_lora_config
 from workers.engine.lora import LayerGroup, LayerLayout
+from workers.engine.moe_lora import EXPERT_PROJECTIONS, expert_shape, expert_weights
 from workers.trainer.checkpoints import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MOMENTS,
     AdapterCheckpoint,
     adapter_key,
+    file_shapes,
     match_layers,
     read_checkpoint,
     target_modules_for,
@@ -193,13 +195,14 @@ def _complete(
     for layout in layouts:
         if layout.group not in covered or layout.path in present:
             continue
-        a_shape, b_shape = (rank, layout.in_features), (layout.out_features, rank)
+        a_shape, b_shape = file_shapes(layout, rank)
         if meta:
             a = torch.empty(a_shape, device="meta")
             b = torch.empty(b_shape, device="meta")
         else:
-            a = torch.empty(a_shape, dtype=torch.float32)
+            a = torch.empty(math.prod(a_shape[:-1]), a_shape[-1], dtype=torch.float32)
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            a = a.view(a_shape)
             b = torch.zeros(b_shape, dtype=torch.float32)
         tensors[adapter_key(layout.path, "A")] = a
         tensors[adapter_key(layout.path, "B")] = b
@@ -322,6 +325,12 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
         if not key.endswith(".lora_A.weight"):
             continue
         path = key[len("base_model.model.") : -len(".lora_A.weight")]
+        a = checkpoint.tensors[adapter_key(path, "A")]
+        b = checkpoint.tensors[adapter_key(path, "B")]
+        experts_path, _, projection = path.rpartition(".")
+        if projection in EXPERT_PROJECTIONS and path not in modules:
+            _merge_experts(modules[experts_path], projection, a, b, scale)
+            continue
         linear = modules[path]
         assert isinstance(linear, torch.nn.Linear)
         if config is not None and linear is _output_embeddings(model) and _tied(model):
@@ -329,10 +338,38 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
             linear.weight = torch.nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
             config.tie_word_embeddings = False
             config.get_text_config().tie_word_embeddings = False
-        a = checkpoint.tensors[adapter_key(path, "A")]
-        b = checkpoint.tensors[adapter_key(path, "B")]
         merged = linear.weight.detach().to(torch.float32) + scale * (b @ a)
         linear.weight.copy_(merged.to(linear.weight.dtype))
+
+
+def _merge_experts(
+    experts: torch.nn.Module, projection: str, a: torch.Tensor, b: torch.Tensor, scale: float
+) -> None:
+    """`W_e += alpha/r · B_e·A_e` for every expert of a fused block, the shared factor
+    broadcast (Tinker's 3-D A `[E or 1, r, in]`, B `[E or 1, out, r]`), in the block's layout."""
+    shape = expert_shape(experts)
+    if shape is None:
+        raise UserError(
+            f"{ADAPTER_WEIGHTS}: {projection} targets a block that is not fused experts"
+        )
+    n = shape.num_experts
+    frozen = expert_weights(experts, shape)
+    delta = scale * torch.bmm(b.expand(n, -1, -1), a.expand(n, -1, -1))  # [E, out, in]
+    if projection == "w2":
+        weight = frozen.down
+        update = delta.transpose(1, 2) if shape.transposed else delta
+    else:
+        weight = frozen.gate_up
+        rows = weight.transpose(1, 2) if shape.transposed else weight  # [E, 2I, H] view
+        first = projection == "w1"  # gate: the first half, or the even rows when interleaved
+        if shape.concatenated:
+            index = slice(0, shape.intermediate) if first else slice(shape.intermediate, None)
+        else:
+            index = slice(0, None, 2) if first else slice(1, None, 2)
+        part = rows[:, index]
+        part.copy_((part.to(torch.float32) + delta).to(part.dtype))
+        return
+    weight.copy_((weight.to(torch.float32) + update).to(weight.dtype))
 
 
 def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:

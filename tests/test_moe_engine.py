@@ -1,0 +1,260 @@
+"""The trainer engine on tiny random MoE models (Qwen3-MoE, gpt-oss; fp32, CPU): expert LoRA in
+the shared pass gives each tenant its solo gradient, an MLP-only adapter trains the experts,
+checkpoints round-trip bit-exactly in Tinker's expert layout, parking keeps the expert factors,
+a merged export computes what the engine computes (ours and tinker-cookbook's), and a model whose
+experts cannot be adapted refuses an MLP adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from protocol.api import AdamParams, LoraConfig
+from protocol.errors import UserError
+from protocol.tensors import FwdBwdRequest
+from tests.test_engine import assert_same_outputs, make_request, max_diff
+from workers.trainer.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+MLP_ONLY = {"train_attn": False, "train_unembed": False}
+
+
+def _qwen3_moe_config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
+
+
+def _gpt_oss_config() -> GptOssConfig:
+    return GptOssConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.1,
+    )
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    if request.param == "qwen3_moe":
+        model: torch.nn.Module = Qwen3MoeForCausalLM(_qwen3_moe_config())
+    else:
+        model = GptOssForCausalLM(_gpt_oss_config())
+        with torch.no_grad():  # the router and biases start at 0; make them count
+            for name, param in model.named_parameters():
+                if "router" in name or name.endswith("_bias"):
+                    param.normal_(0, 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def make_engine(moe_model: Path) -> Callable[..., Engine]:
+    def make(**kwargs: int) -> Engine:
+        return Engine(str(moe_model), **kwargs)  # type: ignore[arg-type]
+
+    return make
+
+
+def _perturb(engine: Engine, model_id: str, seed: int) -> None:
+    """Non-zero B everywhere the adapter trains, so every factor gets a gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    spec = engine.spec(model_id)
+    for _, _, b in engine.bank.slot_views(engine.bank.weights, engine.slot(model_id), spec.rank):
+        b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
+
+
+def _expert_rows(engine: Engine, buffer: torch.Tensor, model_id: str) -> list[torch.Tensor]:
+    spec = engine.spec(model_id)
+    return [
+        view.clone()
+        for layout, a, b in engine.bank.slot_views(buffer, engine.slot(model_id), spec.rank)
+        if layout.b_experts or layout.a_experts
+        for view in (a, b)
+    ]
+
+
+def test_the_shared_pass_gives_each_tenant_its_solo_gradient(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine(max_slots=3, max_rank=8)
+    rng = np.random.default_rng(1)
+    specs = {"t0": LoraConfig(rank=4, seed=0), "t1": LoraConfig(rank=8, seed=1, **MLP_ONLY)}
+    specs["t2"] = LoraConfig(rank=2, seed=2)
+    for index, (model_id, spec) in enumerate(specs.items()):
+        engine.create(model_id, spec)
+        _perturb(engine, model_id, 10 + index)
+    batch = [
+        ("t1", make_request("t1", [5, 3], rng)),
+        ("t0", make_request("t0", [7], rng)),
+        ("t2", make_request("t2", [4, 6], rng)),
+    ]
+    shared = engine.forward_backward(batch)
+    shared_grads = {m: _expert_rows(engine, engine.bank.grads, m) for m in specs}
+    engine.bank.grads.zero_()
+    for (model_id, request), together in zip(batch, shared, strict=True):
+        [alone] = engine.forward_backward([(model_id, request)])
+        assert isinstance(alone, type(together))
+        assert_same_outputs(together, alone)  # type: ignore[arg-type]
+        solo = _expert_rows(engine, engine.bank.grads, model_id)
+        scale = max(float(g.abs().max()) for g in solo)
+        assert scale > 0, "the experts' factors received no gradient"
+        for got, want in zip(shared_grads[model_id], solo, strict=True):
+            assert max_diff(got, want) <= 1e-5 * scale
+        engine.bank.grads.zero_()
+
+
+def test_an_mlp_only_adapter_trains_the_experts(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(max_slots=2, max_rank=8)
+    engine.create("m", LoraConfig(rank=8, seed=3, **MLP_ONLY))
+    rng = np.random.default_rng(2)
+    request = make_request("m", [12, 9], rng, weights=False)
+    before = _expert_rows(engine, engine.bank.weights, "m")
+    losses = []
+    for _ in range(6):
+        [out] = engine.forward_backward([("m", request)])
+        losses.append(out.metrics["loss:sum"])  # type: ignore[union-attr]
+        [metrics] = engine.optim_step([("m", AdamParams(learning_rate=2e-2))])
+        assert not isinstance(metrics, Exception)
+    after = _expert_rows(engine, engine.bank.weights, "m")
+    assert all(not torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_checkpoints_round_trip_in_tinkers_expert_layout(
+    make_engine: Callable[..., Engine], tmp_path: Path
+) -> None:
+    engine = make_engine(max_slots=2, max_rank=8)
+    engine.create("a", LoraConfig(rank=4, seed=5))
+    rng = np.random.default_rng(3)
+    request = make_request("a", [8, 5], rng, weights=False)
+    for _ in range(2):
+        engine.forward_backward([("a", request)])
+        engine.optim_step([("a", AdamParams(learning_rate=1e-2))])
+    directory = tmp_path / "weights"
+    engine.save("a", directory, kind="weights", meta={})
+    tensors = safetensors.torch.load_file(str(directory / "adapter_model.safetensors"))
+    layers = engine.bank.expert_layers
+    first = next(iter(layers))
+    shape = layers[first].shape
+    key = f"base_model.model.{first}"
+    assert tensors[f"{key}.w1.lora_A.weight"].shape == (1, 4, shape.hidden)
+    assert tensors[f"{key}.w1.lora_B.weight"].shape == (shape.num_experts, shape.intermediate, 4)
+    assert tensors[f"{key}.w3.lora_B.weight"].shape == (shape.num_experts, shape.intermediate, 4)
+    assert tensors[f"{key}.w2.lora_A.weight"].shape == (shape.num_experts, 4, shape.intermediate)
+    assert tensors[f"{key}.w2.lora_B.weight"].shape == (1, shape.hidden, 4)
+
+    engine.load("b", directory, with_optimizer=True)
+    for buffer in (engine.bank.weights, engine.optimizer.exp_avg, engine.optimizer.exp_avg_sq):
+        for x, y in zip(
+            _expert_rows(engine, buffer, "a"), _expert_rows(engine, buffer, "b"), strict=True
+        ):
+            assert torch.equal(x, y)
+    [out_a] = engine.forward_backward([("a", _forward_only(request, "a"))])
+    [out_b] = engine.forward_backward([("b", _forward_only(request, "b"))])
+    assert_same_outputs(out_a, out_b)  # type: ignore[arg-type]
+
+
+def _forward_only(request: FwdBwdRequest, model_id: str) -> FwdBwdRequest:
+    return FwdBwdRequest(model_id, 1, request.loss_fn, True, {}, request.datums)
+
+
+def test_parking_keeps_the_expert_factors(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(max_slots=1, max_rank=8, max_parked=4)
+    engine.create("p", LoraConfig(rank=4, seed=6, **MLP_ONLY))
+    _perturb(engine, "p", 7)
+    rng = np.random.default_rng(4)
+    request = make_request("p", [6], rng, weights=False)
+    [before] = engine.forward_backward([("p", _forward_only(request, "p"))])
+    weights = _expert_rows(engine, engine.bank.weights, "p")
+    engine.create("q", LoraConfig(rank=8, seed=8))  # takes the only slot: "p" is parked
+    assert "p" in engine.parked
+    [after] = engine.forward_backward([("p", _forward_only(request, "p"))])
+    assert_same_outputs(before, after)  # type: ignore[arg-type]
+    for x, y in zip(weights, _expert_rows(engine, engine.bank.weights, "p"), strict=True):
+        assert torch.equal(x, y)
+
+
+def _logprobs(model: torch.nn.Module, tokens: np.ndarray, targets: np.ndarray) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.as_tensor(tokens, dtype=torch.long)[None]).logits[0].float()
+    return logits.log_softmax(-1).gather(1, torch.as_tensor(targets)[:, None])[:, 0]
+
+
+def test_a_merged_model_computes_what_the_engine_computes(
+    make_engine: Callable[..., Engine], moe_model: Path, tmp_path: Path
+) -> None:
+    from tinker_cookbook import weights as cookbook_weights
+
+    from workers.trainer.transfer import _merge
+
+    engine = make_engine(max_slots=1, max_rank=8)
+    # The cookbook merges no tied lm_head (Tinker names it `unembed_tokens`): attention and experts.
+    engine.create("m", LoraConfig(rank=4, seed=9, train_unembed=False))
+    _perturb(engine, "m", 11)
+    rng = np.random.default_rng(5)
+    request = _forward_only(make_request("m", [10], rng, weights=False), "m")
+    [out] = engine.forward_backward([("m", request)])
+    want = torch.as_tensor(out.loss_fn_outputs[0]["logprobs"])  # type: ignore[union-attr]
+    datum = request.datums[0]
+    directory = tmp_path / "sampler"
+    engine.save("m", directory, kind="sampler_weights", meta={})
+
+    ours = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    _merge(ours, engine.slots.files.read(directory, with_optimizer=False))
+    got = _logprobs(ours, datum.tokens, datum.inputs["target_tokens"])
+    assert max_diff(got, want) <= 1e-4
+
+    merged = tmp_path / "cookbook-merged"
+    cookbook_weights.build_hf_model(
+        base_model=str(moe_model), adapter_path=str(directory), output_path=str(merged)
+    )
+    theirs = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    got = _logprobs(theirs, datum.tokens, datum.inputs["target_tokens"])
+    assert max_diff(got, want) <= 1e-4
+
+
+def test_an_mlp_adapter_is_refused_where_the_experts_cannot_be_adapted(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine(max_slots=2, max_rank=8)
+    engine.slots.bank.unwrappable_experts = ["model.layers.0.mlp.experts"]
+    with pytest.raises(UserError, match="train_mlp"):
+        engine.create("x", LoraConfig(rank=4, **MLP_ONLY))
+    engine.create("y", LoraConfig(rank=4, train_mlp=False))  # attention only still trains

@@ -1,23 +1,56 @@
-"""workers.tiny_model: both architectures build offline and load through the Auto classes."""
+"""workers.tiny_model: every architecture builds offline and loads through the Auto classes;
+the MoE ones have the fused expert layouts of transformers 5 and route over many experts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
 from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from workers.tiny_model import CONTEXT_LENGTH, EOS_ID, PAD_ID, build_tiny_model, main
+from twinkle_async.cli import TinyArch
+from workers.tiny_model import (
+    ARCHS,
+    CONTEXT_LENGTH,
+    EOS_ID,
+    MOE_ARCHS,
+    MOE_INTERMEDIATE_SIZE,
+    NUM_EXPERTS,
+    PAD_ID,
+    TOP_K,
+    Arch,
+    build_tiny_model,
+    main,
+)
 
-ARCHS = ["qwen3", "qwen3_5"]
 TEXT = "Hello wörld!  The answer is 42.\n\n<|im_start|>user\nnaïve café 😀<|im_end|>"
+MOE = sorted(MOE_ARCHS)
+H = 64  # the default hidden size
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Arch], Path]:
+    """Each architecture with default arguments, built once per module on first use."""
+    directories: dict[Arch, Path] = {}
+
+    def get(arch: Arch) -> Path:
+        if arch not in directories:
+            directories[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), arch)
+        return directories[arch]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+def model_dir(request: pytest.FixtureRequest, built: Callable[[Arch], Path]) -> Path:
+    return built(request.param)
 
 
 def test_tokenizer_round_trips_and_matches_the_model_vocab(model_dir: Path) -> None:
@@ -88,9 +121,152 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         build_tiny_model(tmp_path, vocab_size=100)
     with pytest.raises(ValueError, match="hidden_size"):
         build_tiny_model(tmp_path, hidden_size=48)
+    with pytest.raises(ValueError, match="MoE archs"):
+        build_tiny_model(tmp_path, "qwen3", num_experts=4)
+    with pytest.raises(ValueError, match="top_k"):
+        build_tiny_model(tmp_path, "qwen3_moe", num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="unknown arch"):
+        build_tiny_model(tmp_path, "mixtral")  # type: ignore[arg-type]
 
 
 def test_cli_prints_the_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     main([str(tmp_path / "cli"), "--arch", "qwen3", "--vocab-size", "300", "--num-layers", "1"])
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "cli").config.num_hidden_layers == 1
+
+
+def test_the_cli_offers_every_arch() -> None:
+    # twinkle_async never imports workers, so it keeps its own copy of the list.
+    assert get_args(TinyArch) == ARCHS
+
+
+def _expected_moe_shapes(arch: str, experts: int, width: int) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's router and expert parameters and their shapes, hidden size H."""
+    E, two_i = experts, 2 * width
+    if arch == "gpt_oss":
+        return {
+            "mlp.router.weight": (E, H),
+            "mlp.router.bias": (E,),
+            "mlp.experts.gate_up_proj": (E, H, two_i),  # gate and up interleaved on the last dim
+            "mlp.experts.gate_up_proj_bias": (E, two_i),
+            "mlp.experts.down_proj": (E, width, H),
+            "mlp.experts.down_proj_bias": (E, H),
+            "self_attn.sinks": (H // 32,),  # one per attention head
+        }
+    shapes = {
+        "mlp.gate.weight": (E, H),
+        "mlp.experts.gate_up_proj": (E, two_i, H),  # gate rows, then up rows
+        "mlp.experts.down_proj": (E, H, width),
+    }
+    if arch == "qwen3_5_moe":
+        shared = 2 * width
+        shapes |= {
+            "mlp.shared_expert.gate_proj.weight": (shared, H),
+            "mlp.shared_expert.up_proj.weight": (shared, H),
+            "mlp.shared_expert.down_proj.weight": (H, shared),
+            "mlp.shared_expert_gate.weight": (1, H),
+        }
+    return shapes
+
+
+MODEL_CLASSES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_moe_archs_have_fused_experts_in_every_layer(
+    arch: Arch, built: Callable[[Arch], Path]
+) -> None:
+    model = AutoModelForCausalLM.from_pretrained(built(arch))
+    assert type(model).__name__ == MODEL_CLASSES[arch]
+    config = model.config
+    assert (config.head_dim, config.num_experts_per_tok) == (32, TOP_K)
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, like the dense ones
+    parameters = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for layer in range(config.num_hidden_layers):
+        for name, shape in _expected_moe_shapes(arch, NUM_EXPERTS, MOE_INTERMEDIATE_SIZE).items():
+            assert parameters[f"model.layers.{layer}.{name}"] == shape, (layer, name)
+    if arch == "gpt_oss":
+        # SDPA would silently drop the sinks; the eager kernel applies them.
+        assert config._attn_implementation == "eager"
+        assert config.layer_types == ["sliding_attention", "full_attention"]
+    if arch == "qwen3_5_moe":
+        assert config.layer_types == ["linear_attention", "full_attention"]
+    if arch == "qwen3_moe":
+        assert (config.decoder_sparse_step, config.mlp_only_layers) == (1, [])
+
+
+def _routed_experts(model: nn.Module, input_ids: torch.Tensor) -> dict[str, set[int]]:
+    """The experts each router of the model picks for the tokens of one forward."""
+    picked: dict[str, set[int]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if name.endswith(("mlp.gate", "mlp.router")):
+            picked[name] = set()
+
+            def record(_m: nn.Module, _i: object, out: tuple[torch.Tensor, ...], name=name) -> None:
+                picked[name].update(out[2].flatten().tolist())  # (logits, weights, indices)
+
+            handles.append(module.register_forward_hook(record))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return picked
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_moe_routing_spreads_tokens_over_several_experts(
+    arch: Arch, built: Callable[[Arch], Path]
+) -> None:
+    # Routers initialised to zero tie every logit, so every token would go to the same TOP_K
+    # experts; more distinct experts than that means the routing is a real choice.
+    model = AutoModelForCausalLM.from_pretrained(built(arch))
+    input_ids = torch.randint(
+        3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)
+    )
+    picked = _routed_experts(model, input_ids)
+    assert len(picked) == model.config.num_hidden_layers
+    for name, experts in picked.items():
+        assert len(experts) > TOP_K, (name, experts)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_moe_builds_are_deterministic(arch: Arch, tmp_path: Path) -> None:
+    first = build_tiny_model(tmp_path / "a", arch, vocab_size=300, num_layers=1)
+    second = build_tiny_model(tmp_path / "b", arch, vocab_size=300, num_layers=1)
+    for name in ("model.safetensors", "config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def test_cli_shapes_the_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "gpt_oss"
+    main(
+        [str(out), "--arch", "gpt_oss", "--vocab-size", "300", "--num-layers", "1"]
+        + ["--num-experts", "4", "--top-k", "1", "--moe-intermediate-size", "16"]
+    )
+    assert capsys.readouterr().out.strip() == str(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert (model.config.num_local_experts, model.config.num_experts_per_tok) == (4, 1)
+    parameters = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for name, shape in _expected_moe_shapes("gpt_oss", 4, 16).items():
+        assert parameters[f"model.layers.0.{name}"] == shape, name
+
+
+def test_make_tiny_model_passes_the_moe_flags_on(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    command = [sys.executable, "-m", "twinkle_async", "make-tiny-model", str(out)]
+    options = ["--arch", "qwen3_moe", "--num-experts", "4", "--top-k", "3"]
+    subprocess.run(command + options + ["--moe-intermediate-size", "16"], check=True)
+    config = AutoConfig.from_pretrained(out)
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok) == (
+        "qwen3_moe",
+        4,
+        3,
+    )
+    assert config.moe_intermediate_size == 16

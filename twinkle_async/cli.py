@@ -307,15 +307,37 @@ def sampler(ctx: typer.Context) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "workers.sampler.main", *ctx.args])
 
 
+# The architectures `workers.tiny_model` builds, repeated here because the gateway side never
+# imports `workers`; a test checks that the two lists agree.
+TinyArch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss"]
+
+
 @app.command("make-tiny-model")
 def make_tiny_model(
     directory: Path,
-    arch: Annotated[str, typer.Option(help="qwen3 or qwen3_5")] = "qwen3",
+    arch: Annotated[
+        TinyArch, typer.Option(help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss")
+    ] = "qwen3",
+    num_experts: Annotated[
+        int | None, typer.Option(min=1, help="MoE archs: routed experts (default 8)")
+    ] = None,
+    top_k: Annotated[
+        int | None, typer.Option(min=1, help="MoE archs: experts per token (default 2)")
+    ] = None,
+    moe_intermediate_size: Annotated[
+        int | None, typer.Option(min=1, help="MoE archs: width of each expert (default 48)")
+    ] = None,
 ) -> None:
     """Write a small random model and tokenizer, built offline, to DIRECTORY."""
-    os.execv(
-        sys.executable, [sys.executable, "-m", "workers.tiny_model", str(directory), "--arch", arch]
-    )
+    argv = [sys.executable, "-m", "workers.tiny_model", str(directory), "--arch", arch]
+    for flag, value in (
+        ("--num-experts", num_experts),
+        ("--top-k", top_k),
+        ("--moe-intermediate-size", moe_intermediate_size),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    os.execv(sys.executable, argv)
 
 
 def main() -> None:

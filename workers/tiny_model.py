@@ -1,17 +1,28 @@
 """Build a tiny random-init causal LM and its tokenizer, fully offline, for tests and demos.
 
 No hub access and no download: the tokenizer is a byte-level BPE trained with the `tokenizers`
-library on a corpus generated here from a fixed seed, and the model is a freshly initialised
-Qwen3 (or Qwen3.5 text model, which mixes linear- and full-attention layers). Both load with
-`AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained(dir)`, exactly like
-a real checkpoint, which is what the trainer, the samplers and the SDK's `get_tokenizer()` do.
+library on a corpus generated here from a fixed seed, and the model is freshly initialised in one
+of five architectures:
+- `qwen3`: dense Qwen3;
+- `qwen3_5`: the dense Qwen3.5 text model, which mixes linear- and full-attention layers;
+- `qwen3_moe`: Qwen3-MoE, every layer sparse, experts fused as `mlp.experts.gate_up_proj
+  [E, 2I, H]` and `down_proj [E, H, I]`, router `mlp.gate`;
+- `qwen3_5_moe`: the Qwen3.5-MoE text model, the same mixed layers and fused experts plus a
+  shared expert (`mlp.shared_expert`, gated by `mlp.shared_expert_gate`);
+- `gpt_oss`: gpt-oss, experts fused as `gate_up_proj [E, H, 2I]` (gate and up interleaved) and
+  `down_proj [E, I, H]` with biases, router `mlp.router`, attention sinks.
+All load with `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained(dir)`,
+exactly like a real checkpoint, which is what the trainer, the samplers and the SDK's
+`get_tokenizer()` do.
 
 Invariants: the same arguments give the same files; special tokens are `<|endoftext|>` = 0 (pad),
 `<|im_start|>` = 1 and `<|im_end|>` = 2 (eos); the model's `vocab_size` equals the tokenizer's
 length, so every id the tokenizer produces is a valid model input. `head_dim` is 32, a size
-vLLM's CPU attention supports.
+vLLM's CPU attention supports. The MoE routers start from random (not zero) weights, so a short
+random input already spreads its tokens over several experts of every layer.
 
-Run as `python -m workers.tiny_model DIR [--arch qwen3|qwen3_5]`; it prints DIR.
+Run as `python -m workers.tiny_model DIR [--arch ARCH] [--num-experts E] [--top-k K]
+[--moe-intermediate-size I]`; it prints DIR.
 """
 
 from __future__ import annotations
@@ -19,21 +30,47 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.utils import logging as transformers_logging
 
-Arch = Literal["qwen3", "qwen3_5"]
+Arch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss"]
+ARCHS: tuple[Arch, ...] = get_args(Arch)
+MOE_ARCHS: frozenset[Arch] = frozenset({"qwen3_moe", "qwen3_5_moe", "gpt_oss"})
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2
 HEAD_DIM = 32
 CONTEXT_LENGTH = 4096
 _MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # every byte is a token, so any text round-trips
+# Tiny MoE defaults: enough experts that routing is a real choice, few enough to stay fast. The
+# expert width is chosen so that I, 2I and the hidden size 64 all differ: a fused expert tensor
+# read in the wrong layout then fails on its shape instead of passing by coincidence.
+NUM_EXPERTS, TOP_K, MOE_INTERMEDIATE_SIZE = 8, 2, 48
+
+_MODEL_CLASSES: dict[Arch, type[PreTrainedModel]] = {
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
+}
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -101,9 +138,25 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
+def _hybrid_layer_types(num_layers: int) -> list[str]:
+    # Qwen3.5 puts one full-attention layer after every three linear-attention (gated DeltaNet)
+    # layers; a shorter period keeps both kinds present in a 2-layer model.
+    period = min(4, num_layers)
+    return [
+        "full_attention" if (i + 1) % period == 0 else "linear_attention" for i in range(num_layers)
+    ]
+
+
 def _config(
-    arch: Arch, *, vocab_size: int, hidden_size: int, num_layers: int
-) -> Qwen3Config | Qwen3_5TextConfig:
+    arch: Arch,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    moe_intermediate_size: int,
+) -> PretrainedConfig:
     if hidden_size % HEAD_DIM or hidden_size < HEAD_DIM:
         raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}")
     if num_layers < 1:
@@ -112,7 +165,6 @@ def _config(
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
@@ -121,29 +173,56 @@ def _config(
         tie_word_embeddings=True,
         # Wider than the usual 0.02 so that a random model's logits have some range: with tiny
         # embeddings a LoRA on attention/MLP alone can barely move the output distribution.
+        # The MoE routers are drawn from the same normal, which is what spreads the tokens.
         initializer_range=0.1,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
+    linear_attention: dict[str, Any] = dict(
+        layer_types=_hybrid_layer_types(num_layers),
+        linear_key_head_dim=HEAD_DIM,
+        linear_value_head_dim=HEAD_DIM,
+        linear_num_key_heads=max(1, heads // 2),
+        linear_num_value_heads=heads,
+    )
+    moe: dict[str, Any] = dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_intermediate_size,
+    )
     if arch == "qwen3":
-        return Qwen3Config(**common)
+        return Qwen3Config(**common, intermediate_size=2 * hidden_size)
     if arch == "qwen3_5":
-        # Qwen3.5 puts one full-attention layer after every three linear-attention (gated
-        # DeltaNet) layers; a shorter period keeps both kinds present in a 2-layer model.
-        period = min(4, num_layers)
-        layer_types = [
-            "full_attention" if (i + 1) % period == 0 else "linear_attention"
-            for i in range(num_layers)
-        ]
-        return Qwen3_5TextConfig(
-            **common,
-            layer_types=layer_types,
-            linear_key_head_dim=HEAD_DIM,
-            linear_value_head_dim=HEAD_DIM,
-            linear_num_key_heads=max(1, heads // 2),
-            linear_num_value_heads=heads,
+        return Qwen3_5TextConfig(**common, intermediate_size=2 * hidden_size, **linear_attention)
+    if arch == "qwen3_moe":
+        # Every layer sparse, as in Qwen3-30B-A3B; routing weights renormalised over the top-k.
+        return Qwen3MoeConfig(
+            **common, **moe, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True
         )
-    raise ValueError(f"unknown arch {arch!r}: expected 'qwen3' or 'qwen3_5'")
+    if arch == "qwen3_5_moe":
+        # The real models use the same width for the shared and the routed experts; a different
+        # one here makes a test fail if code mixes the two up.
+        return Qwen3_5MoeTextConfig(
+            **common,
+            **moe,
+            **linear_attention,
+            shared_expert_intermediate_size=2 * moe_intermediate_size,
+        )
+    if arch == "gpt_oss":
+        # gpt-oss has no dense MLP: `intermediate_size` is each expert's width. Layers alternate
+        # sliding-window (128) and full attention as in the real model. Plain RoPE instead of
+        # the real YaRN (factor 32 over 4096 positions), which would claim a 131072-token
+        # context for a model whose tokenizer stops at 4096. No attention implementation is
+        # set: transformers refuses SDPA for gpt-oss (it would drop the sinks) and loads it
+        # with the eager kernel, which applies the sinks and runs on a CPU in fp32.
+        return GptOssConfig(
+            **common,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+            intermediate_size=moe_intermediate_size,
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        )
+    raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
 
 
 def build_tiny_model(
@@ -154,17 +233,47 @@ def build_tiny_model(
     num_layers: int = 2,
     vocab_size: int = 512,
     seed: int = 0,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    moe_intermediate_size: int | None = None,
 ) -> Path:
-    """Write a tiny random-init causal LM and its tokenizer into `directory`; return it."""
+    """Write a tiny random-init causal LM and its tokenizer into `directory`; return it.
+
+    `num_experts`, `top_k` and `moe_intermediate_size` shape the MoE archs (default
+    `NUM_EXPERTS`, `TOP_K`, `MOE_INTERMEDIATE_SIZE`) and are refused for the dense ones.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    moe_options = (num_experts, top_k, moe_intermediate_size)
+    if arch not in MOE_ARCHS and any(option is not None for option in moe_options):
+        raise ValueError(
+            f"num_experts, top_k and moe_intermediate_size apply to the MoE archs "
+            f"({', '.join(sorted(MOE_ARCHS))}), not to {arch!r}"
+        )
+    num_experts = NUM_EXPERTS if num_experts is None else num_experts
+    top_k = TOP_K if top_k is None else top_k
+    moe_intermediate_size = (
+        MOE_INTERMEDIATE_SIZE if moe_intermediate_size is None else moe_intermediate_size
+    )
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), not {top_k}")
+    if moe_intermediate_size < 1:
+        raise ValueError("moe_intermediate_size must be at least 1")
     directory = Path(directory)
     tokenizer = build_tokenizer(vocab_size)
     config = _config(
-        arch, vocab_size=len(tokenizer), hidden_size=hidden_size, num_layers=num_layers
+        arch,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=moe_intermediate_size,
     )
     # A private RNG scope: building a model must not disturb the caller's torch RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = (Qwen3ForCausalLM if arch == "qwen3" else Qwen3_5ForCausalLM)(config)
+        model = _MODEL_CLASSES[arch](config)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )
@@ -180,11 +289,19 @@ def main(argv: list[str] | None = None) -> None:
         description="Build a tiny offline causal LM and tokenizer.",
     )
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--arch", choices=["qwen3", "qwen3_5"], default="qwen3")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    moe = parser.add_argument_group("MoE archs (qwen3_moe, qwen3_5_moe, gpt_oss)")
+    moe.add_argument("--num-experts", type=int, help=f"routed experts (default {NUM_EXPERTS})")
+    moe.add_argument("--top-k", type=int, help=f"experts per token (default {TOP_K})")
+    moe.add_argument(
+        "--moe-intermediate-size",
+        type=int,
+        help=f"width of each expert (default {MOE_INTERMEDIATE_SIZE})",
+    )
     args = parser.parse_args(argv)
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     path = build_tiny_model(
@@ -194,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
         num_layers=args.num_layers,
         vocab_size=args.vocab_size,
         seed=args.seed,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        moe_intermediate_size=args.moe_intermediate_size,
     )
     print(path)
 

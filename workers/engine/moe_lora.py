@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -212,146 +212,226 @@ def experts_forward(
 ) -> torch.Tensor:
     """The experts output `[T, H]` of tokens `x [T, H]` with the active segments' expert LoRA.
 
-    Routed rows j = (token, k) are sorted by (expert, active segment); each expert's base
-    weights run once over its rows, each (expert, segment) group's per-expert factors once over
-    its rows. A loop over the non-empty groups: the CPU's way (and correct on any device).
+    Step 1: routed rows j = (token, k) are sorted by (expert, active segment), so each expert's
+            rows, and within them each (expert, segment) group's, are contiguous.
+    Step 2: the shared A factors of gate and up run once per token of each segment (scaled).
+    Step 3: the base gate_up of each expert over its rows (the stock module's loop).
+    Step 4: the per-expert B factors of gate and up: one batched matmul over every
+            (expert, segment) group, each group's rows zero-padded to the longest group; the
+            factors of group g are `B[slot_g, expert_g]`, `[groups, I, r]` (the adapters' own
+            size at most, never a weight per row). Added before the activation.
+    Step 5: the base down projection of each expert, weighted by the router and summed per
+            token; the per-expert down A factors batched like step 4, weighted and summed per
+            token into `[T, r]`, then each segment's shared down B once per token.
     """
     base = layer.base_layer
     shape = layer.shape
     n_tokens, top_k = top_k_index.shape
     device, dtype = x.device, x.dtype
     n_experts, n_active = shape.num_experts, len(active)
-    # Which active segment each token belongs to (n_active: none).
+    r_max = layer.factor("w1", "A").shape[-2]
+    width = n_active + 1  # segment n_active: rows of no active segment (no update)
+
+    # Step 1.
     token_segment = torch.full((n_tokens,), n_active, dtype=torch.long, device=device)
     for index, (_, start, stop, _, _) in enumerate(active):
         token_segment[start:stop] = index
     flat_expert = top_k_index.reshape(-1).to(torch.long)
     flat_token = torch.arange(n_tokens, device=device).repeat_interleave(top_k)
-    flat_weight = top_k_weights.reshape(-1)
     valid = (flat_expert >= 0) & (flat_expert < n_experts)  # an index E is "no expert" (padding)
-    keys = flat_expert * (n_active + 1) + token_segment[flat_token]
-    keys = torch.where(valid, keys, n_experts * (n_active + 1))
+    keys = torch.where(valid, flat_expert * width + token_segment[flat_token], n_experts * width)
     order = torch.argsort(keys, stable=True)
-    counts = torch.bincount(keys, minlength=n_experts * (n_active + 1) + 1).tolist()
-    routed_token = flat_token[order]
-    routed_weight = flat_weight[order].unsqueeze(-1)
-    n_routed = sum(counts[: n_experts * (n_active + 1)])
-
-    # The shared gate/up A factors, once per token of each active segment (scaled).
-    a_gate = layer.factor("w1", "A").unbind(0)
-    a_up = layer.factor("w3", "A").unbind(0)
-    shrunk: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for slot, start, stop, scale, rank in active:
-        rows = x[start:stop]
-        shrunk.append(
-            (
-                F.linear(rows, a_gate[slot][:rank].to(dtype)) * scale,
-                F.linear(rows, a_up[slot][:rank].to(dtype)) * scale,
-            )
-        )
-    b_gate = layer.factor("w1", "B").unbind(0)
-    b_up = layer.factor("w3", "B").unbind(0)
-    a_down = layer.factor("w2", "A").unbind(0)
-    b_down = layer.factor("w2", "B").unbind(0)
-    per_slot: dict[int, tuple[list[torch.Tensor], ...]] = {}
-
-    def slot_factors(slot: int) -> tuple[list[torch.Tensor], ...]:
-        if slot not in per_slot:
-            per_slot[slot] = (
-                list(b_gate[slot].unbind(0)),
-                list(b_up[slot].unbind(0)),
-                list(a_down[slot].unbind(0)),
-            )
-        return per_slot[slot]
-
-    frozen = expert_weights(base, shape)
-    gate_weight, down_weight = frozen.gate_up, frozen.down
-    gate_bias, down_bias = frozen.gate_up_bias, frozen.down_bias
-    gate_up_pieces: list[torch.Tensor] = []
-    group_spans: list[tuple[int, int, int, int]] = []  # (expert, segment, start, stop) of rows
+    counts = torch.bincount(keys, minlength=n_experts * width + 1).tolist()
+    n_routed = sum(counts[: n_experts * width])
+    routed_token = flat_token[order][:n_routed]
+    routed_weight = top_k_weights.reshape(-1)[order][:n_routed].unsqueeze(-1)
+    groups: list[tuple[int, int, int, int]] = []  # (expert, segment, first row, rows)
+    expert_rows: list[tuple[int, int, int]] = []  # (expert, first row, rows)
     row = 0
     for expert in range(n_experts):
-        expert_rows = sum(counts[expert * (n_active + 1) : (expert + 1) * (n_active + 1)])
-        if not expert_rows:
+        first = row
+        for segment in range(width):
+            n = counts[expert * width + segment]
+            if n and segment < n_active:
+                groups.append((expert, segment, row, n))
+            row += n
+        if row > first:
+            expert_rows.append((expert, first, row - first))
+
+    # Step 2: [T, r_max] per factor, zero outside the active segments and past a slot's rank.
+    # Pieces come from `split`, whose backward is one `cat`; a slice's backward would write a
+    # zero tensor of the whole input for every piece.
+    spans = _token_spans(active, n_tokens)
+    token_pieces = x.split([size for _, size in spans])
+    a_gate, a_up = layer.factor("w1", "A").unbind(0), layer.factor("w3", "A").unbind(0)
+    shrunk_gate, shrunk_up = [], []
+    for span, rows in zip(spans, token_pieces, strict=True):
+        index = span[0]
+        if index is None:
+            shrunk_gate.append(x.new_zeros(rows.shape[0], r_max))
+            shrunk_up.append(x.new_zeros(rows.shape[0], r_max))
             continue
-        tokens = routed_token[row : row + expert_rows]
-        gate_up = _project(x[tokens], gate_weight[expert], shape.transposed, gate_bias, expert)
-        deltas: list[torch.Tensor] = []
-        group_row = row
-        for segment in range(n_active + 1):
-            n = counts[expert * (n_active + 1) + segment]
-            if not n:
-                continue
-            if segment < n_active:
-                slot, start, *_ = active[segment]
-                local = routed_token[group_row : group_row + n] - start
-                u_gate, u_up = shrunk[segment]
-                bg, bu, _ = slot_factors(slot)
-                rank = active[segment][4]
-                d_gate = F.linear(u_gate[local], bg[expert][:, :rank].to(dtype))
-                d_up = F.linear(u_up[local], bu[expert][:, :rank].to(dtype))
-                deltas.append(_fuse_gate_up(d_gate, d_up, shape.concatenated))
-                group_spans.append((expert, segment, group_row, group_row + n))
-            else:
-                deltas.append(gate_up.new_zeros(n, gate_up.shape[-1]))
-            group_row += n
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
-        gate_up_pieces.append(gate_up + delta)
-        row += expert_rows
-    gate_up_all = gate_up_pieces[0] if len(gate_up_pieces) == 1 else torch.cat(gate_up_pieces)
-    hidden = frozen.apply_gate(gate_up_all)  # [n_routed, I]
+        slot, _, _, scale, rank = active[index]
+        pad = (0, r_max - rank)
+        shrunk_gate.append(F.pad(F.linear(rows, a_gate[slot][:rank].to(dtype)) * scale, pad))
+        shrunk_up.append(F.pad(F.linear(rows, a_up[slot][:rank].to(dtype)) * scale, pad))
+    # index_select rather than indexing: its backward is one index_add, not index_put's sort
+    u_gate = torch.cat(shrunk_gate).index_select(0, routed_token)
+    u_up = torch.cat(shrunk_up).index_select(0, routed_token)
 
-    out_pieces: list[torch.Tensor] = []
-    row = 0
-    for expert in range(n_experts):
-        expert_rows = sum(counts[expert * (n_active + 1) : (expert + 1) * (n_active + 1)])
-        if expert_rows:
-            out_pieces.append(
-                _project(
-                    hidden[row : row + expert_rows],
-                    down_weight[expert],
-                    shape.transposed,
-                    down_bias,
-                    expert,
-                )
+    # Step 3.
+    frozen = expert_weights(base, shape)
+    row_sizes = [n for _, _, n in expert_rows]
+    gate_up = torch.cat(
+        [
+            _project(rows, frozen.gate_up[e], shape, frozen.gate_up_bias, e)
+            for (e, _, _), rows in zip(
+                expert_rows, x.index_select(0, routed_token).split(row_sizes), strict=True
             )
-            row += expert_rows
-    out = out_pieces[0] if len(out_pieces) == 1 else torch.cat(out_pieces)
-    result = torch.zeros_like(x)
-    result.index_add_(0, routed_token[:n_routed], out * routed_weight[:n_routed])
+        ]
+    )
 
-    # The down update: per-expert A over each group's rows, the routing sum per token, then the
-    # shared B once per token of each segment.
-    by_segment: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in active]
-    for expert, segment, start_row, stop_row in group_spans:
-        slot, start, _, _, rank = active[segment]
-        _, _, ad = slot_factors(slot)
-        z = F.linear(hidden[start_row:stop_row], ad[expert][:rank].to(dtype))
-        local = routed_token[start_row:stop_row] - start
-        by_segment[segment].append((local, z * routed_weight[start_row:stop_row]))
+    # Step 4: groups in a few buckets of similar length (sorted), each bucket one batched
+    # matmul padded to its longest group, so padding stays a small part of the work.
+    buckets = _buckets(groups, active, n_routed, device)
+    flat_rows = torch.cat([bucket.rows.reshape(-1) for bucket in buckets])
+
+    def grouped(rows: torch.Tensor, factor: torch.Tensor, out_features: int) -> torch.Tensor:
+        """`rows [n_routed, in]` times each group's `factor[slot, expert] [out, in]`, back in
+        row order `[n_routed, out]` (rows of no group get 0)."""
+        padded_rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        products = []
+        for bucket in buckets:
+            weight = _GroupFactors.apply(factor, bucket.slots, bucket.experts, dtype)
+            gathered = padded_rows.index_select(0, bucket.rows.reshape(-1))
+            product = torch.bmm(gathered.view(*bucket.rows.shape, -1), weight.transpose(1, 2))
+            products.append(product.reshape(-1, out_features))
+        zeros = rows.new_zeros(n_routed + 1, out_features)
+        return zeros.index_add(0, flat_rows, torch.cat(products))[:n_routed]
+
+    d_gate = grouped(u_gate, layer.factor("w1", "B"), shape.intermediate)
+    d_up = grouped(u_up, layer.factor("w3", "B"), shape.intermediate)
+    hidden = frozen.apply_gate(gate_up + _fuse_gate_up(d_gate, d_up, shape.concatenated))
+
+    # Step 5.
+    out = torch.cat(
+        [
+            _project(rows, frozen.down[e], shape, frozen.down_bias, e)
+            for (e, _, _), rows in zip(expert_rows, hidden.split(row_sizes), strict=True)
+        ]
+    )
+    result = torch.zeros_like(x).index_add(0, routed_token, out * routed_weight)
+    z = grouped(hidden, layer.factor("w2", "A"), r_max)  # [n_routed, r_max]
+    summed = x.new_zeros(n_tokens, r_max).index_add(0, routed_token, z * routed_weight)
+    b_down = layer.factor("w2", "B").unbind(0)
     updates: list[torch.Tensor] = []
+    for span, rows in zip(spans, summed.split([size for _, size in spans]), strict=True):
+        if span[0] is None:
+            updates.append(x.new_zeros(rows.shape[0], shape.hidden))
+            continue
+        slot, _, _, scale, rank = active[span[0]]
+        updates.append(F.linear(rows[:, :rank] * scale, b_down[slot][:, :rank].to(dtype)))
+    return result + torch.cat(updates)
+
+
+def _token_spans(
+    active: list[tuple[int, int, int, float, int]], n_tokens: int
+) -> list[tuple[int | None, int]]:
+    """(active segment or None, tokens) spans tiling `[0, n_tokens)` in order."""
+    spans: list[tuple[int | None, int]] = []
     position = 0
-    for index, (slot, start, stop, scale, rank) in enumerate(active):
+    for index, (_, start, stop, _, _) in enumerate(active):
         if start > position:
-            updates.append(x.new_zeros(start - position, shape.hidden))
-        summed = x.new_zeros(stop - start, rank)
-        for local, z in by_segment[index]:
-            summed = summed.index_add(0, local, z)
-        updates.append(F.linear(summed * scale, b_down[slot][:, :rank].to(dtype)))
+            spans.append((None, start - position))
+        spans.append((index, stop - start))
         position = stop
     if position < n_tokens:
-        updates.append(x.new_zeros(n_tokens - position, shape.hidden))
-    return result + torch.cat(updates)
+        spans.append((None, n_tokens - position))
+    return spans
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Groups of similar length: `rows [G, L]` their row indices, padded with the index of a
+    zero row; `slots`, `experts` `[G]` whose factors each group uses."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    experts: torch.Tensor
+
+
+_BUCKETS = 4
+
+
+def _buckets(
+    groups: list[tuple[int, int, int, int]],
+    active: list[tuple[int, int, int, float, int]],
+    n_routed: int,
+    device: torch.device,
+) -> list[_Bucket]:
+    ordered = sorted(groups, key=lambda group: group[3])
+    size = -(-len(ordered) // _BUCKETS)
+    buckets = []
+    for begin in range(0, len(ordered), size):
+        chunk = ordered[begin : begin + size]
+        longest = chunk[-1][3]
+        offsets = torch.arange(longest, device=device)
+        firsts = torch.tensor([first for _, _, first, _ in chunk], device=device)
+        lengths = torch.tensor([n for *_, n in chunk], device=device)
+        rows = torch.where(
+            offsets < lengths[:, None],
+            firsts[:, None] + offsets,
+            torch.full_like(offsets, n_routed),
+        )
+        slots = torch.tensor([active[segment][0] for _, segment, _, _ in chunk], device=device)
+        experts = torch.tensor([expert for expert, *_ in chunk], device=device)
+        buckets.append(_Bucket(rows, slots, experts))
+    return buckets
+
+
+class _GroupFactors(torch.autograd.Function):
+    """`factor[slot_index, expert_index]` in `dtype`, whose backward adds each group's gradient
+    straight into the factor's `.grad` (a view of the bank's gradient rows).
+
+    Autograd's own backward of the gather builds a zero tensor of the factor's full size
+    `[S, E, out, in]` and adds all of it into `.grad`: two passes over every slot's expert factors
+    for a few groups' worth of gradient. Here only the groups' entries are touched.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        factor: torch.Tensor,
+        slot_index: torch.Tensor,
+        expert_index: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(slot_index, expert_index)
+        ctx.factor = factor
+        return factor[slot_index, expert_index].to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        (grad,) = grads
+        slot_index, expert_index = ctx.saved_tensors
+        factor: torch.Tensor = ctx.factor
+        values = grad.to(factor.dtype)
+        if factor.grad is None:  # no gradient buffer to add into: autograd's way
+            full = torch.zeros_like(factor)
+            full.index_put_((slot_index, expert_index), values, accumulate=True)
+            return full, None, None, None
+        factor.grad.index_put_((slot_index, expert_index), values, accumulate=True)
+        return None, None, None, None
 
 
 def _project(
     rows: torch.Tensor,
     weight: torch.Tensor,
-    transposed: bool,
+    shape: ExpertShape,
     bias: torch.Tensor | None,
     expert: int,
 ) -> torch.Tensor:
-    out = rows @ weight if transposed else F.linear(rows, weight)
+    out = rows @ weight if shape.transposed else F.linear(rows, weight)
     return out if bias is None else out + bias[expert]
 
 

@@ -2,7 +2,9 @@
 
 After an engine call the worker's first write is each op's outcome (the gateway answers the
 client's long-poll from it); bookkeeping that no client waits for (clearing the crash journal)
-comes after. With merging off (`--no-merge`), each planned cycle holds one model's work.
+comes after, and only once every step of the ops is over, their snapshots included. A fault in
+a step after the engine call fails the op or its model, never the service. With merging off
+(`--no-merge`), each planned cycle holds one model's work.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
+import pytest
+
 from protocol import subjects
-from protocol.jobs import ForwardBackwardJob, Job, OptimStepJob
+from protocol.jobs import ForwardBackwardJob, Job, OptimStepJob, decode_outcome
 from workers.settings import WorkerSettings
+from workers.trainer import service as trainer_service
 from workers.trainer.operations import Result, done_outcome
 from workers.trainer.sequencer import Pending
 from workers.trainer.service import TrainerService
-from workers.watchdog import running_key
+from workers.watchdog import running_key, snapshot_step
 
 
 class RecordingBus:
@@ -127,3 +133,101 @@ async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_
         ("pass", ["flood-fb"]),
         ("step", ["flood-step"]),
     ]
+
+
+def _snapshotting(service: TrainerService, released: list[str]) -> None:
+    """An engine that holds every model and captures a stub state; `snapshot_every` 1."""
+    service.settings = dataclasses.replace(service.settings, snapshot_every=1)
+    service.engine = SimpleNamespace(  # type: ignore[assignment]
+        pass_tokens=16384,
+        has=lambda model_id: model_id not in released,
+        release=released.append,
+        slots=SimpleNamespace(capture=lambda model_id: SimpleNamespace(step=1)),
+    )
+
+
+def _step(service: TrainerService) -> list[Pending[Any]]:
+    job = OptimStepJob(request_id="req-b", model_id="m-b", tenant_id="t", seq_id=1)
+    service.sequencer.start(job.model_id, applied_seq=0)
+    return [Pending(job=job, handle=None, received_at=0.0, stream_seq=7)]
+
+
+def _journal(bus: RecordingBus) -> list[list[str]]:
+    """Every running list the service wrote, in order."""
+    key = running_key("w-1")
+    return [msgspec.msgpack.decode(value) for _, k, value in bus.writes if k == key]
+
+
+async def test_the_journal_lists_a_snapshot_after_an_op_until_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot after an optim_step is a step of the op: a worker that dies writing it leaves
+    the op and the model's snapshot step on its running list, and its successor strikes them."""
+    bus = RecordingBus()
+    service = _service(bus, tmp_path)
+    _snapshotting(service, released=[])
+    during: list[list[str]] = []
+
+    def write(directory: Path, seq_id: int, state: Any, meta: dict[str, Any]) -> Path:
+        during.append(_journal(bus)[-1])
+        return directory / f"state-{seq_id}.json"
+
+    monkeypatch.setattr(trainer_service, "write_state", write)
+    await service._run(_step(service), _ran)
+
+    assert during == [["req-b", snapshot_step("m-b")]]
+    assert _journal(bus)[-1] == []  # cleared once every step is over
+    assert subjects.snapshot_key("m-b") in [key for _, key, _ in bus.writes]
+
+
+async def test_a_snapshot_that_stopped_the_worker_max_attempts_times_fails_its_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bus = RecordingBus()
+    service = _service(bus, tmp_path)
+    released: list[str] = []
+    _snapshotting(service, released)
+    service.journal.strikes[snapshot_step("m-b")] = service.settings.max_attempts
+
+    def write(*args: Any) -> Path:
+        raise AssertionError("written again")
+
+    monkeypatch.setattr(trainer_service, "write_state", write)
+    await service._run(_step(service), _ran)
+
+    assert released == ["m-b"]
+    failure = service.ops.failure("m-b")
+    assert failure is not None and "snapshot stopped the worker" in failure.message
+
+
+class FailingBus(RecordingBus):
+    """Refuses the first write of each key in `refused` (a fault, not NATS being away)."""
+
+    def __init__(self, refused: set[str]) -> None:
+        super().__init__()
+        self.refused = refused
+
+    async def put(self, bucket: str, key: str, value: bytes) -> None:
+        if key in self.refused:
+            self.refused.discard(key)
+            raise RuntimeError("refused")
+        await super().put(bucket, key, value)
+
+
+async def test_an_outcome_that_cannot_be_stored_fails_its_op_and_the_model_it_changed(
+    tmp_path: Path,
+) -> None:
+    """The step changed the model, so reporting it failed while keeping the model would be
+    a lie (a failed op changed nothing); the model fails, and its op says so."""
+    bus = FailingBus({subjects.future_key("req-b")})
+    service = _service(bus, tmp_path)
+    released: list[str] = []
+    _snapshotting(service, released)
+    service.settings = dataclasses.replace(service.settings, snapshot_every=100)
+    await service._run(_step(service), _ran)
+
+    [(_, _, stored)] = [w for w in bus.writes if w[1] == subjects.future_key("req-b")]
+    outcome = decode_outcome(stored)
+    assert (outcome.state, outcome.category) == ("error", "server")
+    assert "stopped training" in outcome.error and "req-b" in outcome.error
+    assert released == ["m-b"] and service.sequencer.missing_seq("m-b") == 2

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
@@ -23,6 +24,8 @@ from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.engine.lora import LAYER_GROUPS
 from workers.trainer.checkpoints import read_checkpoint
 from workers.trainer.engine import Engine
+from workers.trainer.parking import Tenant
+from workers.trainer.snapshots import read_state, write_state
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -295,3 +298,31 @@ def test_a_row_with_values_outside_the_adapter_is_parked_whole(
     engine.create("c", LoraConfig(rank=2, seed=3))
     assert "a" in engine.parked
     assert_same_state(slot_state(engine, "a"), before)
+
+
+def test_an_adapter_with_no_layer_on_its_model_parks_and_snapshots_as_nothing(
+    tmp_path: Path,
+) -> None:
+    """An MLP-only adapter on a model whose MLP the bank does not wrap (GPT-2's are `Conv1D`)
+    owns nothing in the bank. `create` refuses one now, but a state from before (a snapshot, a
+    checkpoint) still arrives: parking and snapshots store nothing for it, where `torch.cat` of
+    no tensors used to raise, and stopped its worker on every replay of its optim_step."""
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0
+    )
+    config.eos_token_id = 0
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    engine = Engine(str(tmp_path / "gpt2"), max_slots=1, max_rank=8)
+    assert "mlp" not in engine.bank.groups_present()
+    spec = LoraConfig(rank=2, seed=1, train_attn=False, train_unembed=False)
+    tenant = Tenant(slot=0, spec=spec, lora_alpha=32.0)
+
+    state = engine.parked.copy(tenant)
+    assert state.rows == {}
+    written = write_state(tmp_path / "state", 3, state, {"model_id": "m"})
+    assert read_state(written).rows == {}
+    engine.parked.park("m", tenant)
+    parked = engine.parked.pop("m")
+    assert parked is not None and parked.rows == {}
+    assert engine.parked.restore(parked, 0) == tenant

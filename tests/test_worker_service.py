@@ -2,7 +2,9 @@
 before the worker starts are merged into one shared pass across models, outcomes land in KV,
 a model whose next seq never arrives fails loudly instead of hanging, an unload frees the
 model's adapter and answers with the SDK's response, and a request that crashes a shared pass
-fails alone while the others of its pass succeed; the service's metrics count what it ran."""
+fails alone while the others of its pass succeed; the service's metrics count what it ran. A
+fault after the engine call (a snapshot that raises, or kills the process each time) fails its
+model, not the worker, and never the other tenants of its pool."""
 
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
 from workers.settings import WorkerSettings
 from workers.tiny_model import build_tiny_model
+from workers.trainer import service as trainer_service
 from workers.trainer.engine import Engine
 from workers.trainer.service import TrainerService
+from workers.trainer.snapshots import write_state
 
 
 def fwd_job(model_id: str, seq_id: int, length: int) -> ForwardBackwardJob:
@@ -374,5 +378,109 @@ async def test_a_model_idle_since_its_last_change_is_snapshotted_once(
             await asyncio.sleep(3.0)  # idle and unchanged since: not written again
             again = await gateway_bus.get(subjects.BUCKET_RUNS, key)
             assert again is not None and records.decode(again, SnapshotRecord) == first
+    finally:
+        await gateway_bus.close()
+
+
+def two_tenants(model_dir: Path, through_seq: int) -> list[Job]:
+    """`m-bad` and the bystander `m-ok`, each created and trained in steps up to `through_seq`."""
+    jobs: list[Job] = []
+    for i, model_id in enumerate(["m-bad", "m-ok"]):
+        jobs.append(create_job(model_id, model_dir, seed=i + 1))
+        for seq in range(1, through_seq + 1):
+            jobs.append(fwd_job(model_id, seq, 5) if seq % 2 else optim_job(model_id, seq))
+    return jobs
+
+
+def snapshot_writer(fault: BaseException) -> Any:
+    """The service's `write_state`, raising `fault` for model `m-bad` only."""
+
+    def write(directory: Path, seq_id: int, state: Any, meta: dict[str, Any]) -> Path:
+        if meta["model_id"] == "m-bad":
+            raise fault
+        return write_state(directory, seq_id, state, meta)
+
+    return write
+
+
+@pytest.mark.timeout(120)
+async def test_a_fault_after_the_engine_call_fails_its_model_not_the_worker(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot that raises after an optim_step (an MLP-only adapter on a model whose MLP the
+    bank does not wrap once did: `torch.cat()` of nothing) fails that model: its next requests
+    answer a clear `server` error. Exiting instead would replay the step from the log and fail
+    again on every restart, the pool's other tenants down with it; the bystander sharing its
+    passes and fused steps trains on."""
+    fault = ValueError("torch.cat(): expected a non-empty list of Tensors")
+    monkeypatch.setattr(trainer_service, "write_state", snapshot_writer(fault))
+    settings = worker_settings(nats_server, tmp_path, snapshot_every=1)
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    for job in two_tenants(Path(settings.base_model), through_seq=4):
+        await gateway_bus.publish_job(settings.pool, job)
+    try:
+        async with running_worker(settings) as engine:
+            # the step ran and was answered before its snapshot failed
+            assert (await wait_outcome(gateway_bus, "req-m-bad-2")).state == "done"
+            for seq in (3, 4):
+                out = await wait_outcome(gateway_bus, f"req-m-bad-{seq}", timeout_s=30)
+                assert (out.state, out.category) == ("error", "server"), out
+                assert "stopped training" in out.error and "req-m-bad-2" in out.error, out
+                assert "load your last checkpoint" in out.error and "torch" not in out.error
+            for seq in range(1, 5):
+                out = await wait_outcome(gateway_bus, f"req-m-ok-{seq}", timeout_s=30)
+                assert (out.state, out.error) == ("done", ""), out
+            assert not engine.has("m-bad") and engine.has("m-ok")
+            # still serving: a later request of the bystander runs
+            await gateway_bus.publish_job(settings.pool, fwd_job("m-ok", 5, 5))
+            assert (await wait_outcome(gateway_bus, "req-m-ok-5", timeout_s=30)).state == "done"
+        ok = await gateway_bus.get(subjects.BUCKET_RUNS, subjects.snapshot_key("m-ok"))
+        assert ok is not None and records.decode(ok, SnapshotRecord).applied_seq == 4
+        assert await gateway_bus.get(subjects.BUCKET_RUNS, subjects.snapshot_key("m-bad")) is None
+    finally:
+        await gateway_bus.close()
+
+
+class WorkerDied(BaseException):
+    """Stands for the process dying (a segfault): no handler of the worker's catches it, and
+    none of its clean-up runs, so the crash journal stays as it was."""
+
+
+@pytest.mark.timeout(240)
+async def test_a_crash_that_recurs_in_a_snapshot_is_struck_out_like_a_poison_pass(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker dies while writing `m-bad`'s snapshot after its optim_step, whose outcome
+    is stored already. Each restart (same worker id) rebuilds the model by replaying that step,
+    which writes the snapshot again: the journal covers the write, so after `max_attempts`
+    deaths the step is not replayed; the model fails clearly and the bystander trains on."""
+    monkeypatch.setattr(trainer_service, "write_state", snapshot_writer(WorkerDied()))
+    settings = worker_settings(
+        nats_server, tmp_path, snapshot_every=1, max_attempts=2, worker_id="w-dies"
+    )
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    for job in two_tenants(Path(settings.base_model), through_seq=3):
+        await gateway_bus.publish_job(settings.pool, job)
+    try:
+        for _ in range(settings.max_attempts):
+            engine = Engine(settings.base_model, max_slots=2, max_rank=8)
+            worker_bus = WorkerBus(settings.nats_url)
+            await worker_bus.connect()
+            service = TrainerService(worker_bus, engine, settings)
+            task = asyncio.create_task(service.run())
+            await asyncio.wait([task], timeout=60)
+            assert task.done() and isinstance(task.exception(), WorkerDied)
+            service.executor.shutdown(wait=False)
+            await worker_bus.close()
+        assert (await wait_outcome(gateway_bus, "req-m-bad-2")).state == "done"
+        async with running_worker(settings):
+            out = await wait_outcome(gateway_bus, "req-m-bad-3", timeout_s=30)
+            assert (out.state, out.category) == ("error", "server"), out
+            assert "stopped training" in out.error and "2 times" in out.error, out
+            for seq in range(1, 4):
+                out = await wait_outcome(gateway_bus, f"req-m-ok-{seq}", timeout_s=30)
+                assert (out.state, out.error) == ("done", ""), out
     finally:
         await gateway_bus.close()

@@ -1,13 +1,17 @@
 """What was running when a worker stopped: the journal that turns a crash into a suspect.
 
 Before each engine call the worker writes the request ids it is about to run to KV
-(`tw_futures`, `running.<worker_id>`), and clears them after. A worker that stops in between
-(killed by the pass watchdog for running past `pass_timeout_s`, crashed, out of memory) leaves
-them there. Whoever carries on — the same worker restarted under its id, or the worker that
-takes its shards over — inherits that list: each request on it gets one more strike
-(`strikes.<request_id>`). A request with strikes runs alone, so it cannot take other tenants
+(`tw_futures`, `running.<worker_id>`), and clears them only once every step of those requests
+is over: the engine call, their outcomes, and what follows (a state snapshot). A state snapshot
+between cycles (a model gone idle) is on the list too, by its model (`snapshot_step`). A worker
+that stops in between (killed by the pass watchdog for running past `pass_timeout_s`, crashed,
+out of memory) leaves them there. Whoever carries on — the same worker restarted under its id,
+or the worker that takes its shards over — inherits that list: each entry on it gets one more
+strike (`strikes.<entry>`). A request with strikes runs alone, so it cannot take other tenants
 down with it again; one with `max_attempts` strikes is not run at all: it fails with a `server`
-error that says why, and its model carries on with its next requests in order.
+error that says why, and its model carries on with its next requests in order (or, when its
+client already has its result and only its replay stops the worker, its model fails). A model
+whose snapshot stopped the worker `max_attempts` times in a row fails too.
 """
 
 from __future__ import annotations
@@ -44,19 +48,49 @@ def strikes_key(request_id: str) -> str:
     return f"strikes.{request_id}"
 
 
+def snapshot_step(model_id: str) -> str:
+    """The journal's entry for writing a model's state snapshot: the model's, not a request's
+    (the snapshot an idle model gets stands at whichever op came last)."""
+    return f"snapshot.{model_id}"
+
+
 class CrashJournal:
-    """This worker's running list, and the strikes of the requests it inherited."""
+    """This worker's running list, and the strikes of the entries it inherited."""
 
     def __init__(self, bus: WorkerBus, worker_id: str) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.strikes: dict[str, int] = {}
+        self._running: list[str] = []
 
     async def running(self, request_ids: list[str]) -> None:
-        await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode(request_ids))
+        """What runs from now on (the list replaces the last one)."""
+        self._running = list(request_ids)
+        await self._write()
 
     async def idle(self) -> None:
-        await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode([]))
+        self._running = []
+        await self._write()
+
+    async def enter(self, entry: str) -> None:
+        """One more step runs beside what is on the list (a snapshot after a request)."""
+        self._running.append(entry)
+        await self._write()
+
+    async def leave(self, entry: str) -> None:
+        """A step that `enter` listed is over."""
+        if entry in self._running:
+            self._running.remove(entry)
+        await self._write()
+
+    async def forgive(self, entry: str) -> None:
+        """A step with strikes ran through: its count starts over (for a model's snapshots,
+        whose entry lives as long as the model, strikes must be in a row)."""
+        if self.strikes.pop(entry, 0):
+            await self.bus.put(_BUCKET, strikes_key(entry), b"0")
+
+    async def _write(self) -> None:
+        await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode(self._running))
 
     async def inherit(self, worker_id: str) -> list[str]:
         """Take over what `worker_id` was running when it stopped: one strike each."""

@@ -262,16 +262,15 @@ def experts_forward(
     # Pieces come from `split`, whose backward is one `cat`; a slice's backward would write a
     # zero tensor of the whole input for every piece.
     spans = _token_spans(active, n_tokens)
-    token_pieces = x.split([size for _, size in spans])
+    token_pieces = torch.split(x, [size for _, size in spans])
     a_gate, a_up = layer.factor("w1", "A").unbind(0), layer.factor("w3", "A").unbind(0)
     shrunk_gate, shrunk_up = [], []
     for span, rows in zip(spans, token_pieces, strict=True):
-        index = span[0]
-        if index is None:
+        if span[0] is None:
             shrunk_gate.append(x.new_zeros(rows.shape[0], r_max))
             shrunk_up.append(x.new_zeros(rows.shape[0], r_max))
             continue
-        slot, _, _, scale, rank = active[index]
+        slot, _, _, scale, rank = active[span[0]]
         pad = (0, r_max - rank)
         shrunk_gate.append(F.pad(F.linear(rows, a_gate[slot][:rank].to(dtype)) * scale, pad))
         shrunk_up.append(F.pad(F.linear(rows, a_up[slot][:rank].to(dtype)) * scale, pad))
@@ -286,7 +285,7 @@ def experts_forward(
         [
             _project(rows, frozen.gate_up[e], shape, frozen.gate_up_bias, e)
             for (e, _, _), rows in zip(
-                expert_rows, x.index_select(0, routed_token).split(row_sizes), strict=True
+                expert_rows, torch.split(x.index_select(0, routed_token), row_sizes), strict=True
             )
         ]
     )
@@ -302,7 +301,7 @@ def experts_forward(
         padded_rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
         products = []
         for bucket in buckets:
-            weight = _GroupFactors.apply(factor, bucket.slots, bucket.experts, dtype)
+            weight = _GroupFactors.apply(factor, bucket.slots, bucket.experts, dtype)  # type: ignore[no-untyped-call]
             gathered = padded_rows.index_select(0, bucket.rows.reshape(-1))
             product = torch.bmm(gathered.view(*bucket.rows.shape, -1), weight.transpose(1, 2))
             products.append(product.reshape(-1, out_features))
@@ -317,7 +316,7 @@ def experts_forward(
     out = torch.cat(
         [
             _project(rows, frozen.down[e], shape, frozen.down_bias, e)
-            for (e, _, _), rows in zip(expert_rows, hidden.split(row_sizes), strict=True)
+            for (e, _, _), rows in zip(expert_rows, torch.split(hidden, row_sizes), strict=True)
         ]
     )
     result = torch.zeros_like(x).index_add(0, routed_token, out * routed_weight)
@@ -325,7 +324,7 @@ def experts_forward(
     summed = x.new_zeros(n_tokens, r_max).index_add(0, routed_token, z * routed_weight)
     b_down = layer.factor("w2", "B").unbind(0)
     updates: list[torch.Tensor] = []
-    for span, rows in zip(spans, summed.split([size for _, size in spans]), strict=True):
+    for span, rows in zip(spans, torch.split(summed, [size for _, size in spans]), strict=True):
         if span[0] is None:
             updates.append(x.new_zeros(rows.shape[0], shape.hidden))
             continue

@@ -90,15 +90,24 @@ class EngineOps:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        self.lost: set[str] = set()  # models whose state could not be recovered
+        # Models whose every request fails here, and why: their state could not be recovered,
+        # or stopped matching what their clients were told (`TrainerService._fail_model`).
+        self.failed: dict[str, str] = {}
+
+    def failure(self, model_id: str) -> ServerError | None:
+        """The error every request of a failed model answers; None for a model that is fine."""
+        why = self.failed.get(model_id)
+        if why is None:
+            return None
+        return ServerError(
+            f"model_id {model_id!r} {why}; load your last checkpoint (list_checkpoints) into a"
+            " new training client"
+        )
 
     def _require_model(self, job: Job) -> None:
-        if job.model_id in self.lost:
-            raise ServerError(
-                f"model_id {job.model_id!r} could not be recovered after its worker stopped (its"
-                " ops log no longer reaches back to its last snapshot); load your last"
-                " checkpoint (list_checkpoints) into a new training client"
-            )
+        failure = self.failure(job.model_id)
+        if failure is not None:
+            raise failure
         if not self.engine.has(job.model_id):
             raise UserError(
                 f"model_id {job.model_id!r} is not loaded (its create_model or load failed)"

@@ -31,6 +31,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Literal
 
+import msgspec
 from nats.js.errors import NotFoundError
 
 from protocol import records, subjects
@@ -143,8 +144,17 @@ class ModelLog:
                 return
             if msg.data is None or msg.seq is None:
                 return
-            yield decode_job(msg.data), msg.seq
             position = msg.seq + 1
+            try:
+                job = decode_job(msg.data)
+            except msgspec.DecodeError:
+                # Its live delivery was dropped the same way (`TrainerService._on_msg`); raising
+                # here would stop every worker that takes the model over.
+                log.error(
+                    "model %s: skipping the undecodable op at %d of the log", model_id, msg.seq
+                )
+                continue
+            yield job, msg.seq
 
     async def mode(self, job: Job) -> Replay:
         data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))

@@ -74,8 +74,11 @@ class Sequencer(Generic[H]):
         return out
 
     def applied(self, job: Job) -> None:
-        """Mark an op done (successfully or not): the next seq may run."""
-        line = self.lines[job.model_id]
+        """Mark an op done (successfully or not): the next seq may run. A line dropped while
+        its op ran (the shard moved: `forget`) has nothing left to move."""
+        line = self.lines.get(job.model_id)
+        if line is None:
+            return
         line.buffer.pop(job.seq_id, None)
         line.applied_seq = max(line.applied_seq, job.seq_id)
         line.stalled_since = None

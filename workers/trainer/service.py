@@ -7,6 +7,12 @@ runs them on the engine's single thread.
 Step 5: each op's outcome is written to KV `tw_futures`, then the op is acked; a crash between
 the two only re-runs the op and rewrites the same key.
 
+A fault in any step of an op (the engine call, its outcome, its snapshot) fails that op, or its
+model once the op has changed it (`_finish`, `_fail_model`); it never ends the process, which
+would replay the same op from the log and fail again, with every tenant of the pool down
+meanwhile. Only a bus that stays away (`Unavailable`) does. A crash that is no exception (a
+segfault, the pass watchdog) is what the journal is for: every step is on it.
+
 The engine-thread work itself is `workers.trainer.operations`. This module is the transport and the
 order around it: which shards this worker consumes (`workers.trainer.leases`), taking over a model it
 has no state for (a snapshot, then the model's logged ops: `workers.trainer.recovery`), snapshots after
@@ -29,7 +35,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from protocol import records, subjects
-from protocol.errors import Gone, ServerError
+from protocol.errors import Gone, ServerError, Unavailable
 from protocol.jobs import (
     CreateModelJob,
     ForwardBackwardJob,
@@ -45,7 +51,7 @@ from protocol.jobs import (
     encode_outcome,
     request_type_of,
 )
-from protocol.records import SnapshotRecord, WorkerRecord
+from protocol.records import CheckpointRecord, SnapshotRecord, WorkerRecord
 from workers.bus import WorkerBus
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
@@ -62,7 +68,7 @@ from workers.trainer.scheduler import Cycle, FairShare, plan
 from workers.trainer.sequencer import Pending, Sequencer
 from workers.trainer.snapshots import prune, read_state, state_dir, write_state
 from workers.usage import UsageBook
-from workers.watchdog import CrashJournal, stop_process
+from workers.watchdog import CrashJournal, snapshot_step, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +204,7 @@ class TrainerService:
             self.sequencer.forget(model_id)
             self._steps_since_snapshot.pop(model_id, None)
             self._unsnapped.pop(model_id, None)  # its new owner snapshots it
+            self.ops.failed.pop(model_id, None)  # its new owner finds out for itself
         loop = asyncio.get_running_loop()
         for model_id in gone:
             await loop.run_in_executor(self.executor, self.engine.release, model_id)
@@ -212,7 +219,18 @@ class TrainerService:
             await msg.term()
             return
         if not self.sequencer.known(job.model_id) and not _creates(job):
-            await self._take_over(job.model_id)
+            try:
+                await self._take_over(job.model_id)
+            except Unavailable:
+                raise
+            except Exception:
+                # Raised again by every worker that would take the model over, each one exiting
+                # (`WorkerBus.consume`): the model fails instead, from this op on.
+                log.exception("model %s: taking it over failed", job.model_id)
+                self.ops.failed[job.model_id] = (
+                    "could not be taken over by a new worker (see the worker log)"
+                )
+                self.sequencer.start(job.model_id, applied_seq=job.seq_id - 1)
         stream_seq = msg.metadata.sequence.stream if msg.metadata.sequence else 0
         pending: Item = Pending(
             job=job, handle=msg, received_at=time.monotonic(), stream_seq=stream_seq
@@ -235,14 +253,18 @@ class TrainerService:
         snapshot = await self.log_reader.snapshot(model_id)
         after = 0
         if snapshot is not None:
+            loop = asyncio.get_running_loop()
             try:
                 state = await asyncio.to_thread(read_state, Path(snapshot.directory))
-            except ServerError:
-                log.exception("model %s: its snapshot is unreadable; replaying its log", model_id)
-                snapshot = None
-            else:
-                loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self.executor, self.engine.slots.adopt, model_id, state)
+            except Exception:
+                log.exception(
+                    "model %s: its snapshot cannot be restored; replaying its log", model_id
+                )
+                snapshot = None
+                # nothing half-adopted stays: the replay starts from its creation
+                await loop.run_in_executor(self.executor, self.engine.release, model_id)
+            else:
                 self.sequencer.start(model_id, applied_seq=snapshot.applied_seq)
                 after = snapshot.stream_seq
         if snapshot is None:
@@ -287,7 +309,10 @@ class TrainerService:
         elif hole:
             # The log no longer reaches back to the model's creation or to its snapshot: ops
             # the client saw succeed are gone with it. Its ops fail at once, saying so.
-            self.ops.lost.add(model_id)
+            self.ops.failed[model_id] = (
+                "could not be recovered after its worker stopped (its ops log no longer reaches"
+                " back to its last snapshot)"
+            )
             self.sequencer.start(model_id, applied_seq=first_seq - 1)
             log.error(
                 "model %s cannot be recovered: it needs its logged ops from seq %d (%s),"
@@ -467,11 +492,17 @@ class TrainerService:
             return
         if suspects and self._strikes(suspects[0]) >= self.settings.max_attempts:
             [item] = suspects
-            err = ServerError(
-                f"request {item.job.request_id} was running each of the"
-                f" {self._strikes(item)} times a worker stopped (past the"
-                f" {self.settings.pass_timeout_s:.0f} s limit of one pass, or a crash); it was"
-                " not applied, and the model's later requests run without it"
+            strikes, request_id = self._strikes(item), item.job.request_id
+            if item.replay == "quiet":  # its client has its result, and its model needs it
+                await self._fail_model(
+                    item.job.model_id,
+                    f"stopped training: its worker stopped each of the {strikes} times it"
+                    f" replayed request {request_id} to rebuild the model's state",
+                )
+            err = self.ops.failure(item.job.model_id) or ServerError(
+                f"request {request_id} was running each of the {strikes} times a worker stopped"
+                f" (past the {self.settings.pass_timeout_s:.0f} s limit of one pass, or a crash);"
+                " it was not applied, and the model's later requests run without it"
             )
             await self._finish(item, failed_outcome(item.job, err))
             return
@@ -502,18 +533,16 @@ class TrainerService:
         finally:
             self._in_flight = []
         for item, (outcome, ckpt) in zip(items, results, strict=True):
-            if ckpt is not None and item.replay in ("", "publish"):
-                key = subjects.checkpoint_key(ckpt.run_id, ckpt.checkpoint_id)
-                await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(ckpt))
-            await self._finish(item, outcome)
-        # Cleared only now, off the clients' path: a stop after the outcomes are written leaves
-        # finished requests on the list, and those never count (`_strikes`).
+            await self._finish(item, outcome, ckpt)
+        # Cleared only now, off the clients' path and after every op's snapshot: a stop before
+        # here strikes these requests, finished or not (`_strikes`).
         await self.journal.idle()
 
     def _strikes(self, item: Item) -> int:
-        """Times this unfinished request was running when a worker stopped (replays of
-        finished ones never count: they ran through before)."""
-        if item.replay not in ("", "publish"):
+        """Times this request was running when a worker stopped. A finished one replayed to
+        rebuild its model (`quiet`) counts too: the list stayed set while its snapshot was
+        written, which its replay writes again. A settled one (`skip`) never runs."""
+        if item.replay == "skip":
             return 0
         return self.journal.strikes.get(item.job.request_id, 0)
 
@@ -525,24 +554,110 @@ class TrainerService:
         )
         self.metrics.op_finished(outcome.request_type, outcome.state, outcome.category)
 
-    async def _finish(self, item: Item, outcome: Outcome) -> None:
-        """Store the outcome (not for a replayed op whose client has it), ack, move the line."""
+    async def _finish(
+        self, item: Item, outcome: Outcome, checkpoint: CheckpointRecord | None = None
+    ) -> None:
+        """Store the outcome (not for a replayed op whose client has it) and the checkpoint
+        record of a save, ack, move the line, then what follows the op (a snapshot).
+
+        A fault in any of these is the op's, not the process's: an op whose outcome could not
+        be stored fails instead, and its model with it if the op changed it (a failed op must
+        have changed nothing); a fault after the outcome is stored fails the model, and so does
+        a replay that fails to rebuild a state its client was told of. Only the bus staying
+        away (`Unavailable`) goes on up.
+        """
+        job = item.job
         publish = item.replay in ("", "publish")
-        if publish:
-            await self._store(outcome)
-        if item.handle is not None:
-            await item.handle.ack()
+        try:
+            if checkpoint is not None and publish:
+                key = subjects.checkpoint_key(checkpoint.run_id, checkpoint.checkpoint_id)
+                await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(checkpoint))
+            if publish:
+                await self._store(outcome)
+        except Unavailable:
+            raise
+        except Exception:
+            log.exception("op %s of %s: storing its outcome failed", job.request_id, job.model_id)
+            outcome = await self._unanswered(item, outcome)
+        if (
+            item.replay == "quiet"
+            and outcome.state != "done"
+            and job.model_id not in self.ops.failed
+        ):
+            log.error(
+                "op %s of %s failed in its replay: %s", job.request_id, job.model_id, outcome.error
+            )
+            await self._fail_model(
+                job.model_id,
+                f"stopped training: its request {job.request_id} failed when replayed to rebuild"
+                " its state on a new worker (see the worker log)",
+            )
+        await self._ack(item)
         if outcome.state == "done" and publish:
-            self._count(item.job)
-        self.sequencer.applied(item.job)
-        if item.job.model_id in self._unsnapped:  # the idle snapshot stands at the last op
-            self._unsnapped[item.job.model_id] = (item, time.monotonic())
+            self._count(job)
+        self.sequencer.applied(job)
+        if job.model_id in self._unsnapped:  # the idle snapshot stands at the last op
+            self._unsnapped[job.model_id] = (item, time.monotonic())
         if outcome.state == "done":
-            await self._after(item)
-        if isinstance(item.job, UnloadModelJob):
-            for stale in self.sequencer.close(item.job.model_id):
+            try:
+                await self._after(item)
+            except Unavailable:
+                raise
+            except Exception:
+                log.exception("op %s of %s: what follows it failed", job.request_id, job.model_id)
+                await self._fail_model(
+                    job.model_id,
+                    f"stopped training: its worker failed after request {job.request_id} had"
+                    " run, writing its state (see the worker log)",
+                )
+        if isinstance(job, UnloadModelJob):
+            for stale in self.sequencer.close(job.model_id):
                 err = Gone(f"model_id {stale.job.model_id!r} was unloaded before this request ran")
                 await self._finish_unsequenced(stale, failed_outcome(stale.job, err))
+
+    async def _unanswered(self, item: Item, outcome: Outcome) -> Outcome:
+        """Fail an op whose outcome (or checkpoint record) could not be stored; the outcome
+        that stands for it now. If it changed its model, the model fails too."""
+        if outcome.state == "done" and changes_state(item.job):
+            await self._fail_model(
+                item.job.model_id,
+                f"stopped training: its worker failed to store the result of request"
+                f" {item.job.request_id} (see the worker log)",
+            )
+        err = self.ops.failure(item.job.model_id) or ServerError(
+            "the worker failed while storing this request's result; see the worker log"
+        )
+        failed = failed_outcome(item.job, err)
+        try:
+            await self._store(failed)
+        except Unavailable:
+            raise
+        except Exception:
+            log.exception("op %s: its failure could not be stored either", item.job.request_id)
+        return failed
+
+    async def _ack(self, item: Item) -> None:
+        if item.handle is None:
+            return
+        try:
+            await item.handle.ack()
+        except Exception:
+            # delivered again later, and answered as the duplicate it is (`_answer_late`)
+            log.warning("op %s: its ack failed", item.job.request_id, exc_info=True)
+
+    async def _fail_model(self, model_id: str, why: str) -> None:
+        """Every later request of `model_id` here fails, saying `why`; its adapter goes. After
+        a handover its new owner rebuilds it from its snapshot and log (`_lose_shard` forgets
+        the failure), and meets the fault again if it is the model's own."""
+        log.error("model %s %s; its later requests here fail", model_id, why)
+        self.ops.failed[model_id] = why
+        self._steps_since_snapshot.pop(model_id, None)
+        self._unsnapped.pop(model_id, None)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.executor, self.engine.release, model_id)
+        except Exception:
+            log.exception("model %s: releasing its adapter failed", model_id)
 
     def _count(self, job: Job) -> None:
         """Usage of a completed op, by its tenant."""
@@ -556,8 +671,7 @@ class TrainerService:
         """Store an outcome and ack, for an op whose model's line is gone."""
         if item.replay in ("", "publish"):
             await self._store(outcome)
-        if item.handle is not None:
-            await item.handle.ack()
+        await self._ack(item)
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -582,11 +696,34 @@ class TrainerService:
         """Write the model's state as of this op, then point its snapshot record at it.
 
         `current`: whether the op is still the model's latest here (asked again after each
-        wait; an idle snapshot runs between cycles, and the shard may move meanwhile).
+        wait; an idle snapshot runs between cycles, and the shard may move meanwhile). The write
+        is on the crash journal by its model: one that stopped the worker `max_attempts` times
+        in a row fails the model instead of stopping it again.
         """
         model_id = item.job.model_id
         if not item.stream_seq or not self.engine.has(model_id):
             return
+        step = snapshot_step(model_id)
+        strikes = self.journal.strikes.get(step, 0)
+        if strikes >= self.settings.max_attempts:
+            await self._fail_model(
+                model_id,
+                f"stopped training: writing its state snapshot stopped the worker each of the"
+                f" last {strikes} times",
+            )
+            return
+        await self.journal.enter(step)
+        try:
+            await self._write_snapshot(item, current)
+        except Exception:
+            await self.journal.leave(step)
+            raise
+        # Not in a `finally`: a stop (a cancel, or worse) leaves the step on the list.
+        await self.journal.leave(step)
+        await self.journal.forgive(step)
+
+    async def _write_snapshot(self, item: Item, current: Callable[[], bool]) -> None:
+        model_id = item.job.model_id
         loop = asyncio.get_running_loop()
         state = await loop.run_in_executor(self.executor, self.engine.slots.capture, model_id)
         directory = state_dir(self.settings.checkpoint_root, model_id)

@@ -96,6 +96,12 @@ def tiny_model_35(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_5", "qwen3_5")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-MoE (fused experts, 8 experts top-2): the expert LoRA path."""
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_moe", "qwen3_moe")
+
+
 @dataclass
 class Cluster:
     """A running `twinkle-async up`."""
@@ -188,10 +194,13 @@ def stop_cluster(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="session")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_model_35: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model: Path,
+    tiny_model_35: Path,
+    tiny_model_moe: Path,
 ) -> Iterator[Cluster]:
     running = start_cluster(
-        tmp_path_factory.mktemp("cluster") / "data", [tiny_model, tiny_model_35]
+        tmp_path_factory.mktemp("cluster") / "data", [tiny_model, tiny_model_35, tiny_model_moe]
     )
     try:
         yield running

@@ -1,5 +1,5 @@
-"""Crash transparency with real processes: `up --workers 2` runs two trainer workers that share
-a pool through shard leases; one is SIGKILLed mid-run, the other takes its models over from their
+"""Crash transparency with real processes: `up --workers 2` runs two trainer workers per base
+model (a dense one and a MoE one) that share the model's pool through shard leases; one is SIGKILLed mid-run, the other takes its models over from their
 state snapshots and the ops log, and `up` restarts the killed one under its id. Every future
 resolves and every adapter ends where an uninterrupted run ends.
 """
@@ -33,10 +33,12 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def pool_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Cluster]:
+def pool_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, tiny_model_moe: Path
+) -> Iterator[Cluster]:
     running = start_cluster(
         tmp_path_factory.mktemp("recovery") / "data",
-        [tiny_model],
+        [tiny_model, tiny_model_moe],
         "--workers",
         "2",
         env=FAST_TAKEOVER,
@@ -47,13 +49,14 @@ def pool_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         stop_cluster(running)
 
 
-def _workers(cluster: Cluster) -> dict[str, int]:
-    """The trainer workers `up` runs: worker id -> pid (from their command lines)."""
+def _workers(cluster: Cluster, base_model: Path) -> dict[str, int]:
+    """The trainer workers `up` runs for one base model: worker id -> pid (from their command
+    lines)."""
     found = {}
     for children in Path(f"/proc/{cluster.process.pid}/task").glob("*/children"):
         for pid in children.read_text().split():
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            if "workers" in argv and "--worker-id" in argv:
+            if "workers" in argv and "--worker-id" in argv and str(base_model) in argv:
                 found[argv[argv.index("--worker-id") + 1]] = int(pid)
     return found
 
@@ -113,10 +116,13 @@ def _adapter(cluster: Cluster, path: str) -> dict[str, np.ndarray]:
     return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
 
 
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_model_moe"])
 def test_a_killed_worker_loses_nothing(
-    pool_cluster: Cluster, tiny_model: Path, tmp_path: Path
+    pool_cluster: Cluster, model: str, request: pytest.FixtureRequest
 ) -> None:
+    """For a dense model and a MoE model (expert LoRA in the snapshots and the replay)."""
     cluster = pool_cluster
+    tiny_model: Path = request.getfixturevalue(model)
     pool = subjects.pool_of(str(tiny_model))
     service = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
     try:
@@ -125,7 +131,7 @@ def test_a_killed_worker_loses_nothing(
             assert time.monotonic() < deadline, "the two workers never shared the shards"
             time.sleep(0.5)
         owners = asyncio.run(_leases(cluster.nats_url, pool))
-        workers = _workers(cluster)
+        workers = _workers(cluster, tiny_model)
         assert set(owners.values()) == set(workers), (owners, workers)
         second_id = sorted(workers)[1]
 
@@ -184,7 +190,7 @@ def test_a_killed_worker_loses_nothing(
             for key in want:
                 np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
         # `up` restarted the killed worker under its id
-        restarted = _workers(cluster)
+        restarted = _workers(cluster, tiny_model)
         assert second_id in restarted and restarted[second_id] != workers[second_id]
     finally:
         service.close("success").result()

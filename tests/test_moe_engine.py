@@ -26,6 +26,7 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import UserError
 from protocol.tensors import FwdBwdRequest
 from tests.test_engine import assert_same_outputs, make_request, max_diff
+from workers.tiny_model import build_tiny_model
 from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -68,9 +69,13 @@ def _gpt_oss_config() -> GptOssConfig:
     )
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "qwen3_5_moe"])
 def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3_5_moe":
+        # composite model: linear attention, a shared expert and its gate, the text model under
+        # `model.language_model`
+        return build_tiny_model(directory, "qwen3_5_moe", vocab_size=259)
     torch.manual_seed(0)
     if request.param == "qwen3_moe":
         model: torch.nn.Module = Qwen3MoeForCausalLM(_qwen3_moe_config())

@@ -173,7 +173,16 @@ class MultiSlotLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         segments = self.routing.segments
-        if segments and x.shape[0] != self.routing.n_rows:
+        n_rows = self.routing.n_rows
+        if segments and x.dim() == 2 and n_rows and x.shape[0] % n_rows == 0:
+            # Tokens flattened to [rows · length, in] (a MoE block's shared expert sees them so):
+            # each segment's rows stand for `length` consecutive tokens.
+            per_row = x.shape[0] // n_rows
+            if per_row > 1:
+                segments = tuple(
+                    Segment(s.slot, s.start * per_row, s.stop * per_row) for s in segments
+                )
+        elif segments and x.shape[0] != n_rows:
             raise ServerError(
                 f"LoRA layer ({self.group}) got {x.shape[0]} rows, the pass has {self.routing.n_rows}"
             )

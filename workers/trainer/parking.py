@@ -164,18 +164,24 @@ class ParkedAdapters:
     def _copy_out(
         self, buffer: torch.Tensor, slot: int, rank: int, groups: frozenset[LayerGroup]
     ) -> HostRow | None:
+        """The slot's part of `buffer` on the host, view by view: no packed copy of the adapter
+        is made on the device (a MoE adapter with its moments can be gigabytes)."""
         row = buffer[slot]
-        views = self._views(buffer, slot, rank, groups)
         # No views: the adapter trains no layer this model has (MLP only, on a model whose MLP
         # the bank does not wrap). Its part is empty, so an all-zero row stores nothing.
-        packed = torch.cat([view.reshape(-1) for view in views]) if views else row[:0].clone()
+        views = self._views(buffer, slot, rank, groups)
+        counts = [view.count_nonzero() for view in views]
+        in_views = torch.stack(counts).sum() if counts else row.new_zeros((), dtype=torch.long)
         # One device sync: non-zeros (NaN included) in the adapter's part and in the whole row.
-        in_packed, in_row = torch.stack([packed.count_nonzero(), row.count_nonzero()]).tolist()
+        in_packed, in_row = torch.stack([in_views, row.count_nonzero()]).tolist()
         if in_row == 0:
             return None
-        if in_packed == in_row:
-            return HostRow(packed.to("cpu"), whole_row=False)  # `cat` made a copy already
-        return HostRow(row.to("cpu", copy=True), whole_row=True)
+        if in_packed != in_row:
+            return HostRow(row.to("cpu", copy=True), whole_row=True)
+        host = torch.empty(sum(view.numel() for view in views), dtype=buffer.dtype)
+        for view, chunk in zip(views, torch.split(host, [v.numel() for v in views]), strict=True):
+            chunk.view(view.shape).copy_(view)
+        return HostRow(host, whole_row=False)
 
     def _copy_in(
         self,
@@ -185,10 +191,11 @@ class ParkedAdapters:
         rank: int,
         groups: frozenset[LayerGroup],
     ) -> None:
-        values = host.values.to(buffer.device)
         if host.whole_row:
-            buffer[slot].copy_(values)
+            buffer[slot].copy_(host.values)
             return
+        # view by view from the host: no packed device copy of the adapter
         views = self._views(buffer, slot, rank, groups)
-        chunks = torch.split(values, [view.numel() for view in views])
-        torch._foreach_copy_(views, [c.view(v.shape) for c, v in zip(chunks, views, strict=True)])
+        chunks = torch.split(host.values, [view.numel() for view in views])
+        for view, chunk in zip(views, chunks, strict=True):
+            view.copy_(chunk.view(view.shape))

@@ -96,7 +96,12 @@ def up(
     sweep_interval_s: SweepIntervalS = 10.0,
     rate_burst_s: RateBurstS = 60.0,
     long_poll_s: LongPollS = 30.0,
-    max_slots: Annotated[int, typer.Option(help="adapter slots per worker")] = 8,
+    max_slots: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="adapter slots per worker (default: what the device's free memory holds)"
+        ),
+    ] = None,
     max_rank: Annotated[int, typer.Option(help="largest LoRA rank a worker accepts")] = 32,
     max_parked: Annotated[
         int | None,
@@ -138,8 +143,7 @@ def up(
             "the API key must start with 'tml-' (the tinker SDK refuses others)"
         )
     worker_args = [
-        "--max-slots",
-        str(max_slots),
+        *(["--max-slots", str(max_slots)] if max_slots is not None else []),
         "--max-rank",
         str(max_rank),
         "--log-level",

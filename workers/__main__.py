@@ -42,8 +42,13 @@ def worker_options(
         typer.Option(envvar="TWINKLE_DATA_DIR", help="checkpoints live in DATA_DIR/checkpoints"),
     ] = Path("data"),
     max_slots: Annotated[
-        int, typer.Option(envvar="TWINKLE_MAX_SLOTS", min=1, help="adapter slots on the device")
-    ] = 8,
+        int | None,
+        typer.Option(
+            envvar="TWINKLE_MAX_SLOTS",
+            min=1,
+            help="adapter slots on the device (default: what its free memory holds, up to 64)",
+        ),
+    ] = None,
     max_rank: Annotated[
         int, typer.Option(envvar="TWINKLE_MAX_RANK", min=1, help="largest LoRA rank accepted")
     ] = 32,

@@ -58,7 +58,7 @@ class WorkerSettings:
     nats_url: str = "nats://127.0.0.1:4222"
     data_dir: Path = Path("data")
     n_shards: int = subjects.DEFAULT_SHARDS
-    max_slots: int = 8
+    max_slots: int | None = None  # trainer: None plans them from free memory; sampler: 8
     max_rank: int = 32
     max_parked: int | None = None  # adapters parked in host memory beyond the slots (None: any)
     device: str = "cpu"

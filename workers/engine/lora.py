@@ -239,6 +239,35 @@ class LayerLayout:
         return max(1, self.b_experts) * self.out_features
 
 
+def lay_out_slot(model: nn.Module, max_rank: int) -> tuple[list[LayerLayout], int]:
+    """Where every adaptable layer's factors sit in a slot's row, and the row's length: the
+    linears first, then each fused experts block's w1, w3, w2."""
+    targets = find_target_linears(model)
+    experts = find_expert_modules(model)
+    if not targets and not experts:
+        raise ServerError("the base model has no attention, MLP or output linears to adapt")
+    layouts: list[LayerLayout] = []
+    offset = 0
+
+    def lay_out(
+        path: str, group: LayerGroup, features: tuple[int, int], experts_ab: tuple[int, int]
+    ) -> None:
+        nonlocal offset
+        layout = LayerLayout(path, group, *features, offset, 0, *experts_ab)
+        b_offset = offset + layout.a_size * max_rank
+        layouts.append(replace(layout, b_offset=b_offset))
+        offset = b_offset + layout.b_size * max_rank
+
+    for path, group in targets.items():
+        linear = cast(nn.Linear, model.get_submodule(path))
+        lay_out(path, group, (linear.in_features, linear.out_features), (0, 0))
+    for path, shape in experts.items():
+        for projection in EXPERT_PROJECTIONS:
+            in_f, out_f, a_e, b_e = projection_shape(shape, projection)
+            lay_out(f"{path}.{projection}", "mlp", (in_f, out_f), (a_e, b_e))
+    return layouts, offset
+
+
 class LoraBank:
     """Adapter storage for every slot of one model, and the wrapped linears that read it."""
 
@@ -253,32 +282,12 @@ class LoraBank:
     ) -> None:
         targets = find_target_linears(model)
         experts = find_expert_modules(model)
-        if not targets and not experts:
-            raise ServerError("the base model has no attention, MLP or output linears to adapt")
+        layouts, offset = lay_out_slot(model, max_rank)
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.routing = routing
         # Expert blocks left unadapted: an adapter training the MLP is refused on such a model.
         self.unwrappable_experts = find_unwrappable_experts(model)
-        layouts: list[LayerLayout] = []
-        offset = 0
-
-        def lay_out(
-            path: str, group: LayerGroup, features: tuple[int, int], experts_ab: tuple[int, int]
-        ) -> None:
-            nonlocal offset
-            layout = LayerLayout(path, group, *features, offset, 0, *experts_ab)
-            b_offset = offset + layout.a_size * max_rank
-            layouts.append(replace(layout, b_offset=b_offset))
-            offset = b_offset + layout.b_size * max_rank
-
-        for path, group in targets.items():
-            linear = cast(nn.Linear, model.get_submodule(path))
-            lay_out(path, group, (linear.in_features, linear.out_features), (0, 0))
-        for path, shape in experts.items():
-            for projection in EXPERT_PROJECTIONS:
-                in_f, out_f, a_e, b_e = projection_shape(shape, projection)
-                lay_out(f"{path}.{projection}", "mlp", (in_f, out_f), (a_e, b_e))
         self.layouts: tuple[LayerLayout, ...] = tuple(layouts)
         self.slot_numel = offset
         self.weights = torch.zeros(max_slots, offset, dtype=torch.float32, device=device)

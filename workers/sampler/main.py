@@ -30,6 +30,7 @@ from workers import settings as worker_settings
 from workers.settings import WorkerSettings
 
 PROG = "twinkle-async sampler"
+DEFAULT_SAMPLER_SLOTS = 4  # adapters a sampler keeps loaded (`--max-loras`)
 
 
 def sampler_options(
@@ -48,7 +49,7 @@ def sampler_options(
     max_lora_rank: Annotated[int, typer.Option(envvar="TWINKLE_MAX_RANK", min=1)] = 32,
     max_loras: Annotated[
         int, typer.Option(envvar="TWINKLE_MAX_LORAS", min=1, help="adapters kept loaded")
-    ] = 4,
+    ] = DEFAULT_SAMPLER_SLOTS,
     metrics_host: Annotated[
         str, typer.Option(envvar="TWINKLE_METRICS_HOST", help="address /metrics binds")
     ] = "127.0.0.1",
@@ -120,7 +121,9 @@ async def serve(settings: WorkerSettings) -> None:
             config = AutoConfig.from_pretrained(settings.base_model)
             text = getattr(config, "text_config", config)
             sampler = VllmSampler(
-                settings.base_model, max_lora_rank=settings.max_rank, max_loras=settings.max_slots
+                settings.base_model,
+                max_lora_rank=settings.max_rank,
+                max_loras=(settings.max_slots or DEFAULT_SAMPLER_SLOTS),
             )
             await sampler.start()
             closer = sampler.close
@@ -130,7 +133,9 @@ async def serve(settings: WorkerSettings) -> None:
             from workers.trainer.engine import Engine
 
             engine = Engine(
-                settings.base_model, max_slots=settings.max_slots, max_rank=settings.max_rank
+                settings.base_model,
+                max_slots=(settings.max_slots or DEFAULT_SAMPLER_SLOTS),
+                max_rank=settings.max_rank,
             )
             backend = TorchBackend(
                 TorchSampler(engine), engine, ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -145,7 +150,7 @@ async def serve(settings: WorkerSettings) -> None:
             vocab_size=backend.vocab_size,
             max_context=backend.max_context,
             max_rank=settings.max_rank,
-            slots_total=settings.max_slots,
+            slots_total=(settings.max_slots or DEFAULT_SAMPLER_SLOTS),
             slots_used=0,
             heartbeat_at=time.time(),
             role="sampler",

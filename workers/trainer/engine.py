@@ -34,6 +34,7 @@ changes no state; a snapshot slot is never trained, stepped or saved.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,13 +46,16 @@ from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.engine.custom_loss import check_request as check_custom_request
-from workers.engine.lora import LoraBank, SlotRouting
+from workers.engine.lora import LoraBank, SlotRouting, lay_out_slot
 from workers.engine.losses import check_inputs, get_loss, resolve_config
 from workers.engine.optimizer import SlotAdamW
 from workers.engine.passes import CUSTOM, PassResults, PassRunner, not_finite
+from workers.trainer.memory import free_memory, plan_slots
 from workers.trainer.parking import ParkedAdapters
 from workers.trainer.residency import Residency
 from workers.trainer.slot_checkpoints import SlotCheckpoints
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -61,7 +65,7 @@ class Engine:
         self,
         base_model: str,
         *,
-        max_slots: int = 8,
+        max_slots: int | None = 8,
         max_rank: int = 32,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
@@ -70,7 +74,7 @@ class Engine:
         pass_tokens: int = 16384,
         logits_chunk_elements: int | None = None,
     ) -> None:
-        if max_slots < 1 or max_rank < 1:
+        if (max_slots is not None and max_slots < 1) or max_rank < 1:
             raise ValueError(f"max_slots={max_slots} and max_rank={max_rank} must be >= 1")
         if max_parked is not None and max_parked < 0:
             raise ValueError(f"max_parked={max_parked} must be >= 0 (or None: unbounded)")
@@ -86,6 +90,11 @@ class Engine:
         self.vocab_size = int(text_config.vocab_size)
         self.max_context = int(text_config.max_position_embeddings)
         self.arch = str(model.config.model_type)
+        if max_slots is None:
+            # planned from what the device holds once the base model is on it
+            plan = plan_slots(free_memory(self.device), lay_out_slot(model, max_rank)[1])
+            log.info("%s: %s", base_model, plan.describe())
+            max_slots = plan.max_slots
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.lora_alpha = float(lora_alpha)

@@ -366,7 +366,7 @@ class TrainerService:
                 vocab_size=self.engine.vocab_size,
                 max_context=self.engine.max_context,
                 max_rank=self.settings.max_rank,
-                slots_total=self.settings.max_slots,
+                slots_total=self.engine.max_slots,
                 slots_used=self.engine.slots_used(),
                 heartbeat_at=time.time(),
                 sampler_backend=self.settings.sampler,
@@ -471,7 +471,7 @@ class TrainerService:
         self.metrics.set_slots(
             used=self.engine.slots_used(),
             parked=len(self.engine.parked),
-            total=self.settings.max_slots,
+            total=self.engine.max_slots,
         )
 
     async def _run(self, items: list[Item], fn: Callable[[list[Job]], list[Result]]) -> None:

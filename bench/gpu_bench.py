@@ -2,7 +2,8 @@
 
 Builds random-weight models in memory (no hub, nothing saved): a Qwen3-4B-shaped Qwen3 (hidden
 2560, 36 layers, FFN 9728, 32 query / 8 KV heads of 128, vocab 151936, tied) and a small
-Qwen3.5-shaped hybrid (Gated DeltaNet linear attention + full attention). Wraps each with the
+Qwen3.5-shaped hybrid (Gated DeltaNet linear attention + full attention), and Qwen3-30B-A3B's MoE
+layer sizes with 6 layers (128 fused experts, top-8; the experts' shared-outer LoRA). Wraps each with the
 project's `workers.engine.lora.LoraBank` (fp32 adapters, rank 16 on attention and MLP, one slot per
 tenant) and times merged training passes: forward + backward over N = 1, 4, 16 tenants' rows,
 each tenant `--seqs` sequences of `--seq-len` tokens, one segment per tenant, the loss a chunked
@@ -17,7 +18,7 @@ Rows of the table:
   merging saves.
 
 FLOPs and MFU. P = parameters of every linear layer (the tied lm_head counted once, the
-embedding lookup not at all), T = tokens of the pass, s = sequence length.
+embedding lookup not at all) plus, on a MoE model, the active experts' (top-k of E), T = tokens of the pass, s = sequence length.
 - `MFU6` = 6·P·T / time / peak: 2·P·T forward + 4·P·T backward, the full-training count.
 - `MFUlora` = (4·P·T + attention + LoRA) / time / peak, the work a frozen-base LoRA step does:
   forward and activation gradient (no base weight gradient), attention 6·s·d_attn per token and
@@ -95,6 +96,23 @@ def qwen3_5_small(tiny: bool) -> Any:
     return Qwen3_5TextConfig(**(shape | TINY if tiny else shape))
 
 
+def qwen3_moe(tiny: bool) -> Any:
+    """Qwen3-30B-A3B's layer sizes (128 experts top-8, moe_intermediate 768) with 6 layers."""
+    from transformers import Qwen3MoeConfig
+
+    shape = dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1_000_000.0,
+    )  # fmt: skip
+    if tiny:
+        shape |= {k: v for k, v in TINY.items() if not k.startswith("linear")}
+        shape |= {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
+        shape["num_hidden_layers"] = 2
+    return Qwen3MoeConfig(**shape)
+
+
 @dataclass
 class Bench:
     """One model on the device, wrapped with a LoraBank of `max_slots` trained slots."""
@@ -122,6 +140,16 @@ def build(name: str, config: Any, device: torch.device, dtype: torch.dtype, slot
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     matmul_params = sum(m.weight.numel() for m in linears)
     text = model.config.get_text_config()
+    # A MoE block's fused experts are not linears: a token runs top-k of them (active params).
+    for module in model.modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if (
+            isinstance(gate_up, torch.Tensor)
+            and gate_up.dim() == 3
+            and isinstance(down, torch.Tensor)
+        ):
+            active = text.num_experts_per_tok / gate_up.shape[0]
+            matmul_params += int(active * (gate_up.numel() + down.numel()))
     layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     full_layers = sum(t == "full_attention" for t in layer_types)
     d_attn = text.num_attention_heads * text.head_dim
@@ -331,7 +359,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, help="sequences per tenant (default 2; tiny 2)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 512; tiny 16)")
     parser.add_argument("--reps", type=int, help="timed passes per row (default 3; tiny 1)")
-    parser.add_argument("--models", default="qwen3,qwen3_5")
+    parser.add_argument("--models", default="qwen3,qwen3_5,qwen3_moe")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--budget-s", type=float, default=230.0, help="skip rows past this")
     args = parser.parse_args()
@@ -360,7 +388,11 @@ def main() -> None:
         "MFUlora = (4*P*T + 6*s*d_attn*L_full*T + 6*r*sum(in+out)*T)/t/peak; "
         f"peak {args.peak_tflops:g} TFLOP/s"
     )
-    builders = {"qwen3": ("qwen3-4b", qwen3_4b), "qwen3_5": ("qwen3.5-s", qwen3_5_small)}
+    builders = {
+        "qwen3": ("qwen3-4b", qwen3_4b),
+        "qwen3_5": ("qwen3.5-s", qwen3_5_small),
+        "qwen3_moe": ("qwen3-30b-a3b-6l", qwen3_moe),
+    }
     for key in args.models.split(","):
         name, make_config = builders[key]
         if time.monotonic() > deadline:

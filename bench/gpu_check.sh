@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the trainer's compute paths, in under 5 minutes, offline: reports the machine and
-# what is installed, then runs bench/gpu_bench.py (random Qwen3-4B and small Qwen3.5 shapes,
+# what is installed, then runs bench/gpu_bench.py (random Qwen3-4B, small Qwen3.5 and Qwen3-30B-A3B
+# MoE layer shapes (6 layers),
 # LoRA kinds loop / gather / grouped, N = 1, 4, 16 tenants) and prints its table.
 #
 # Run from anywhere on a machine with the project checked out and a Python with a CUDA build

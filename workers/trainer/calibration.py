@@ -1,8 +1,10 @@
 """The pass size of this device, found by measurement: where training tokens/s stops improving.
 
-Job: time training passes of a scratch adapter at growing sizes (256, 512, … tokens, in rows of
-at most 256 tokens), and choose the smallest size whose tokens/s is within `tolerance` of the
-best seen, stopping as soon as a larger pass is no faster, a pass takes longer than
+Job: time training passes as a merged pass runs them, at growing sizes (256, 512, … tokens):
+several scratch adapters (up to `_TENANTS`, each on every layer group, the experts of a MoE model
+included), their datums in rows of 128 tokens packed tenant by tenant, forward, loss and
+backward; the median of `repeats` timings per size. It chooses the smallest size whose tokens/s
+is within `tolerance` of the best seen, stopping as soon as a larger pass is no faster, a pass takes longer than
 `max_pass_s`, or the device runs out of memory. Bigger passes past that point only add latency
 (and, on a CPU, lose throughput to cache misses); smaller ones leave the device idle between
 kernels.
@@ -33,7 +35,8 @@ from workers.trainer.engine import Engine
 log = logging.getLogger(__name__)
 
 SCRATCH = "calibration"
-_ROW_TOKENS = 256
+_ROW_TOKENS = 128  # a typical datum of a merged pass (4 x 128 tokens is bench/engine_merge's)
+_TENANTS = 4
 
 
 @dataclass(frozen=True)
@@ -51,27 +54,36 @@ def measure(
     largest: int = 32768,
     tolerance: float = 0.05,
     max_pass_s: float = 1.0,
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> Calibration:
-    """Time passes of doubling size on a scratch slot; see the module docstring."""
+    """Time merged passes of doubling size on scratch slots; see the module docstring."""
     if engine.slots_used():
         raise RuntimeError("calibration runs before any tenant is loaded")
     rng = np.random.default_rng(0)
-    engine.create(SCRATCH, LoraConfig(rank=min(16, engine.max_rank), seed=0))
+    tenants = [f"{SCRATCH}-{i}" for i in range(min(_TENANTS, engine.max_slots))]
+    for index, model_id in enumerate(tenants):
+        engine.create(model_id, LoraConfig(rank=min(16, engine.max_rank), seed=index))
     saved = engine.pass_tokens
     curve: list[tuple[int, float]] = []
     try:
         size = smallest
         while size <= largest:
             row = min(_ROW_TOKENS, size, engine.max_context)
-            request = _request(rng, size // row, row, engine.vocab_size)
+            rows = max(1, size // row)
+            batch = [
+                (model_id, _request(rng, model_id, share, row, engine.vocab_size))
+                for model_id, share in zip(tenants, _shares(rows, len(tenants)), strict=True)
+                if share
+            ]
             engine.pass_tokens = size
             try:
-                engine.forward_backward([(SCRATCH, request)])  # warm-up
-                started = time.perf_counter()
+                engine.forward_backward(batch)  # warm-up
+                timings = []
                 for _ in range(repeats):
-                    engine.forward_backward([(SCRATCH, request)])
-                seconds = (time.perf_counter() - started) / repeats
+                    started = time.perf_counter()
+                    engine.forward_backward(batch)
+                    timings.append(time.perf_counter() - started)
+                seconds = sorted(timings)[len(timings) // 2]
             except torch.OutOfMemoryError:
                 log.info("calibration: a pass of %d tokens does not fit", size)
                 break
@@ -84,7 +96,8 @@ def measure(
             size *= 2
     finally:
         engine.pass_tokens = saved
-        engine.release(SCRATCH)
+        for model_id in tenants:
+            engine.release(model_id)
     best = max(rate for _, rate in curve)
     chosen = min(size for size, rate in curve if rate >= (1 - tolerance) * best)
     return Calibration(chosen, tuple(curve))
@@ -92,7 +105,8 @@ def measure(
 
 def cached_or_measured(engine: Engine, directory: Path, threads: int) -> Calibration:
     """This model and device's calibration from `directory`, measured and stored if absent."""
-    key = f"{engine.base_model}|{engine.device}|{engine.dtype}|{threads}"
+    # v2: merged passes of 128-token rows (v1 timed one tenant in 256-token rows)
+    key = f"v2|{engine.base_model}|{engine.device}|{engine.dtype}|{threads}"
     path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         data = json.loads(path.read_text())
@@ -114,7 +128,14 @@ def cached_or_measured(engine: Engine, directory: Path, threads: int) -> Calibra
     return found
 
 
-def _request(rng: np.random.Generator, rows: int, length: int, vocab: int) -> FwdBwdRequest:
+def _shares(rows: int, tenants: int) -> list[int]:
+    """`rows` dealt to `tenants` as evenly as possible."""
+    return [rows // tenants + (index < rows % tenants) for index in range(tenants)]
+
+
+def _request(
+    rng: np.random.Generator, model_id: str, rows: int, length: int, vocab: int
+) -> FwdBwdRequest:
     datums = []
     for _ in range(max(1, rows)):
         tokens = rng.integers(0, vocab, size=length + 1)
@@ -124,4 +145,4 @@ def _request(rng: np.random.Generator, rows: int, length: int, vocab: int) -> Fw
                 inputs={"target_tokens": tokens[1:].astype(np.int64)},
             )
         )
-    return FwdBwdRequest(SCRATCH, 0, "cross_entropy", False, {}, datums)
+    return FwdBwdRequest(model_id, 0, "cross_entropy", False, {}, datums)

@@ -3,7 +3,11 @@
 - `export tinker://... DIR` writes the checkpoint's PEFT folder (`adapter_config.json` +
   `adapter_model.safetensors`, loadable by `peft.PeftModel.from_pretrained` and vLLM); with
   `--merged`, a worker merges the adapter into the base model and DIR gets the whole model
-  (safetensors, config, tokenizer) that `transformers` loads. Files come down by signed URLs.
+  (safetensors, config, tokenizer) that `transformers` loads. `--layout` chooses how a MoE
+  adapter's experts are written: `peft` (PEFT's `target_parameters`, as stored), `per-expert`
+  (2-D keys per expert, as tinker-cookbook's `build_lora_adapter` writes them) or `tinker`
+  (Tinker's own 3-D tensors, what the cookbook's `build_hf_model` reads); a worker rewrites
+  them. Files come down by signed URLs.
 - `import DIR --tenant T --name N` uploads a PEFT adapter folder trained anywhere on a served
   base model; it becomes `tinker://<new run>/weights/N` of tenant T, with fresh optimizer state,
   which the tenant loads with `create_training_client_from_state`.
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 
 import typer
 
@@ -27,6 +31,9 @@ if TYPE_CHECKING:
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The wire values of `protocol.jobs.AdapterLayout` (the CLI speaks HTTP only; a test keeps the
+# two equal).
+AdapterLayout = Literal["peft", "per-expert", "tinker"]
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -68,13 +75,24 @@ def export(
     merged: Annotated[
         bool, typer.Option("--merged", help="the base model with the adapter merged in")
     ] = False,
+    layout: Annotated[
+        AdapterLayout,
+        typer.Option(
+            "--layout",
+            help="how a MoE adapter's experts are written: peft (target_parameters),"
+            " per-expert (experts.{e}.gate_proj ...) or tinker (3-D w1/w2/w3)",
+        ),
+    ] = "peft",
     timeout_s: TimeoutOption = 900.0,
 ) -> None:
     """Write a checkpoint as a PEFT adapter folder, or with --merged as a whole model."""
+    if merged and layout != "peft":
+        raise typer.BadParameter("--layout applies to an adapter export, not with --merged")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise typer.BadParameter(f"{directory} exists and is not an empty folder")
     admin = _admin(ctx)
-    answer = admin.call("POST", "checkpoints/export", {"path": tinker_path, "merged": merged})
+    body = {"path": tinker_path, "merged": merged, "layout": layout}
+    answer = admin.call("POST", "checkpoints/export", body)
     answer = _finished(admin, answer, timeout_s)
     directory.mkdir(parents=True, exist_ok=True)
     for entry in answer["files"]:
@@ -83,10 +101,10 @@ def export(
         got = admin.use(lambda client: client.fetch(url, target))  # noqa: B023 - called at once
         if got != entry["size"]:
             _fail(f"{name}: received {got} bytes, expected {entry['size']}")
-    if merged:
+    if "export_id" in answer:  # written for this export by a worker: not kept
         admin.call("DELETE", f"exports/{segment(answer['export_id'])}")
     names = ", ".join(entry["name"] for entry in answer["files"])
-    what = "merged model" if merged else "PEFT adapter"
+    what = "merged model" if merged else f"PEFT adapter ({layout} layout)"
     admin.say(answer, f"exported {tinker_path} as a {what} to {directory}: {names}")
 
 

@@ -124,15 +124,24 @@ class ImportAdapterJob(JobBase, frozen=True, tag="import_adapter"):
     max_bytes: int = 0  # the checkpoint's files may not take more (0: no limit)
 
 
+AdapterLayout = Literal["peft", "per-expert", "tinker"]
+"""How an adapter file lays out a fused MoE block's expert LoRA (`workers.trainer.expert_files`):
+PEFT's `target_parameters` (what checkpoints hold), 2-D keys per expert, or Tinker's 3-D tensors.
+Adapters without fused experts are the same in all three."""
+ADAPTER_LAYOUTS: tuple[AdapterLayout, ...] = ("peft", "per-expert", "tinker")
+
+
 class ExportMergedJob(JobBase, frozen=True, tag="export_merged"):
     """Merge a checkpoint's adapter into the base model and write the whole model
-    (safetensors, config, tokenizer) to `<checkpoint root>/.exports/<export_id>/`.
+    (safetensors, config, tokenizer) to `<checkpoint root>/.exports/<export_id>/`; with a
+    `layout`, write the adapter folder in that layout there instead.
 
     `model_id` is a one-off id of the export, not a run: the job is its only op.
     """
 
     path: str = ""  # the checkpoint, tinker://...
     export_id: str = ""
+    layout: AdapterLayout | None = None  # None: the merged model
 
 
 Job = (

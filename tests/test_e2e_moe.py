@@ -2,9 +2,9 @@
 whose tiny random Qwen3-MoE worker trains Tinker's shared-outer expert LoRA.
 
 An MLP-only adapter (the configuration that used to crash-loop a worker) trains the experts and
-its checkpoint holds Tinker's 3-D expert tensors; state resumes exactly with its optimizer; the
-torch sampler samples from the adapter with the trainer's logprobs; tenants of the pool are
-merged in one pass and each gets its solo result.
+its checkpoint holds them in PEFT's `target_parameters` layout; state resumes exactly with its
+optimizer; the torch sampler samples from the adapter with the trainer's logprobs; tenants of
+the pool are merged in one pass and each gets its solo result.
 """
 
 from __future__ import annotations
@@ -50,12 +50,15 @@ def test_an_mlp_only_adapter_trains_the_experts(
     tensors = safetensors.numpy.load_file(str(_files(cluster, path) / "adapter_model.safetensors"))
     experts = [key for key in tensors if ".mlp.experts." in key]
     assert experts, sorted(tensors)
-    gate_a = next(key for key in experts if key.endswith("experts.w1.lora_A.weight"))
-    gate_b = gate_a.replace("lora_A", "lora_B")
-    down_a = gate_a.replace("w1", "w2")
-    assert tensors[gate_a].shape[:2] == (1, 8)  # shared by the experts
-    assert tensors[gate_b].shape[0] > 1 and tensors[gate_b].shape[-1] == 8  # one per expert
-    assert tensors[down_a].shape[0] > 1 and tensors[down_a].shape[1] == 8
+    # PEFT's target_parameters: gate_up_proj (inner wrapper) at rank 2r, down_proj at rank r
+    gate_up_a = next(key for key in experts if key.endswith("experts.base_layer.lora_A.weight"))
+    gate_up_b = gate_up_a.replace("lora_A", "lora_B")
+    down_a = gate_up_a.replace(".base_layer", "")
+    n = tensors[down_a].shape[0] // 8
+    assert n > 1 and tensors[gate_up_a].shape[0] == 16 * n and tensors[gate_up_b].shape[1] == 16 * n
+    # gate's and up's shared A, the same for every expert
+    per_expert = tensors[gate_up_a].reshape(n, 16, -1)
+    assert (per_expert == per_expert[:1]).all()
     assert not any("self_attn" in key or "lm_head" in key for key in tensors)
     assert all(np.abs(tensors[key]).max() > 0 for key in experts if "lora_B" in key)
 

@@ -2,8 +2,10 @@
 
 Export: a checkpoint the SDK trained, written as a PEFT folder and as a merged model, gives the
 trainer's own `forward` log-probabilities in `peft` and in `transformers` (and in stock vLLM,
-one slow test). Import: an adapter trained with plain PEFT becomes a tenant's checkpoint that
-the SDK loads with `create_training_client_from_state`, scores like PEFT and trains further.
+one slow test). A MoE checkpoint loads the same way (PEFT's `target_parameters` layout) and
+exports in the per-expert and Tinker layouts too, and its per-expert export imports back exactly.
+Import: an adapter trained with plain PEFT becomes a tenant's checkpoint that the SDK loads with
+`create_training_client_from_state`, scores like PEFT and trains further.
 Refusals: each incompatible adapter is one clear `error:` line and exit 1.
 
 Torch work (PEFT training, reference log-probabilities) runs in child processes: the test
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -228,6 +231,68 @@ def test_exported_adapter_loads_in_vllm(
         VLLM_LOGPROBS, str(tiny_model), str(tmp_path / "adapter"), json.dumps(TOKENS), env=VLLM_ENV
     )
     np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def trained_moe(cluster: Cluster, tiny_model_moe: Path) -> tuple[str, np.ndarray]:
+    """A MoE checkpoint the SDK trained (attention and experts), and its forward logprobs."""
+    service = tenant(cluster, "xfer-moe")
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model_moe), rank=4, train_unembed=False
+    ).result()
+    train_steps(client, toy_batch(n=2), 3, lr=2e-2)
+    path = client.save_state("moe-to-export").result().path
+    return path, sdk_logprobs(client)
+
+
+def test_a_moe_export_loads_in_peft_and_comes_in_every_layout(
+    cluster: Cluster, tiny_model_moe: Path, trained_moe: tuple[str, np.ndarray], tmp_path: Path
+) -> None:
+    path, expected = trained_moe
+    folders = {layout: tmp_path / layout for layout in ("peft", "per-expert", "tinker")}
+    answer = ok(cluster, "checkpoints", "export", path, str(folders["peft"]))
+    assert answer["kind"] == "adapter" and answer["layout"] == "peft"
+    assert "export_id" not in answer  # served from the store as it is
+    for layout in ("per-expert", "tinker"):
+        answer = ok(
+            cluster, "checkpoints", "export", path, str(folders[layout]), "--layout", layout
+        )
+        assert answer["kind"] == "adapter" and answer["layout"] == layout
+        assert {p.name for p in folders[layout].iterdir()} == PEFT_FILES
+    assert not list((cluster.data_dir / "checkpoints" / ".exports").glob("*"))
+
+    def keys(layout: str) -> list[str]:
+        folder = folders[layout] / "adapter_model.safetensors"
+        return [key for key in safetensors.numpy.load_file(str(folder)) if ".experts." in key]
+
+    assert any(key.endswith("mlp.experts.base_layer.lora_A.weight") for key in keys("peft"))
+    assert any(".mlp.experts.7.gate_proj.lora_A.weight" in key for key in keys("per-expert"))
+    assert any(key.endswith("mlp.experts.w2.lora_B.weight") for key in keys("tinker"))
+    got = torch_child(
+        LOGPROBS, str(tiny_model_moe), "peft", str(folders["peft"]), json.dumps(TOKENS)
+    )
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    result = cli(cluster, "checkpoints", "export", path, str(tmp_path / "x"), "--merged",
+                 "--layout", "tinker")  # fmt: skip
+    assert result.exit_code == 2 and "--layout" in result.output
+
+    # the per-expert folder comes back in as a checkpoint that computes what the original does
+    service = tenant(cluster, "xfer-moe-in")
+    answer = ok(cluster, "checkpoints", "import", str(folders["per-expert"]), "--tenant",
+                "xfer-moe-in", "--name", "per-expert", "--base-model", str(tiny_model_moe))  # fmt: skip
+    client = service.create_training_client_from_state(answer["path"]).result()
+    np.testing.assert_allclose(sdk_logprobs(client), expected, atol=1e-5, rtol=0)
+
+    # one expert's copy of a shared factor changed: not shared-outer, refused by name
+    tensors = safetensors.numpy.load_file(str(folders["per-expert"] / "adapter_model.safetensors"))
+    gate_a = next(key for key in tensors if ".mlp.experts.5.gate_proj.lora_A" in key)
+    tensors[gate_a] = tensors[gate_a] + np.float32(1e-3)
+    own = tmp_path / "own-factor"
+    own.mkdir()
+    shutil.copy(folders["per-expert"] / "adapter_config.json", own / "adapter_config.json")
+    safetensors.numpy.save_file(tensors, str(own / "adapter_model.safetensors"))
+    refused(cli(cluster, "checkpoints", "import", str(own), "--tenant", "xfer-moe-in", "--name",
+                "own", "--base-model", str(tiny_model_moe)), gate_a, "every expert")  # fmt: skip
 
 
 # -- import -------------------------------------------------------------------------------------

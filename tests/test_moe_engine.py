@@ -1,12 +1,15 @@
-"""The trainer engine on tiny random MoE models (Qwen3-MoE, gpt-oss; fp32, CPU): expert LoRA in
-the shared pass gives each tenant its solo gradient, an MLP-only adapter trains the experts,
-checkpoints round-trip bit-exactly in Tinker's expert layout, parking keeps the expert factors,
-a merged export computes what the engine computes (ours and tinker-cookbook's), and a model whose
-experts cannot be adapted refuses an MLP adapter.
+"""The trainer engine on tiny random MoE models (Qwen3-MoE, gpt-oss, Qwen3.5-MoE; fp32, CPU):
+expert LoRA in the shared pass gives each tenant its solo gradient, an MLP-only adapter trains
+the experts, checkpoints round-trip bit-exactly in PEFT's `target_parameters` expert layout and
+load as they are in `peft.PeftModel.from_pretrained` with the engine's logprobs, parking keeps
+the expert factors, a merged export computes what the engine computes (ours, and
+tinker-cookbook's from the Tinker-layout export), and a model whose experts cannot be adapted
+refuses an MLP adapter.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,14 +27,19 @@ from transformers import (
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import UserError
+from protocol.jobs import AdapterLayout, ExportMergedJob, merged_export_dir
+from protocol.paths import TinkerPath, checkpoint_dir
 from protocol.tensors import FwdBwdRequest
-from tests.test_engine import assert_same_outputs, make_request, max_diff
+from tests.test_engine import PEFT_TIED_WARNING, assert_same_outputs, make_request, max_diff
 from workers.tiny_model import build_tiny_model
 from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 MLP_ONLY = {"train_attn": False, "train_unembed": False}
+# PEFT checks rank_pattern/alpha_pattern keys against target_modules only, not against the
+# target_parameters they also select (and are applied to): a false alarm for our files.
+PEFT_PATTERN_WARNING = "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning"
 
 
 def _qwen3_moe_config() -> Qwen3MoeConfig:
@@ -162,7 +170,7 @@ def test_an_mlp_only_adapter_trains_the_experts(make_engine: Callable[..., Engin
     assert losses[-1] < losses[0] - 0.05, losses
 
 
-def test_checkpoints_round_trip_in_tinkers_expert_layout(
+def test_checkpoints_round_trip_in_peft_expert_layout(
     make_engine: Callable[..., Engine], tmp_path: Path
 ) -> None:
     engine = make_engine(max_slots=2, max_rank=8)
@@ -175,15 +183,26 @@ def test_checkpoints_round_trip_in_tinkers_expert_layout(
     directory = tmp_path / "weights"
     engine.save("a", directory, kind="weights", meta={})
     tensors = safetensors.torch.load_file(str(directory / "adapter_model.safetensors"))
+    config = json.loads((directory / "adapter_config.json").read_text())
     layers = engine.bank.expert_layers
     first = next(iter(layers))
     shape = layers[first].shape
+    n, hidden, inter = shape.num_experts, shape.hidden, shape.intermediate
     key = f"base_model.model.{first}"
-    assert tensors[f"{key}.w1.lora_A.weight"].shape == (1, 4, shape.hidden)
-    assert tensors[f"{key}.w1.lora_B.weight"].shape == (shape.num_experts, shape.intermediate, 4)
-    assert tensors[f"{key}.w3.lora_B.weight"].shape == (shape.num_experts, shape.intermediate, 4)
-    assert tensors[f"{key}.w2.lora_A.weight"].shape == (shape.num_experts, 4, shape.intermediate)
-    assert tensors[f"{key}.w2.lora_B.weight"].shape == (1, shape.hidden, 4)
+    # PEFT's nested wrappers: gate_up_proj inside at rank 2r, down_proj outside at rank r
+    assert tensors[f"{key}.base_layer.lora_A.weight"].shape == (8 * n, hidden)
+    assert tensors[f"{key}.base_layer.lora_B.weight"].shape == (2 * inter, 8 * n)
+    assert tensors[f"{key}.lora_A.weight"].shape == (4 * n, inter)
+    assert tensors[f"{key}.lora_B.weight"].shape == (hidden, 4 * n)
+    assert not any(".w1." in k or ".w2." in k for k in tensors)
+    assert f"{first}.gate_up_proj" in config["target_parameters"]
+    assert f"{first}.down_proj" in config["target_parameters"]
+    assert config["r"] == 4 and config["rank_pattern"] == {"experts.gate_up_proj": 8}
+    assert config["alpha_pattern"] == {"experts.gate_up_proj": 2 * config["lora_alpha"]}
+    # moments stay in the compact shared-outer form
+    moments = safetensors.torch.load_file(str(directory / "optimizer.safetensors"))
+    assert moments[f"{key}.w1.lora_A.weight.exp_avg"].shape == (1, 4, hidden)
+    assert moments[f"{key}.w2.lora_B.weight.exp_avg_sq"].shape == (1, hidden, 4)
 
     engine.load("b", directory, with_optimizer=True)
     for buffer in (engine.bank.weights, engine.optimizer.exp_avg, engine.optimizer.exp_avg_sq):
@@ -194,6 +213,31 @@ def test_checkpoints_round_trip_in_tinkers_expert_layout(
     [out_a] = engine.forward_backward([("a", _forward_only(request, "a"))])
     [out_b] = engine.forward_backward([("b", _forward_only(request, "b"))])
     assert_same_outputs(out_a, out_b)  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings(PEFT_TIED_WARNING, PEFT_PATTERN_WARNING)
+@pytest.mark.parametrize("kind", ["sampler_weights", "weights"])
+def test_checkpoints_load_in_peft_with_the_engines_logprobs(
+    make_engine: Callable[..., Engine], moe_model: Path, tmp_path: Path, kind: str
+) -> None:
+    from peft import PeftModel
+
+    engine = make_engine(max_slots=1, max_rank=8)
+    engine.create("m", LoraConfig(rank=4, seed=12))  # attention, experts (+ shared), lm_head
+    _perturb(engine, "m", 13)
+    rng = np.random.default_rng(6)
+    request = _forward_only(make_request("m", [11], rng, weights=False), "m")
+    [out] = engine.forward_backward([("m", request)])
+    want = torch.as_tensor(out.loss_fn_outputs[0]["logprobs"])  # type: ignore[union-attr]
+    engine.save("m", tmp_path / kind, kind=kind, meta={})  # type: ignore[arg-type]
+
+    base = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(tmp_path / kind)).eval()
+    datum = request.datums[0]
+    got = _logprobs(model, datum.tokens, datum.inputs["target_tokens"])
+    assert max_diff(got, want) <= 1e-4
+    plain = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    assert max_diff(_logprobs(plain, datum.tokens, datum.inputs["target_tokens"]), want) > 1e-3
 
 
 def _forward_only(request: FwdBwdRequest, model_id: str) -> FwdBwdRequest:
@@ -246,13 +290,46 @@ def test_a_merged_model_computes_what_the_engine_computes(
     got = _logprobs(ours, datum.tokens, datum.inputs["target_tokens"])
     assert max_diff(got, want) <= 1e-4
 
+    # The cookbook reads Tinker's own layout: the `--layout tinker` export writes it.
+    tinker = export_layout(engine, directory, tmp_path / "root", "tinker")
+    tensors = safetensors.torch.load_file(str(tinker / "adapter_model.safetensors"))
+    assert any(key.endswith(".experts.w1.lora_A.weight") for key in tensors)
     merged = tmp_path / "cookbook-merged"
     cookbook_weights.build_hf_model(
-        base_model=str(moe_model), adapter_path=str(directory), output_path=str(merged)
+        base_model=str(moe_model), adapter_path=str(tinker), output_path=str(merged)
     )
     theirs = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     got = _logprobs(theirs, datum.tokens, datum.inputs["target_tokens"])
     assert max_diff(got, want) <= 1e-4
+
+
+def export_layout(engine: Engine, checkpoint: Path, root: Path, layout: AdapterLayout) -> Path:
+    """`checkpoints export --layout` on the worker: the checkpoint's adapter in `layout`."""
+    from workers.trainer.transfer import export_merged
+
+    path = TinkerPath(run_id="run", kind="sampler_weights", name=checkpoint.name)
+    stored = checkpoint_dir(root, path)
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    if not stored.exists():
+        stored.symlink_to(checkpoint, target_is_directory=True)
+    export_id = f"export-{layout}"
+    job = ExportMergedJob(
+        request_id="req",
+        model_id=export_id,
+        tenant_id="t",
+        seq_id=0,
+        path=f"tinker://run/sampler_weights/{checkpoint.name}",
+        export_id=export_id,
+        layout=layout,
+    )
+    answer = export_merged(engine, root, job)
+    target = merged_export_dir(root, export_id)
+    assert {entry["name"] for entry in answer["files"]} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    assert answer["layout"] == layout
+    return target
 
 
 def test_an_mlp_adapter_is_refused_where_the_experts_cannot_be_adapted(

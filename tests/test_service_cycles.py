@@ -101,7 +101,7 @@ async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_
 ) -> None:
     service = _service(RecordingBus(), tmp_path)
     service.engine = SimpleNamespace(  # type: ignore[assignment]
-        pass_tokens=16384, slots_used=lambda: 0, parked={}
+        pass_tokens=16384, slots_used=lambda: 0, parked={}, max_slots=8
     )
     calls: list[tuple[str, list[str]]] = []
 

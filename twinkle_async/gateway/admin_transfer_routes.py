@@ -4,11 +4,14 @@ import a PEFT adapter trained elsewhere as a tenant's training checkpoint.
 Guarded by the admin key like the rest of `/admin/v1` (the operator may move any tenant's
 checkpoint); `twinkle-admin checkpoints export|import` wraps these routes over HTTP alone.
 
-1. `POST /admin/v1/checkpoints/export {"path", "merged"}`: an adapter export answers at once
-   with signed URLs of the checkpoint's two PEFT files. A merged export needs torch, so it is an
-   `ExportMergedJob` for a worker of the base model, which writes the whole model under
-   `<root>/.exports/<export_id>/`; the answer is `{"state": "pending", "request_id"}` until it
-   is done, then the files' signed URLs (`GET /files/v1/exports/<id>/<file>`).
+1. `POST /admin/v1/checkpoints/export {"path", "merged", "layout"}`: an adapter export answers
+   at once with signed URLs of the checkpoint's two PEFT files when they are in the `layout`
+   asked for (always, for an adapter without fused MoE experts). A merged export, or a MoE
+   adapter in another layout (`protocol.jobs.AdapterLayout`), needs torch, so it is an
+   `ExportMergedJob` for a worker of the base model, which writes the whole model or the
+   adapter folder under `<root>/.exports/<export_id>/`; the answer is
+   `{"state": "pending", "request_id"}` until it is done, then the files' signed URLs
+   (`GET /files/v1/exports/<id>/<file>`).
 2. `POST /admin/v1/checkpoints/import?tenant=&name=[&base_model=]`, multipart with the parts
    `adapter_config.json` and `adapter_model.safetensors`: streamed to `<root>/.imports/<id>/`
    within `MAX_UPLOAD_BYTES` (and the tenant's `max_checkpoint_bytes`), checked here as far as
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import time
 import uuid
@@ -40,6 +44,7 @@ from protocol.api import LoraConfig
 from protocol.errors import NotFound, PayloadTooLarge, ServerError, UserError
 from protocol.jobs import (
     EXPORTS_DIR,
+    AdapterLayout,
     ExportMergedJob,
     ImportAdapterJob,
     Job,
@@ -73,6 +78,12 @@ _CHUNK_BYTES = 1 << 20
 class ExportRequest(msgspec.Struct, forbid_unknown_fields=True):
     path: str
     merged: bool = False
+    layout: AdapterLayout = "peft"  # of a MoE adapter's experts; not with `merged`
+
+
+# Tinker's 3-D expert keys in a `target_modules` regex or list (checkpoints written before the
+# trainer wrote PEFT's `target_parameters` layout).
+_TINKER_EXPERTS = re.compile(r"experts\\*\.w[123]")
 
 
 # -- export -------------------------------------------------------------------------------------
@@ -87,8 +98,12 @@ async def export_checkpoint(request: web.Request) -> web.Response:
     if ckpt is None:
         raise NotFound(f"checkpoint {body.path!r} not found")
     root = checkpoint_root(request)
-    if not body.merged:
-        found = await asyncio.to_thread(downloadable_files, paths.checkpoint_dir(root, path))
+    if body.merged and body.layout != "peft":
+        raise UserError("layout: a merged export is a whole model, not an adapter in a layout")
+    directory = paths.checkpoint_dir(root, path)
+    stored = None if body.merged else await asyncio.to_thread(_stored_layout, directory)
+    if not body.merged and stored in (None, body.layout):
+        found = await asyncio.to_thread(downloadable_files, directory)
         files = [f for f in found if f.name in ADAPTER_FILES]
         if len(files) != len(ADAPTER_FILES):
             raise NotFound(f"checkpoint {body.path!r} has no PEFT adapter files in the store")
@@ -110,7 +125,13 @@ async def export_checkpoint(request: web.Request) -> web.Response:
             for f in files
         ]
         return json_response(
-            {"state": "done", "kind": "adapter", "path": ckpt.path, "files": listed}
+            {
+                "state": "done",
+                "kind": "adapter",
+                "layout": body.layout,
+                "path": ckpt.path,
+                "files": listed,
+            }
         )
     registry.check_base_model(ckpt.base_model)
     await asyncio.to_thread(_sweep_exports, root, time.time())
@@ -123,9 +144,29 @@ async def export_checkpoint(request: web.Request) -> web.Response:
         published_at=time.time(),
         path=ckpt.path,
         export_id=export_id,
+        layout=None if body.merged else body.layout,
     )
     await _submit(request, ckpt.base_model, job, "export_merged")
     return await _answer(request, job.request_id)
+
+
+def _stored_layout(directory: Path) -> AdapterLayout | None:
+    """The layout of a checkpoint's MoE experts, from its adapter config; None without experts
+    (or without a readable config: then the files are served, or found missing, as they are)."""
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if config.get("target_parameters"):
+        return "peft"
+    targets = config.get("target_modules")
+    if isinstance(targets, list) and {"w1", "w2", "w3"} & set(map(str, targets)):
+        return "tinker"
+    if _TINKER_EXPERTS.search(json.dumps(targets)):
+        return "tinker"
+    return None
 
 
 def _sweep_exports(root: Path, now: float) -> None:
@@ -357,7 +398,8 @@ async def _answer(request: web.Request, request_id: str) -> web.Response:
             secret, _export_resource(export_id, entry["name"]), export_id, expires
         )
         entry["url"] = f"{prefix}/{entry['name']}?expires={expires}&sig={sig}"
-    return json_response({"state": "done", "kind": "merged", **done})
+    kind = "merged" if done.get("layout") is None else "adapter"
+    return json_response({"state": "done", "kind": kind, **done})
 
 
 async def _import_answer(request: web.Request, outcome: Outcome) -> dict[str, Any]:

@@ -7,11 +7,15 @@ a checkpoint's tensors against the model's adaptable layers before anything is l
 and buffers are the engine's.
 
 Invariants:
-- Adapter keys are PEFT's: `base_model.model.<module path>.lora_A.weight` [rank, in] and
-  `….lora_B.weight` [out, rank], at the true rank, fp32, only for the layers the adapter trains,
-  so `peft.PeftModel.from_pretrained(base, directory)` loads a checkpoint as is.
-- Moments are stored under the adapter key plus `.exp_avg` / `.exp_avg_sq`; fp32 on disk, so
-  parameters and moments round-trip bit-exactly.
+- In memory (`AdapterCheckpoint.tensors`) a linear's factors are PEFT's
+  `base_model.model.<module path>.lora_A.weight` [rank, in] and `….lora_B.weight` [out, rank],
+  and a fused experts block's are Tinker's shared-outer tensors (`<experts>.w1|w3|w2`, see
+  `workers.trainer.expert_files`), at the true rank, fp32, only for the layers the adapter trains.
+- On disk the adapter file is in a `AdapterLayout`: "peft" (what the trainer writes) is loaded as is
+  by `peft.PeftModel.from_pretrained(base, directory)`, experts included (PEFT's
+  `target_parameters`); reading takes any layout back to the in-memory form, exactly.
+- Moments are stored in the in-memory form (for a linear, the adapter key), plus `.exp_avg` /
+  `.exp_avg_sq`: compact, and with the fp32 values they round-trip bit-exactly.
 - Each file is written under a temporary name and renamed into place: a reader never sees a
   half-written file.
 - A malformed or incompatible checkpoint is a `UserError` naming the file and what is wrong.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,21 +38,29 @@ import torch
 
 from protocol.api import LoraConfig
 from protocol.errors import UserError
+from protocol.jobs import AdapterLayout
 from workers.engine.lora import LayerGroup, LayerLayout
+from workers.engine.moe_lora import EXPERT_PROJECTIONS, ExpertShape
+from workers.trainer.expert_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PER_EXPERT_NAMES,
+    AdapterScales,
+    Matrix,
+    adapter_key,
+    expert_paths,
+    from_file,
+    peft_config_fields,
+    to_file,
+)
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Matrix", "adapter_key"]
+
 OPTIMIZER_STATE = "optimizer.safetensors"
 META = "meta.json"
 
-Matrix = Literal["A", "B"]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _KEY_PATTERN = re.compile(r"base_model\.model\.(?P<path>.+)\.lora_(?P<matrix>[AB])\.weight")
-
-
-def adapter_key(path: str, matrix: Matrix) -> str:
-    """PEFT's tensor name for a module's LoRA matrix."""
-    return f"base_model.model.{path}.lora_{matrix}.weight"
 
 
 def parse_adapter_key(key: str) -> tuple[str, Matrix]:
@@ -60,12 +72,12 @@ def parse_adapter_key(key: str) -> tuple[str, Matrix]:
     return match["path"], matrix
 
 
-def file_shapes(layout: LayerLayout, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shapes of a layer's A and B in a checkpoint file, at the adapter's true rank.
+def tensor_shapes(layout: LayerLayout, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a layer's A and B in `AdapterCheckpoint.tensors`, at the true rank.
 
     A linear's are PEFT's `[r, in]` and `[out, r]`. A fused MoE block's expert projections are
-    Tinker's own 3-D tensors (`mlp.experts.w1` …, what tinker-cookbook's `weights` tools read):
-    A `[E or 1, r, in]` and B `[E or 1, out, r]`, 1 for the factor the experts share.
+    Tinker's own 3-D tensors (`mlp.experts.w1` …): A `[E or 1, r, in]` and B `[E or 1, out, r]`,
+    1 for the factor the experts share.
     """
     if not (layout.a_experts or layout.b_experts):
         return (rank, layout.in_features), (layout.out_features, rank)
@@ -89,14 +101,22 @@ def target_modules_for(trained: Iterable[str], all_linears: Iterable[str]) -> li
     return "|".join(re.escape(path) for path in trained_paths)
 
 
+@dataclass(frozen=True)
+class ModelTargets:
+    """What a checkpoint file's layout needs to know of the base model."""
+
+    linear_paths: Sequence[str] = ()  # every nn.Linear, so `target_modules` selects exactly
+    experts: Mapping[str, ExpertShape] = field(default_factory=dict)  # fused experts blocks
+
+
 @dataclass
 class AdapterCheckpoint:
-    """One adapter as stored: tensors by PEFT key, plus what is needed to train it on."""
+    """One adapter as stored: tensors by key (module docstring), plus what is needed to train
+    it on."""
 
     base_model: str
     rank: int
     lora_alpha: float
-    target_modules: list[str] | str
     tensors: dict[str, torch.Tensor]  # adapter_key → fp32 CPU tensor
     spec: LoraConfig | None = None  # None for an adapter-only checkpoint
     moments: dict[str, torch.Tensor] | None = None  # adapter_key + ".exp_avg" / ".exp_avg_sq"
@@ -105,30 +125,21 @@ class AdapterCheckpoint:
 
 
 def write_checkpoint(
-    directory: Path, checkpoint: AdapterCheckpoint, *, kind: Literal["weights", "sampler_weights"]
+    directory: Path,
+    checkpoint: AdapterCheckpoint,
+    *,
+    kind: Literal["weights", "sampler_weights"],
+    model: ModelTargets,
+    layout: AdapterLayout = "peft",
 ) -> int:
-    """Write the checkpoint files for `kind`; returns the number of bytes written."""
+    """Write the checkpoint files for `kind`, the adapter in `layout`; the bytes written."""
     directory.mkdir(parents=True, exist_ok=True)
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": checkpoint.base_model,
-        "r": checkpoint.rank,
-        "lora_alpha": checkpoint.lora_alpha,
-        "lora_dropout": 0.0,
-        "target_modules": checkpoint.target_modules,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-    }
-    written = _write_bytes(directory / ADAPTER_CONFIG, _json_bytes(adapter_config))
-    written += _write_tensors(directory / ADAPTER_WEIGHTS, checkpoint.tensors)
+    written = _write_bytes(
+        directory / ADAPTER_CONFIG, _json_bytes(adapter_config(checkpoint, model, layout))
+    )
+    written += _write_tensors(
+        directory / ADAPTER_WEIGHTS, to_file(checkpoint.tensors, model.experts, layout)
+    )
     if kind == "weights":
         if checkpoint.moments is None or checkpoint.spec is None:
             raise ValueError("a weights checkpoint needs the optimizer moments and the LoRA spec")
@@ -144,28 +155,68 @@ def write_checkpoint(
     return written
 
 
-def read_checkpoint(directory: Path, *, with_optimizer: bool) -> AdapterCheckpoint:
-    """Read a checkpoint directory; `with_optimizer` also reads the moments and step count."""
+def adapter_config(
+    checkpoint: AdapterCheckpoint, model: ModelTargets, layout: AdapterLayout
+) -> dict[str, Any]:
+    """PEFT's `adapter_config.json` for the checkpoint's adapter file in `layout`."""
+    blocks = expert_paths(checkpoint.tensors, model.experts)
+    own = {f"{block}.{projection}" for block in blocks for projection in EXPERT_PROJECTIONS}
+    trained = {
+        key[len("base_model.model.") :].rpartition(".lora_")[0]
+        for key in checkpoint.tensors
+        if ".lora_" in key
+    }
+    linears = sorted(trained - own)
+    if layout == "tinker":
+        experts = sorted(own)
+    elif layout == "per-expert":
+        experts = [
+            f"{block}.{e}.{name}"
+            for block in blocks
+            for e in range(model.experts[block].num_experts)
+            for name in PER_EXPERT_NAMES.values()
+        ]
+    else:
+        experts = []
+    targets = target_modules_for([*linears, *experts], [*model.linear_paths, *experts])
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": checkpoint.base_model,
+        "r": checkpoint.rank,
+        "lora_alpha": checkpoint.lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    if layout == "peft":
+        config.update(peft_config_fields(blocks, checkpoint.rank, checkpoint.lora_alpha))
+    return config
+
+
+def read_checkpoint(
+    directory: Path, *, with_optimizer: bool, experts: Mapping[str, ExpertShape] | None = None
+) -> AdapterCheckpoint:
+    """Read a checkpoint directory, the adapter in any `AdapterLayout` (a fused experts block's
+    only where `experts` has it); `with_optimizer` also reads the moments and step count."""
     config = _read_json(directory / ADAPTER_CONFIG)
-    if config.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}, expected LORA")
-    for flag in ("use_dora", "use_rslora"):
-        if config.get(flag):
-            raise UserError(f"{ADAPTER_CONFIG}: {flag} adapters are not supported")
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise UserError(f"{ADAPTER_CONFIG}: per-module rank_pattern/alpha_pattern is not supported")
-    try:
-        rank = int(config["r"])
-        lora_alpha = float(config["lora_alpha"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise UserError(f"{ADAPTER_CONFIG}: missing or invalid r / lora_alpha ({error})") from None
+    scales = adapter_scales(config)
     stored = _read_tensors(directory / ADAPTER_WEIGHTS)
-    tensors = {key: value.to(torch.float32) for key, value in stored.items()}
+    tensors = from_file(
+        {key: value.to(torch.float32) for key, value in stored.items()}, experts or {}, scales
+    )
     checkpoint = AdapterCheckpoint(
         base_model=str(config.get("base_model_name_or_path") or ""),
-        rank=rank,
-        lora_alpha=lora_alpha,
-        target_modules=config.get("target_modules") or [],
+        rank=scales.rank,
+        lora_alpha=scales.lora_alpha,
         tensors=tensors,
     )
     meta_path = directory / META
@@ -191,6 +242,21 @@ def read_checkpoint(directory: Path, *, with_optimizer: bool) -> AdapterCheckpoi
     return checkpoint
 
 
+def adapter_scales(config: Mapping[str, Any]) -> AdapterScales:
+    """The adapter's rank, alpha and per-module patterns; a `UserError` for what is unsupported."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}, expected LORA")
+    for flag in ("use_dora", "use_rslora"):
+        if config.get(flag):
+            raise UserError(f"{ADAPTER_CONFIG}: {flag} adapters are not supported")
+    try:
+        rank = int(config["r"])
+        lora_alpha = float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise UserError(f"{ADAPTER_CONFIG}: missing or invalid r / lora_alpha ({error})") from None
+    return AdapterScales(config, rank, lora_alpha)
+
+
 def match_layers(
     checkpoint: AdapterCheckpoint, layouts: Iterable[LayerLayout], *, max_rank: int
 ) -> set[LayerGroup]:
@@ -211,7 +277,7 @@ def match_layers(
         layout = layers.get(path)
         if layout is None:
             raise UserError(f"{ADAPTER_WEIGHTS}: {path!r} is not an adaptable layer of this model")
-        a_shape, b_shape = file_shapes(layout, rank)
+        a_shape, b_shape = tensor_shapes(layout, rank)
         shape = a_shape if matrix == "A" else b_shape
         if tuple(tensor.shape) != shape:
             raise UserError(

@@ -1,4 +1,5 @@
-"""Slot checkpoint I/O: one slot of the adapter bank to and from a PEFT-layout directory.
+"""Slot checkpoint I/O: one slot of the adapter bank to and from a PEFT-layout directory
+(fused MoE experts in PEFT's `target_parameters` layout, `workers.trainer.expert_files`).
 
 Job: export a tenant's slot as a checkpoint (`workers.trainer.checkpoints` owns the files and their
 layout), read a checkpoint and check it against this model before anything is touched, and
@@ -30,11 +31,11 @@ from workers.engine.optimizer import SlotAdamW
 from workers.trainer.checkpoints import (
     MOMENTS,
     AdapterCheckpoint,
+    ModelTargets,
     adapter_key,
-    file_shapes,
     match_layers,
     read_checkpoint,
-    target_modules_for,
+    tensor_shapes,
     write_checkpoint,
 )
 from workers.trainer.parking import GROUP_FLAGS, Tenant, trained_groups
@@ -58,8 +59,13 @@ class SlotCheckpoints:
         self.bank = bank
         self.optimizer = optimizer
         self.base_model = base_model
-        # Every linear of the model, so `target_modules` selects exactly the trained ones.
-        self.linear_paths = linear_paths
+        # Every linear of the model, so `target_modules` selects exactly the trained ones. A
+        # wrapped linear keeps its path, its own `nn.Linear` sitting at `<path>.base_layer`.
+        self.linear_paths = list(dict.fromkeys(p.removesuffix(".base_layer") for p in linear_paths))
+        self.model = ModelTargets(
+            linear_paths=tuple(self.linear_paths),
+            experts={path: layer.shape for path, layer in bank.expert_layers.items()},
+        )
 
     def save(
         self,
@@ -77,24 +83,23 @@ class SlotCheckpoints:
             for moment in MOMENTS:
                 buffer = getattr(self.optimizer, moment)
                 moments.update(self._export(tenant, buffer, suffix=f".{moment}"))
-        groups = trained_groups(tenant.spec)
-        trained_paths = [lay.path for lay in self.bank.layouts if lay.group in groups]
         checkpoint = AdapterCheckpoint(
             base_model=self.base_model,
             rank=tenant.spec.rank,
             lora_alpha=tenant.lora_alpha,
-            target_modules=target_modules_for(trained_paths, self.linear_paths),
             tensors=tensors,
             spec=tenant.spec,
             moments=moments,
             step=self.optimizer.steps[tenant.slot],
             meta=meta,
         )
-        return write_checkpoint(directory, checkpoint, kind=kind)
+        return write_checkpoint(directory, checkpoint, kind=kind, model=self.model)
 
     def read(self, directory: Path, *, with_optimizer: bool) -> StoredAdapter:
         """A checkpoint checked against this model; a `UserError` if it cannot be loaded."""
-        checkpoint = read_checkpoint(directory, with_optimizer=with_optimizer)
+        checkpoint = read_checkpoint(
+            directory, with_optimizer=with_optimizer, experts=self.model.experts
+        )
         groups = match_layers(checkpoint, self.bank.layouts, max_rank=self.bank.max_rank)
         spec = checkpoint.spec or LoraConfig(
             rank=checkpoint.rank,
@@ -128,12 +133,13 @@ class SlotCheckpoints:
     def _export(
         self, tenant: Tenant, buffer: torch.Tensor, *, suffix: str = ""
     ) -> dict[str, torch.Tensor]:
-        """The trained layers' matrices of a slot in `buffer`, by PEFT key (+ suffix), on the CPU."""
+        """The trained layers' matrices of a slot in `buffer`, by key (+ suffix), on the CPU:
+        linears as PEFT has them, experts in Tinker's shared-outer form."""
         groups = trained_groups(tenant.spec)
         exported: dict[str, torch.Tensor] = {}
         for layout, a, b in self.bank.slot_views(buffer, tenant.slot, tenant.spec.rank):
             if layout.group in groups:
-                a_shape, b_shape = file_shapes(layout, tenant.spec.rank)
+                a_shape, b_shape = tensor_shapes(layout, tenant.spec.rank)
                 exported[adapter_key(layout.path, "A") + suffix] = _exported(a).view(a_shape)
                 exported[adapter_key(layout.path, "B") + suffix] = _exported(b).view(b_shape)
         return exported

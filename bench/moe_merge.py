@@ -28,6 +28,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from protocol.api import LoraConfig
 from protocol.tensors import FwdBwdRequest
+from workers.engine.passes import tune_malloc
 from workers.trainer.calibration import measure
 from workers.trainer.engine import Engine
 
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--skip-merge", action="store_true", help="only the expert LoRA cost")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    tune_malloc()  # as the worker does
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab)
         engine = Engine(str(model), max_slots=17, max_rank=16)

@@ -8,7 +8,7 @@ before it is the call's extra memory. Two figures per mode:
   on [tokens, hidden], then backward), i.e. what the full-logits path materialises;
 - pass: a whole `Engine.forward_backward` of those tokens, decoder included.
 "whole" computes the logits of all tokens at once (the former path); "chunked" uses the
-engine's default chunk (2**23 logits on a CPU). The full fp32 logits of the pass are printed
+engine's default chunk (2**21 logits on a CPU). The full fp32 logits of the pass are printed
 for scale.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/pass_memory.py [--tokens 8192] [--vocab 32000]
@@ -46,10 +46,10 @@ def child(mode: str, tokens: int, vocab: int, model_dir: str) -> None:
 
     from protocol.api import LoraConfig
     from workers.engine.lora import Segment
-    from workers.engine.passes import pin_malloc_threshold, target_logprobs
+    from workers.engine.passes import target_logprobs, tune_malloc
     from workers.trainer.engine import Engine
 
-    pin_malloc_threshold()  # as the worker does: see its docstring
+    tune_malloc()  # as the worker does: see its docstring
     torch.set_num_threads(1)
     chunk = {"logits_chunk_elements": tokens * vocab} if mode == "whole" else {}
     engine = Engine(model_dir, max_slots=1, max_rank=16, pass_tokens=tokens, **chunk)  # type: ignore[arg-type]

@@ -184,9 +184,9 @@ async def serve(settings: WorkerSettings) -> None:
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    from workers.engine.passes import pin_malloc_threshold
+    from workers.engine.passes import tune_malloc
 
-    pin_malloc_threshold()
+    tune_malloc()
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
     try:

@@ -116,15 +116,19 @@ class Engine:
             self.bank, self.optimizer, files, lora_alpha=self.lora_alpha, max_parked=max_parked
         )
         self.model = model
+        least = 1
         if logits_chunk_elements is None:
-            # One chunk's fp32 logits: 32 MiB on the CPU, 256 MiB on a GPU.
-            logits_chunk_elements = 2**26 if self.device.type == "cuda" else 2**23
+            # One chunk's fp32 logits: 8 MiB on the CPU (under `tune_malloc`'s threshold: the
+            # heap reuses it), 256 MiB on a GPU; at least 64 tokens (a large vocabulary's
+            # output layer is read once a chunk).
+            logits_chunk_elements = 2**26 if self.device.type == "cuda" else 2**21
+            least = 64
         self.passes = PassRunner(
             model,
             self.routing,
             self.device,
             pass_tokens=pass_tokens,
-            chunk_tokens=max(16, logits_chunk_elements // self.vocab_size),
+            chunk_tokens=max(least, logits_chunk_elements // self.vocab_size),
         )
 
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -324,6 +324,7 @@ def target_logprobs(
     logits (and their gradient) exist at once.
     """
     chunks: list[torch.Tensor] = []
+    last = (hidden.shape[0] - 1) // chunk_tokens * chunk_tokens
     for start in range(0, hidden.shape[0], chunk_tokens):
         stop = min(start + chunk_tokens, hidden.shape[0])
         local = [
@@ -334,15 +335,36 @@ def target_logprobs(
 
         def chunk(x: torch.Tensor, t: torch.Tensor, local: list[Segment] = local) -> torch.Tensor:
             logits = _head_logits(head, x, local).float()
-            return logits.gather(-1, t) - torch.logsumexp(logits, dim=-1, keepdim=True)
+            return cast(torch.Tensor, _TargetLogprobs.apply(logits, t))  # type: ignore[no-untyped-call]
 
         x, t = hidden[start:stop], targets[start:stop]
-        if recompute and torch.is_grad_enabled():
+        # The last chunk's backward runs first, right after the forward: keeping its logits
+        # until then costs no more than computing them again.
+        if recompute and start != last and torch.is_grad_enabled():
             part = checkpoint(chunk, x, t, use_reentrant=False, preserve_rng_state=False)
         else:
             part = chunk(x, t)
         chunks.append(part)
     return torch.cat(chunks, dim=0)
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """`logits.gather(-1, targets) - logsumexp(logits)` with a backward of three passes over
+    `[T, V]` (softmax, its scaling, the targets' scatter) into one buffer, where autograd's
+    composition of the two ops takes six and three more buffers."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        ctx.save_for_backward(logits, lse, targets)
+        return logits.gather(-1, targets) - lse
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, lse, targets = ctx.saved_tensors
+        grad = grads[0]
+        out = torch.sub(logits, lse).exp_().mul_(-grad.sum(-1, keepdim=True))
+        return out.scatter_add_(-1, targets, grad), None
 
 
 def _head_logits(head: nn.Module, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
@@ -369,15 +391,21 @@ def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy()
 
 
-def pin_malloc_threshold(size_bytes: int = 16 << 20) -> bool:
-    """Serve allocations of `size_bytes` and more with their own pages (glibc `mallopt`).
+def tune_malloc(mmap_bytes: int = 16 << 20, keep_bytes: int = 512 << 20) -> bool:
+    """Serve allocations of `mmap_bytes` and more with their own pages, and keep up to
+    `keep_bytes` of freed heap instead of returning it to the system (glibc `mallopt`).
 
     glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after
     which the per-chunk logits and their temporaries come from the heap, which fragments: in
     one pass of 8192 tokens at vocabulary 32k the loss part's peak grew to 1.4 GB instead of
-    0.2 GB. A fixed threshold returns each chunk's memory when it is freed. 16 MiB keeps the
-    activations (smaller blocks) on the heap: at 1 MiB their fresh pages cost 15 % of a pass
-    (`bench/pass_memory.py`, and a 4x128 round timed with each). No-op off glibc.
+    0.2 GB. A fixed threshold returns each such block's memory when it is freed. But fixing it
+    also fixes the trim threshold at its 128 KiB default, so the heap gave its top back after
+    almost every tensor and the next pass faulted it in again, page by page: 55,000 faults in a
+    1024-token pass of `bench/engine_merge.py`'s model, a third of its time on a 2-core VM.
+    Keeping 512 MiB of freed heap (and growing it 16 MiB at a time), with the CPU's logits
+    chunk (8 MiB, see `Engine`) under the threshold so the heap reuses it too, leaves a few
+    thousand faults a pass; the 8192-token pass's peak went from 635 to 685 MiB
+    (`bench/pass_memory.py`). No-op off glibc.
     """
     import ctypes
     import ctypes.util
@@ -387,7 +415,14 @@ def pin_malloc_threshold(size_bytes: int = 16 << 20) -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        m_mmap_threshold = -3
-        return bool(libc.mallopt(m_mmap_threshold, size_bytes))
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        return all(
+            bool(libc.mallopt(option, value))
+            for option, value in (
+                (m_mmap_threshold, mmap_bytes),
+                (m_trim_threshold, keep_bytes),
+                (m_top_pad, 16 << 20),
+            )
+        )
     except (OSError, AttributeError):
         return False

@@ -4,7 +4,8 @@ Job: time training passes as a merged pass runs them, at growing sizes (256, 512
 several scratch adapters (up to `_TENANTS`, each on every layer group, the experts of a MoE model
 included), their datums in rows of 128 tokens packed tenant by tenant, forward, loss and
 backward; the median of `repeats` timings per size. It chooses the smallest size whose tokens/s
-is within `tolerance` of the best seen, stopping as soon as a larger pass is no faster, a pass takes longer than
+is within `tolerance` of the best seen, stopping once two larger passes in a row are no faster
+(one slower measurement on a busy machine does not end it), a pass takes longer than
 `max_pass_s`, or the device runs out of memory. Bigger passes past that point only add latency
 (and, on a CPU, lose throughput to cache misses); smaller ones leave the device idle between
 kernels.
@@ -91,7 +92,7 @@ def measure(
                 engine.bank.grads.zero_()
             curve.append((size, size / seconds))
             best = max(rate for _, rate in curve)
-            if curve[-1][1] < best or seconds > max_pass_s:
+            if seconds > max_pass_s or all(rate < best for _, rate in curve[-2:]):
                 break
             size *= 2
     finally:
@@ -105,8 +106,9 @@ def measure(
 
 def cached_or_measured(engine: Engine, directory: Path, threads: int) -> Calibration:
     """This model and device's calibration from `directory`, measured and stored if absent."""
-    # v2: merged passes of 128-token rows (v1 timed one tenant in 256-token rows)
-    key = f"v2|{engine.base_model}|{engine.device}|{engine.dtype}|{threads}"
+    # v3: past one slower size, and with the CPU allocator settings of `tune_malloc`
+    # (v2: stopped at the first slower size; v1 timed one tenant in 256-token rows)
+    key = f"v3|{engine.base_model}|{engine.device}|{engine.dtype}|{threads}"
     path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         data = json.loads(path.read_text())

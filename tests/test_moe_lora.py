@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from tests.moe_reference import dense_reference
 from workers.engine.lora import (
     BASE_SLOT,
     LoraBank,
@@ -20,7 +21,7 @@ from workers.engine.lora import (
     find_target_linears,
     find_unwrappable_experts,
 )
-from workers.engine.moe_lora import MultiSlotLoraExperts, dense_reference
+from workers.engine.moe_lora import MultiSlotLoraExperts
 
 H, I_MOE, E, TOP_K = 64, 32, 8, 2
 

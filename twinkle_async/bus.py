@@ -14,6 +14,12 @@ again with `protocol.backoff.BUS_RETRY` until `BusSettings.retry_s` (10 s) has p
 raises `Unavailable`, which answers HTTP 503 with `x-should-retry: true`, and the SDK retries.
 Writes are safe to repeat: a job carries `Nats-Msg-Id`, KV puts write the same value again.
 
+On a NATS cluster (`--nats-url` lists its nodes, `BusSettings.nats_replicas` copies of every
+stream and bucket) a node's loss moves each stream's leadership to another node, which takes
+4-9 s after a crash: meanwhile a publish or KV write raises `NoStreamResponseError` and API
+calls time out, both retried like an outage. The client itself moves to a live node (nats-py
+reconnects to any server it knows).
+
 A job too big for one message (the server's `max_payload`, 8 MiB with `nats_server`) is
 refused before it is sent, as `PayloadTooLarge`: nats-py would raise `MaxPayloadError`, which
 no retry cures, after the call's seq was claimed (`encode_job`).
@@ -33,9 +39,11 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js.errors import (
+    APIError,
     BadRequestError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoStreamResponseError,
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
@@ -64,7 +72,18 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     nats.errors.OutboundBufferLimitError,
     nats.errors.StaleConnectionError,
     ServiceUnavailableError,
+    NoStreamResponseError,  # a stream (or bucket) electing its leader on a cluster
 )
+
+# JetStream API error codes ensure_topology tells apart.
+_STREAM_EXISTS = 10058  # "stream name already in use with a different configuration"
+_NO_PEERS = 10005  # "no suitable peers for placement": fewer nodes up than replicas
+_NOT_CLUSTERED = 10074  # "replicas > 1 not supported in non-clustered mode"
+_SETUP_TIMEOUT_S = 2.0  # one try of a topology request at start-up
+
+
+class TopologyError(RuntimeError):
+    """The topology cannot be made as configured (e.g. replicas on an unclustered server)."""
 
 
 class Bus:
@@ -81,13 +100,21 @@ class Bus:
         self._dropped = asyncio.Event()  # set from a disconnect until the reconnect
 
     async def connect(self) -> None:
-        """Connect (waiting up to `connect_wait_s` for NATS) and ensure the topology."""
+        """Connect (waiting up to `connect_wait_s` for NATS) and ensure the topology.
+
+        A cluster that is still forming (no meta leader yet, or not all nodes joined) answers
+        with timeouts or "no suitable peers"; both are tried again until `connect_wait_s`.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.connect_wait_s
         self.nc = await asyncio.wait_for(
             nats.connect(
-                self.settings.nats_url,
+                servers=topology.nats_servers(self.settings.nats_url),
                 connect_timeout=self.settings.connect_timeout_s,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                ping_interval=topology.PING_INTERVAL_S,
+                max_outstanding_pings=topology.MAX_OUTSTANDING_PINGS,
                 name="twinkle-gateway",
                 error_cb=self._on_error,
                 disconnected_cb=self._on_disconnected,
@@ -96,9 +123,23 @@ class Bus:
             timeout=self.settings.connect_wait_s,
         )
         self.js = self.nc.jetstream(timeout=self.settings.request_timeout_s)
-        await ensure_topology(self.js, self.settings)
-        for spec in topology.buckets(self.settings.futures_ttl_s):
-            self.kv[spec.name] = await self.js.key_value(spec.name)
+        # Short tries: a forming cluster leaves a request unanswered until its timeout.
+        setup = self.nc.jetstream(timeout=min(_SETUP_TIMEOUT_S, self.settings.request_timeout_s))
+        delay: float | None = None
+        while True:
+            try:
+                await ensure_topology(setup, self.settings)
+                for spec in topology.buckets(self.settings.futures_ttl_s):
+                    self.kv[spec.name] = await self.js.key_value(spec.name)
+                return
+            except _SETUP_RETRIED as exc:
+                if loop.time() > deadline:
+                    if isinstance(exc, _NotYet):
+                        raise TopologyError(str(exc)) from exc
+                    raise
+                delay = BUS_RETRY.after(delay)
+                log.info("the bus topology is not ready yet (%s); trying again", exc)
+                await asyncio.sleep(delay)
 
     async def close(self) -> None:
         self._closing = True
@@ -377,8 +418,21 @@ class Bus:
         return await self.nc.subscribe(f"{prefix}{pattern}", cb=on_msg)
 
 
+class _NotYet(Exception):
+    """A cluster not (yet) able to place a stream: fewer nodes up than its replicas."""
+
+
+_SETUP_RETRIED: tuple[type[Exception], ...] = (*TRANSIENT_ERRORS, _NotYet)
+
+
 async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
-    """Create the ops stream and the KV buckets if they do not exist (idempotent)."""
+    """Create the streams and the KV buckets if they do not exist, each with
+    `settings.nats_replicas` copies, and scale up those that have fewer (idempotent).
+
+    Raises `TopologyError` for what no retry cures (replicas on an unclustered server), and
+    `_NotYet` while the cluster has fewer nodes up than the replicas asked for.
+    """
+    replicas = topology.check_replicas(settings.nats_replicas)
     stream = topology.StreamSpec(
         duplicate_window_s=settings.duplicate_window_s,
         max_age_s=settings.ops_max_age_s,
@@ -394,6 +448,7 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
         discard=js_api.DiscardPolicy.OLD,
         duplicate_window=stream.duplicate_window_s,
         max_msg_size=stream.max_msg_bytes,
+        num_replicas=replicas,
     )
     sample = topology.SampleStreamSpec()
     sample_config = js_api.StreamConfig(
@@ -404,14 +459,54 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
         max_age=sample.max_age_s,
         duplicate_window=sample.duplicate_window_s,
         max_msg_size=sample.max_msg_bytes,
+        num_replicas=replicas,
     )
     for stream_config in (config, sample_config):
         try:
             await js.add_stream(stream_config)
-        except BadRequestError:
-            await js.update_stream(stream_config)
+        except APIError as exc:
+            if exc.err_code != _STREAM_EXISTS:
+                raise _topology_error(exc, str(stream_config.name), replicas) from exc
+            # exists with another configuration: ours, keeping any higher replica count
+            await _update_stream(js, stream_config, replicas)
     for spec in topology.buckets(settings.futures_ttl_s):
         try:
-            await js.create_key_value(bucket=spec.name, ttl=spec.ttl_s, history=spec.history)
-        except BadRequestError:
-            log.debug("bucket %s exists with another configuration; keeping it", spec.name)
+            await js.create_key_value(
+                bucket=spec.name, ttl=spec.ttl_s, history=spec.history, replicas=replicas
+            )
+        except APIError as exc:
+            if exc.err_code != _STREAM_EXISTS:
+                raise _topology_error(exc, f"bucket {spec.name}", replicas) from exc
+            info = await js.stream_info(f"KV_{spec.name}")
+            if (info.config.num_replicas or 1) >= replicas:
+                log.debug("bucket %s exists with another configuration; keeping it", spec.name)
+                continue
+            await _update_stream(js, info.config, replicas)
+
+
+async def _update_stream(js: JetStreamContext, config: js_api.StreamConfig, replicas: int) -> None:
+    """Update a stream to `config`, with `replicas` copies unless it has more already."""
+    assert config.name is not None
+    have = (await js.stream_info(config.name)).config.num_replicas or 1
+    try:
+        await js.update_stream(config.evolve(num_replicas=max(have, replicas)))
+    except APIError as exc:
+        raise _topology_error(exc, config.name, replicas) from exc
+    if have < replicas:
+        log.info("stream %s: scaled from %d replica(s) to %d", config.name, have, replicas)
+
+
+def _topology_error(exc: APIError, what: str, replicas: int) -> Exception:
+    """What a refused stream or bucket means, in words."""
+    if exc.err_code == _NOT_CLUSTERED:
+        return TopologyError(
+            f"{what}: {replicas} replicas asked for (--nats-replicas / TWINKLE_NATS_REPLICAS),"
+            " but the NATS server is not clustered; use 1 replica, or a cluster of at least"
+            f" {replicas} nodes"
+        )
+    if exc.err_code == _NO_PEERS:
+        return _NotYet(
+            f"{what}: fewer NATS cluster nodes up than the {replicas} replicas asked for"
+            f" ({exc.description}); start more nodes or lower --nats-replicas"
+        )
+    return TopologyError(f"{what}: NATS refused it: {exc.description} (code {exc.err_code})")

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
+from protocol import topology
 from twinkle_async.settings import (
     BusSettings,
     GatewaySettings,
@@ -60,6 +61,15 @@ async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
         await task
     except asyncio.CancelledError:
         pass
+
+
+def _nats_url(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            topology.nats_servers(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    return value
 
 
 def _run(coro: object) -> None:
@@ -126,7 +136,27 @@ def up(
     ] = 1,
     nats_url: Annotated[
         str | None,
-        typer.Option(help="use this NATS (JetStream on) instead of starting one under --data-dir"),
+        typer.Option(
+            callback=_nats_url,
+            help="use this NATS (JetStream on; a cluster's node URLs separated by commas)"
+            " instead of starting one under --data-dir",
+        ),
+    ] = None,
+    nats_cluster: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=5,
+            help="start a JetStream cluster of this many nodes on loopback (1: one server)",
+        ),
+    ] = 1,
+    nats_replicas: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=5,
+            help="copies of every stream and bucket (default: the --nats-cluster size, else 1)",
+        ),
     ] = None,
     bus_retry_s: Annotated[
         float,
@@ -138,6 +168,13 @@ def up(
     from twinkle_async.up import UpOptions, run_up
 
     _logging(log_level)
+    if nats_url and nats_cluster > 1:
+        raise typer.BadParameter("--nats-cluster starts a cluster; --nats-url uses one: not both")
+    if nats_url is None and nats_replicas is not None and nats_replicas > nats_cluster:
+        raise typer.BadParameter(
+            f"--nats-replicas {nats_replicas} needs at least that many nodes"
+            f" (--nats-cluster {nats_cluster})"
+        )
     if api_key is not None and not api_key.startswith("tml-"):
         raise typer.BadParameter(
             "the API key must start with 'tml-' (the tinker SDK refuses others)"
@@ -182,6 +219,8 @@ def up(
         checkpoint_sweep_s=checkpoint_sweep_s or None,
         workers_per_model=workers,
         nats_url=nats_url,
+        nats_cluster=nats_cluster,
+        nats_replicas=nats_replicas or (1 if nats_url else nats_cluster),
         bus_retry_s=bus_retry_s,
         log_level=log_level,
     )
@@ -191,7 +230,21 @@ def up(
 @app.command()
 def gateway(
     nats_url: Annotated[
-        str | None, typer.Option(help="NATS URL (default $TWINKLE_NATS_URL)")
+        str | None,
+        typer.Option(
+            callback=_nats_url,
+            help="NATS URL, or a cluster's node URLs separated by commas"
+            " (default $TWINKLE_NATS_URL)",
+        ),
+    ] = None,
+    nats_replicas: Annotated[
+        int | None,
+        typer.Option(
+            envvar="TWINKLE_NATS_REPLICAS",
+            min=1,
+            max=5,
+            help="copies of every stream and bucket (default 1; needs a cluster of as many nodes)",
+        ),
     ] = None,
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
@@ -277,9 +330,9 @@ def gateway(
         rate_burst_s=rate_burst_s,
         long_poll_s=long_poll_s,
         bus=dataclasses.replace(
-            bus_from_env(nats_url)
+            bus_from_env(nats_url, nats_replicas)
             if nats_url or os.environ.get("TWINKLE_NATS_URL")
-            else BusSettings(),
+            else BusSettings(nats_replicas=nats_replicas or 1),
             retry_s=bus_retry_s,
         ),
         checkpoint_root=checkpoint_root or (data_dir / "checkpoints" if data_dir else None),

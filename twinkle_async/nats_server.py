@@ -6,19 +6,28 @@ wait for; no fixed ports, no port races. Used by `twinkle-async up` and by the t
 
 The first start pins the port the server picked: a restart (`start` again, after `kill` or a
 crash) listens on the same port with the same store, so clients reconnect to the URL they hold.
+
+`NatsCluster` runs several such servers as one JetStream cluster on loopback (`up
+--nats-cluster 3`, the tests): each node has its own name, store and client port, and a route
+port every node lists. JetStream needs its routes configured before it starts, so the route
+ports are free ports chosen up front (a node that cannot bind its port fails to start, and the
+first start tries new ones); they are pinned like the client ports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
@@ -38,11 +47,23 @@ def find_binary() -> str:
     )
 
 
+CLUSTER_NAME = "twinkle"
+
+
+@dataclass(frozen=True)
+class ClusterRoute:
+    """A node's place in a cluster: its name, its route port and every node's route port."""
+
+    server_name: str
+    route_port: int
+    route_ports: tuple[int, ...]
+
+
 class NatsServer:
     """One nats-server process bound to 127.0.0.1, with its store under `data_dir`.
 
     `preexec_fn` runs in the child before the binary (`up` passes
-    `supervisor.die_with_parent()`).
+    `supervisor.die_with_parent()`). With `cluster`, the server is one node of a cluster.
     """
 
     def __init__(
@@ -51,12 +72,19 @@ class NatsServer:
         *,
         port: int = -1,
         preexec_fn: Callable[[], None] | None = None,
+        cluster: ClusterRoute | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.port = port
         self.preexec_fn = preexec_fn
+        self.cluster = cluster
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
+
+    @property
+    def name(self) -> str:
+        """The node's `server_name` (what JetStream names a stream's leader by)."""
+        return self.cluster.server_name if self.cluster is not None else "nats"
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server and return its client URL once it listens."""
@@ -88,18 +116,21 @@ class NatsServer:
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         conf = self.data_dir / "nats.conf"
-        conf.write_text(
-            "\n".join(
-                [
-                    "host: 127.0.0.1",
-                    f"port: {self.port}",
-                    f"max_payload: {MAX_PAYLOAD_BYTES}",
-                    f"ports_file_dir: {json.dumps(str(ports_dir))}",
-                    f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'jetstream'))} }}",
-                    "",
-                ]
-            )
-        )
+        lines = [
+            "host: 127.0.0.1",
+            f"port: {self.port}",
+            f"max_payload: {MAX_PAYLOAD_BYTES}",
+            f"ports_file_dir: {json.dumps(str(ports_dir))}",
+            f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'jetstream'))} }}",
+        ]
+        if self.cluster is not None:
+            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.cluster.route_ports)
+            lines += [
+                f"server_name: {self.cluster.server_name}",
+                f"cluster {{ name: {CLUSTER_NAME}, host: 127.0.0.1,"
+                f" port: {self.cluster.route_port}, routes: [{routes}] }}",
+            ]
+        conf.write_text("\n".join([*lines, ""]))
         log = open(self.data_dir / "nats.log", "ab")  # noqa: SIM115 - owned by the child process
         self.process = subprocess.Popen(
             [find_binary(), "-c", str(conf)],
@@ -143,3 +174,85 @@ class NatsServer:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that were free a moment ago."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+
+
+class NatsCluster:
+    """`size` nats-server nodes on loopback forming one JetStream cluster, node i's store under
+    `data_dir/n<i>`; `url` lists every node's client URL, comma-separated."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        size: int = 3,
+        *,
+        preexec_fn: Callable[[], None] | None = None,
+        start_attempts: int = 3,
+    ) -> None:
+        if size < 2:
+            raise ValueError(f"a NATS cluster has at least 2 nodes, not {size}")
+        self.data_dir = data_dir
+        self.size = size
+        self.preexec_fn = preexec_fn
+        self.start_attempts = start_attempts
+        self.nodes: list[NatsServer] = []
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def _make_nodes(self) -> None:
+        ports = tuple(_free_ports(self.size))
+        self.nodes = [
+            NatsServer(
+                self.data_dir / f"n{i + 1}",
+                preexec_fn=self.preexec_fn,
+                cluster=ClusterRoute(f"n{i + 1}", ports[i], ports),
+            )
+            for i in range(self.size)
+        ]
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        for attempt in range(self.start_attempts):
+            self._make_nodes()
+            try:
+                for node in self.nodes:
+                    node.start(timeout_s)
+                return self.url
+            except (RuntimeError, TimeoutError):  # a route port taken meanwhile: new ones
+                self.stop()
+                if attempt == self.start_attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def start_async(self, timeout_s: float = 10.0) -> str:
+        for attempt in range(self.start_attempts):
+            self._make_nodes()
+            try:
+                for node in self.nodes:
+                    await node.start_async(timeout_s)
+                return self.url
+            except (RuntimeError, TimeoutError):
+                await asyncio.to_thread(self.stop)
+                if attempt == self.start_attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def node(self, server_name: str) -> NatsServer:
+        """The node JetStream calls `server_name` (e.g. a stream's leader)."""
+        for node in self.nodes:
+            if node.name == server_name:
+                return node
+        raise KeyError(f"no node {server_name!r} in this cluster")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for node in self.nodes:
+            node.stop(timeout_s)

@@ -19,7 +19,10 @@ def _env(name: str, default: str) -> str:
 class BusSettings:
     """How to reach NATS and how big its messages and windows are."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = "nats://127.0.0.1:4222"  # or a comma-separated list of a cluster's nodes
+    # copies of every stream and KV bucket (1, or up to 5 on a cluster with that many nodes);
+    # an existing stream or bucket with fewer is scaled up at start-up
+    nats_replicas: int = 1
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 10.0
     # a starting gateway waits this long for NATS, then exits (its supervisor restarts it)
@@ -111,10 +114,12 @@ class GatewaySettings:
     public_url: str | None = None
 
 
-def bus_from_env(nats_url: str | None = None) -> BusSettings:
-    """Bus settings from `TWINKLE_NATS_URL` and friends, overridden by an explicit URL."""
+def bus_from_env(nats_url: str | None = None, nats_replicas: int | None = None) -> BusSettings:
+    """Bus settings from `TWINKLE_NATS_URL`, `TWINKLE_NATS_REPLICAS` and friends, overridden
+    by explicit values."""
     return BusSettings(
         nats_url=nats_url or _env("NATS_URL", "nats://127.0.0.1:4222"),
+        nats_replicas=nats_replicas or int(_env("NATS_REPLICAS", "1")),
         n_shards=int(_env("SHARDS", "16")),
         futures_ttl_s=float(_env("FUTURES_TTL_S", str(24 * 3600))),
         ops_max_age_s=float(_env("OPS_MAX_AGE_S", str(7 * 24 * 3600))),

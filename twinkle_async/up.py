@@ -1,7 +1,8 @@
 """`twinkle-async up`: the one-command local cluster, and its supervisor.
 
-Step 1: start nats-server (loopback, a port it picks, store under `<data-dir>/nats`), unless
-`--nats-url` names one to use instead.
+Step 1: start nats-server (loopback, a port it picks, store under `<data-dir>/nats`), or with
+`--nats-cluster N` a JetStream cluster of N nodes (`<data-dir>/nats/n1`...; streams and buckets
+with `--nats-replicas` copies, N by default), unless `--nats-url` names one to use instead.
 Step 2: start the gateway as a child (`python -m twinkle_async gateway ...`, the settings `up`
 was given; the keys travel in its environment, not on its command line) and read the port it
 bound from its `--ready-file`; every later start of the gateway asks for that same port, so the
@@ -10,7 +11,7 @@ Step 3: start `--workers` trainer workers per base model (and a vLLM sampler if 
 until each has put a fresh heartbeat in `tw_workers`.
 Step 4: print the base URL and the keys, and write them to `--ready-file`.
 Step 5: supervise until SIGINT or SIGTERM: a child that exits is logged and restarted with
-backoff (`supervisor.Child`), nats-server likewise on the same store and port. Nothing that
+backoff (`supervisor.Child`), each nats-server node likewise on the same store and ports. Nothing that
 dies after step 4 stops the cluster. A child that dies while starting (steps 2-3) does: that
 is a configuration to fix, not a crash to ride out.
 Step 6: stop every child (SIGTERM, then SIGKILL), then nats-server; remove the ready file.
@@ -39,7 +40,7 @@ from protocol import records, subjects
 from protocol.backoff import restart_delay
 from protocol.records import WorkerRecord
 from twinkle_async.bus import Bus
-from twinkle_async.nats_server import NatsServer
+from twinkle_async.nats_server import NatsCluster, NatsServer
 from twinkle_async.settings import bus_from_env
 from twinkle_async.supervisor import Child, describe_exit, die_with_parent
 
@@ -71,6 +72,8 @@ class UpOptions:
     checkpoint_sweep_s: float | None = 60.0  # None: expired checkpoints are never swept
     workers_per_model: int = 1  # trainer worker processes per base model
     nats_url: str | None = None  # an external NATS; None: start one under data_dir
+    nats_cluster: int = 1  # nodes of the NATS `up` starts (1: one server)
+    nats_replicas: int = 1  # copies of every stream and bucket
     bus_retry_s: float = 10.0  # the gateway's `BusSettings.retry_s`
     stop_timeout_s: float = 15.0  # SIGTERM to SIGKILL when stopping a child
     log_level: str = "INFO"
@@ -87,7 +90,11 @@ def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[
         "--data-dir",
         str(options.data_dir),
     ]
-    trainer = [sys.executable, "-m", "workers", *common, *options.worker_args]
+    trainer = [
+        *(sys.executable, "-m", "workers", *common),
+        *("--nats-replicas", str(options.nats_replicas)),
+        *options.worker_args,
+    ]
     # A stable id per trainer: restarted after a crash, it finds its own shard leases and the
     # journal of what it was running (workers/trainer/leases.py, workers/watchdog.py).
     host = socket.gethostname().split(".")[0] or "host"
@@ -110,6 +117,8 @@ def gateway_command(options: UpOptions, nats_url: str, port: int, ready_file: Pa
         "gateway",
         "--nats-url",
         nats_url,
+        "--nats-replicas",
+        str(options.nats_replicas),
         "--host",
         options.host,
         "--port",
@@ -161,7 +170,7 @@ class Cluster:
         self.options = options
         self.api_key = api_key
         self.admin_key = admin_key
-        self.nats: NatsServer | None = None
+        self.nats: list[NatsServer] = []  # the nodes `up` runs (none with --nats-url)
         self.nats_url = options.nats_url or ""
         self.gateway: Child | None = None
         self.workers: list[tuple[str, str, Child]] = []  # (base model, role, child)
@@ -174,10 +183,19 @@ class Cluster:
     async def start(self) -> dict[str, Any]:
         """Steps 1-3; returns what the ready file holds."""
         options = self.options
-        if options.nats_url is None:
-            self.nats = NatsServer(options.data_dir / "nats", preexec_fn=die_with_parent())
-            self.nats_url = await self.nats.start_async()
-            log.info("nats-server at %s (pid %d)", self.nats_url, self._nats_pid())
+        if options.nats_url is None and options.nats_cluster > 1:
+            cluster = NatsCluster(
+                options.data_dir / "nats", options.nats_cluster, preexec_fn=die_with_parent()
+            )
+            self.nats_url = await cluster.start_async()
+            self.nats = cluster.nodes
+            for node in self.nats:
+                log.info("nats-server %s at %s (pid %d)", node.name, node.url, _pid(node))
+        elif options.nats_url is None:
+            server = NatsServer(options.data_dir / "nats", preexec_fn=die_with_parent())
+            self.nats_url = await server.start_async()
+            self.nats = [server]
+            log.info("nats-server at %s (pid %d)", self.nats_url, _pid(server))
         base_url = await self._start_gateway()
         started_at = time.time()
         for base_model in options.base_models:
@@ -194,6 +212,7 @@ class Cluster:
             "api_key": self.api_key,
             "admin_key": self.admin_key,
             "nats_url": self.nats_url,
+            "nats_pids": {node.name: _pid(node) for node in self.nats},
             "base_models": options.base_models,
         }
 
@@ -234,7 +253,7 @@ class Cluster:
             expected[(base_model, role)] = expected.get((base_model, role), 0) + 1
         timeout_s = self.options.worker_ready_timeout_s
         deadline = time.monotonic() + timeout_s
-        bus = Bus(bus_from_env(self.nats_url))
+        bus = Bus(bus_from_env(self.nats_url, self.options.nats_replicas))
         await bus.connect()
         try:
             while True:
@@ -258,15 +277,11 @@ class Cluster:
         finally:
             await bus.close()
 
-    def _nats_pid(self) -> int:
-        assert self.nats is not None and self.nats.process is not None
-        return self.nats.process.pid
-
     async def supervise(self) -> None:
         """Step 5: runs until cancelled."""
         tasks = [asyncio.create_task(child.supervise(), name=child.name) for child in self.children]
-        if self.nats is not None:
-            tasks.append(asyncio.create_task(self._supervise_nats(), name="nats-server"))
+        for node in self.nats:
+            tasks.append(asyncio.create_task(self._supervise_nats(node), name=node.name))
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -274,10 +289,8 @@ class Cluster:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _supervise_nats(self) -> None:
-        """Restart nats-server on the same store and port whenever it exits."""
-        nats = self.nats
-        assert nats is not None
+    async def _supervise_nats(self, nats: NatsServer) -> None:
+        """Restart a nats-server node on the same store and ports whenever it exits."""
         delay_s: float | None = None
         started_at = time.monotonic()
         while True:
@@ -289,8 +302,9 @@ class Cluster:
             uptime_s = time.monotonic() - started_at
             delay_s = restart_delay(delay_s, uptime_s)
             log.error(
-                "nats-server (pid %d) %s after %.1f s; restarting it on the same store and port"
-                " in %.1f s",
+                "nats-server %s (pid %d) %s after %.1f s; restarting it on the same store and"
+                " ports in %.1f s",
+                nats.name,
                 process.pid,
                 describe_exit(returncode),
                 uptime_s,
@@ -303,13 +317,17 @@ class Cluster:
             except (OSError, RuntimeError, TimeoutError):
                 log.exception("nats-server did not start; trying again")
                 continue
-            log.info("nats-server back at %s (pid %d)", nats.url, self._nats_pid())
+            log.info("nats-server %s back at %s (pid %d)", nats.name, nats.url, _pid(nats))
 
     async def stop(self) -> None:
         """Step 6."""
         await asyncio.gather(*(child.stop() for child in self.children))
-        if self.nats is not None:
-            await asyncio.to_thread(self.nats.stop)
+        await asyncio.gather(*(asyncio.to_thread(node.stop) for node in self.nats))
+
+
+def _pid(node: NatsServer) -> int:
+    assert node.process is not None
+    return node.process.pid
 
 
 def _announce(info: dict[str, Any], ready_file: Path | None) -> None:

@@ -36,7 +36,16 @@ def worker_options(
         str,
         typer.Option(envvar="TWINKLE_BASE_MODEL", help="model id (hub) or a local model directory"),
     ],
-    nats_url: Annotated[str, typer.Option(envvar="TWINKLE_NATS_URL")] = "nats://127.0.0.1:4222",
+    nats_url: worker_settings.NatsUrl = "nats://127.0.0.1:4222",
+    nats_replicas: Annotated[
+        int,
+        typer.Option(
+            envvar="TWINKLE_NATS_REPLICAS",
+            min=1,
+            max=5,
+            help="the cluster's replica count (the gateway sets it); the lease default follows",
+        ),
+    ] = 1,
     data_dir: Annotated[
         Path,
         typer.Option(envvar="TWINKLE_DATA_DIR", help="checkpoints live in DATA_DIR/checkpoints"),
@@ -84,9 +93,13 @@ def worker_options(
         ),
     ] = None,
     lease_s: Annotated[
-        float,
-        typer.Option(envvar="TWINKLE_LEASE_S", min=1.0, help="a dead worker's shards move after"),
-    ] = 10.0,
+        float | None,
+        typer.Option(
+            envvar="TWINKLE_LEASE_S",
+            min=1.0,
+            help="a dead worker's shards move after (default: 10 s, 30 s with NATS replicas)",
+        ),
+    ] = None,
     snapshot_every: Annotated[
         int,
         typer.Option(
@@ -139,6 +152,7 @@ def worker_options(
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a trainer worker: a base model, its adapter slots, shared passes and fused steps."""
+    lease = lease_s if lease_s is not None else worker_settings.default_lease_s(nats_replicas)
     settings = WorkerSettings(
         base_model=base_model,
         nats_url=nats_url,
@@ -152,8 +166,8 @@ def worker_options(
         token_budget=token_budget or None,
         gap_timeout_s=gap_timeout_s,
         ack_wait_s=ack_wait_s,
-        lease_s=lease_s,
-        lease_renew_s=lease_s / 4,
+        lease_s=lease,
+        lease_renew_s=lease / 4,
         snapshot_every=snapshot_every,
         snapshot_idle_s=snapshot_idle_s,
         pass_timeout_s=pass_timeout_s,

@@ -1,7 +1,8 @@
 """The worker's NATS connection: shard consumers in, outcomes and records out.
 
 The gateway creates the topology (protocol/topology.py); a worker waits for it, so the two never
-race to configure it differently. Each owned shard is read by its durable pull consumer
+race to configure it differently. `nats_url` may list a cluster's nodes (comma-separated); the
+durable consumers a worker creates have as many replicas as their stream. Each owned shard is read by its durable pull consumer
 `ops-<pool>-<shard>` through a long-poll fetch loop that hands messages to a callback.
 
 A NATS outage: nats-py reconnects by itself and the durable consumers live on the server, so a
@@ -25,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from protocol import subjects, topology
@@ -41,8 +42,9 @@ _VALUE_HEADROOM_BYTES = 16 * 1024  # a KV subject and headers, well inside this
 
 # What a call raises while NATS is away or coming back (nats-py 2.16: a timeout for every
 # request while disconnected; OutboundBufferLimitError for a publish bigger than the reconnect
-# buffer; NoResponders / ServiceUnavailable while the server's JetStream starts). The same set
-# as the gateway's `twinkle_async.bus.TRANSIENT_ERRORS` (workers never import twinkle_async).
+# buffer; NoResponders / ServiceUnavailable while the server's JetStream starts; NoStreamResponse
+# while a stream or bucket of a cluster elects its leader, 4-9 s after a node's crash). The same
+# set as the gateway's `twinkle_async.bus.TRANSIENT_ERRORS` (workers never import twinkle_async).
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     TimeoutError,
     nats.errors.TimeoutError,
@@ -51,6 +53,7 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     nats.errors.OutboundBufferLimitError,
     nats.errors.StaleConnectionError,
     ServiceUnavailableError,
+    NoStreamResponseError,
 )
 
 
@@ -123,9 +126,11 @@ class WorkerBus:
 
         self.nc = await asyncio.wait_for(
             nats.connect(
-                self.nats_url,
+                servers=topology.nats_servers(self.nats_url),
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                ping_interval=topology.PING_INTERVAL_S,
+                max_outstanding_pings=topology.MAX_OUTSTANDING_PINGS,
                 name="twinkle-worker",
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,

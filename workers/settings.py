@@ -20,7 +20,39 @@ from typing import Annotated, Any
 
 import typer
 
-from protocol import subjects
+from protocol import subjects, topology
+
+
+def _nats_url(value: str) -> str:
+    try:
+        topology.nats_servers(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    return value
+
+
+# Where NATS is: one URL, or a comma-separated list of a cluster's nodes.
+NatsUrl = Annotated[
+    str,
+    typer.Option(
+        envvar="TWINKLE_NATS_URL",
+        callback=_nats_url,
+        help="NATS URL, or a cluster's node URLs separated by commas",
+    ),
+]
+
+# A shard lease outlives a NATS node's crash on a cluster: the bucket's leader election
+# (4-9 s), noticing a silent host (`topology.PING_INTERVAL_S` x `MAX_OUTSTANDING_PINGS`, 6 s)
+# and a reconnect fit in 30 s with a renewal (every lease_s / 4) to spare; on one server the
+# lease only has to outlast a renewal's hiccup.
+LEASE_S_ONE_SERVER = 10.0
+LEASE_S_CLUSTER = 30.0
+
+
+def default_lease_s(nats_replicas: int) -> float:
+    """The shard lease a worker takes when `--lease-s` is not given."""
+    return LEASE_S_ONE_SERVER if nats_replicas <= 1 else LEASE_S_CLUSTER
+
 
 # An option both entry points declare: how long a job taken by a worker that stopped answering
 # it (a crash) stays with that worker; a live worker keeps its jobs (`in_progress`) meanwhile.

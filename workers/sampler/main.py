@@ -41,7 +41,7 @@ def sampler_options(
     backend: Annotated[
         Literal["vllm", "torch"], typer.Option(envvar="TWINKLE_SAMPLER_BACKEND")
     ] = "vllm",
-    nats_url: Annotated[str, typer.Option(envvar="TWINKLE_NATS_URL")] = "nats://127.0.0.1:4222",
+    nats_url: worker_settings.NatsUrl = "nats://127.0.0.1:4222",
     data_dir: Annotated[
         Path,
         typer.Option(envvar="TWINKLE_DATA_DIR", help="checkpoints live in DATA_DIR/checkpoints"),

@@ -1,0 +1,311 @@
+"""NATS as a cluster, against real `nats-server` processes on loopback: `--nats-url` lists,
+replicated streams and buckets (created, scaled up, refused with a reason), a client that
+rides out a stream leader's crash and a frozen node, and the settings that ask for them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from typer.testing import CliRunner
+
+from protocol import subjects, topology
+from protocol.jobs import OptimStepJob
+from twinkle_async.bus import Bus, TopologyError
+from twinkle_async.cli import app
+from twinkle_async.nats_server import NatsCluster, NatsServer
+from twinkle_async.settings import BusSettings
+from workers.__main__ import parse_args
+from workers.bus import WorkerBus
+
+runner = CliRunner(env={"COLUMNS": "300"})  # one line per error message
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats-cluster"), 3)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _streams() -> list[str]:
+    buckets = [f"KV_{spec.name}" for spec in topology.buckets(0.0)]
+    return [subjects.STREAM_OPS, subjects.STREAM_SAMPLE, *buckets]
+
+
+async def _replicas(url: str) -> dict[str, int]:
+    nc = await nats.connect(servers=topology.nats_servers(url))
+    try:
+        js = nc.jetstream(timeout=10)
+        return {name: (await js.stream_info(name)).config.num_replicas or 1 for name in _streams()}
+    finally:
+        await nc.close()
+
+
+def _bus(url: str, replicas: int, **settings: float) -> Bus:
+    return Bus(BusSettings(nats_url=url, nats_replicas=replicas, **settings))  # type: ignore[arg-type]
+
+
+async def _lead(bus: Bus, stream: str, server_name: str) -> None:
+    """Move `stream`'s leadership to node `server_name` (a step-down naming its successor)."""
+    assert bus.nc is not None and bus.js is not None
+    body = json.dumps({"placement": {"preferred": server_name}}).encode()
+    for _ in range(50):
+        info = await bus.js.stream_info(stream)
+        if info.cluster is not None and info.cluster.leader == server_name:
+            return
+        await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", body, timeout=10)
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{stream} did not move to {server_name}")
+
+
+async def _restarted(node: NatsServer) -> None:
+    await asyncio.to_thread(node.start)
+
+
+@pytest.mark.parametrize(
+    ("url", "servers"),
+    [
+        ("nats://127.0.0.1:4222", ["nats://127.0.0.1:4222"]),
+        (
+            "nats://10.0.0.1:4222, nats://10.0.0.2:4223,tls://n3.example:4222",
+            ["nats://10.0.0.1:4222", "nats://10.0.0.2:4223", "tls://n3.example:4222"],
+        ),
+        ("127.0.0.1:4222", ["nats://127.0.0.1:4222"]),
+        ("nats://user:pw@127.0.0.1:4222", ["nats://user:pw@127.0.0.1:4222"]),
+    ],
+)
+def test_a_nats_url_may_list_a_clusters_nodes(url: str, servers: list[str]) -> None:
+    assert topology.nats_servers(url) == servers
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        ",",
+        "nats://127.0.0.1:4222,",
+        "http://127.0.0.1:4222",
+        "nats://:4222",
+        "nats://127.0.0.1:99999",
+        "nats://127.0.0.1:-1",
+        "nats://127.0.0.1:port",
+        "nats://127.0.0.1:4222/path",
+        "nats://127.0.0.1:",
+        "nats://a:1 nats://b:2",
+    ],
+)
+def test_a_malformed_nats_url_is_refused_naming_the_entry(url: str) -> None:
+    with pytest.raises(ValueError, match="is not nats://HOST:PORT"):
+        topology.nats_servers(url)
+
+
+@pytest.mark.parametrize("replicas", [0, -1, 6, 10**9])
+def test_replicas_outside_jetstreams_range_are_refused(replicas: int) -> None:
+    with pytest.raises(ValueError, match="1 to 5"):
+        topology.check_replicas(replicas)
+
+
+def test_command_lines_check_the_url_and_the_replicas() -> None:
+    bad_url = runner.invoke(app, ["gateway", "--nats-url", "nats://a:1,,nats://b:2"])
+    assert bad_url.exit_code == 2 and "not nats://HOST:PORT" in bad_url.output
+    too_many = runner.invoke(app, ["gateway", "--nats-replicas", "6"])
+    assert too_many.exit_code == 2
+    both = runner.invoke(
+        app, ["up", "--base-model", "m", "--nats-url", "nats://a:1", "--nats-cluster", "3"]
+    )
+    assert both.exit_code != 0 and "not both" in both.output
+    short = runner.invoke(
+        app, ["up", "--base-model", "m", "--nats-cluster", "3", "--nats-replicas", "5"]
+    )
+    assert short.exit_code != 0 and "needs at least that many nodes" in short.output
+    with pytest.raises(Exception, match="not nats://HOST:PORT"):
+        parse_args(["--base-model", "m", "--nats-url", "nats://a:1,"])
+
+
+def test_the_lease_default_outlasts_a_cluster_election() -> None:
+    one = parse_args(["--base-model", "m"])
+    replicated = parse_args(["--base-model", "m", "--nats-replicas", "3"])
+    explicit = parse_args(["--base-model", "m", "--nats-replicas", "3", "--lease-s", "5"])
+    assert one.lease_s == 10.0 and replicated.lease_s == 30.0 and explicit.lease_s == 5.0
+    assert replicated.lease_renew_s == replicated.lease_s / 4
+
+
+def test_replicas_on_one_server_are_refused_at_once(nats_server: NatsServer) -> None:
+    async def main() -> None:
+        bus = _bus(nats_server.url, 3, connect_wait_s=30.0)
+        started = time.monotonic()
+        with pytest.raises(TopologyError, match="not clustered"):
+            await bus.connect()
+        assert time.monotonic() - started < 10.0  # no retry cures it
+        await bus.close()
+
+    asyncio.run(main())
+
+
+def test_every_stream_and_bucket_is_replicated_and_scaled_up(nats_cluster: NatsCluster) -> None:
+    async def main() -> None:
+        first = _bus(nats_cluster.url, 1)
+        await first.connect()
+        await first.close()
+        assert set((await _replicas(nats_cluster.url)).values()) == {1}
+
+        scaled = _bus(nats_cluster.url, 3)
+        await scaled.connect()
+        await scaled.close()
+        assert set((await _replicas(nats_cluster.url)).values()) == {3}
+
+        # a process asking for fewer keeps what is there
+        again = _bus(nats_cluster.url, 1)
+        await again.connect()
+        await again.close()
+        assert set((await _replicas(nats_cluster.url)).values()) == {3}
+
+        # a worker's durable consumer has as many copies as its stream
+        worker = WorkerBus(nats_cluster.url)
+        await worker.connect()
+
+        async def ignore(msg: object) -> None:
+            return None
+
+        task = await worker.consume(
+            subjects.STREAM_OPS, f"{subjects.OPS_PREFIX}.p.0", "ops-test-0", ignore
+        )
+        assert worker.js is not None
+        info = await worker.js.consumer_info(subjects.STREAM_OPS, "ops-test-0")
+        assert info.cluster is not None and len(info.cluster.replicas or []) == 2
+        task.cancel()
+        await worker.close()
+
+    asyncio.run(main())
+
+
+def test_more_replicas_than_nodes_is_refused_with_the_reason(nats_cluster: NatsCluster) -> None:
+    async def main() -> None:
+        bus = _bus(nats_cluster.url, 5, connect_wait_s=3.0)
+        with pytest.raises(TopologyError, match="fewer NATS cluster nodes up than the 5"):
+            await bus.connect()
+        await bus.close()
+
+    asyncio.run(main())
+
+
+def test_a_client_whose_first_server_is_down_connects_to_another(
+    nats_cluster: NatsCluster,
+) -> None:
+    down = nats_cluster.nodes[0]
+    url = nats_cluster.url  # the down node first
+    down.kill()
+
+    async def main() -> None:
+        try:
+            for _ in range(3):  # nats-py shuffles the list: the dead one comes first sometimes
+                bus = _bus(url, 3, connect_wait_s=30.0)
+                await bus.connect()
+                assert bus.nc is not None and bus.nc.connected_url is not None
+                assert bus.nc.connected_url.port != down.port
+                await bus.close()
+                worker = WorkerBus(url)
+                await worker.connect(retry_s=30.0)
+                await worker.close()
+        finally:
+            await _restarted(down)
+
+    asyncio.run(main())
+
+
+def test_writes_ride_out_the_crash_of_a_stream_leader(nats_cluster: NatsCluster) -> None:
+    """A publish and KV writes during the election that follows the SIGKILL of the node leading
+    the ops stream and the futures bucket: retried, not failed (they raised
+    `NoStreamResponseError`, which no retry caught)."""
+
+    async def main() -> None:
+        bus = _bus(nats_cluster.url, 3, retry_s=30.0)
+        await bus.connect()
+        worker = WorkerBus(nats_cluster.url)
+        await worker.connect(retry_s=30.0)
+        assert bus.js is not None
+        info = await bus.js.stream_info(subjects.STREAM_OPS)
+        assert info.cluster is not None and info.cluster.leader
+        leader = nats_cluster.node(info.cluster.leader)
+        await _lead(bus, f"KV_{subjects.BUCKET_FUTURES}", leader.name)  # one crash hits both
+        before = info.state.messages
+        leader.kill()
+        killed = time.monotonic()
+        try:
+            # writes all through the election (4-9 s): each must land
+            seq = 0
+            while time.monotonic() - killed < 12.0:
+                seq += 1
+                job = OptimStepJob(
+                    request_id=f"r-{seq}", model_id="m-election", tenant_id="t", seq_id=seq
+                )
+                await bus.publish_job("p", job)
+                await bus.put(subjects.BUCKET_FUTURES, f"g-{seq}", b"pending")
+                await worker.put(subjects.BUCKET_FUTURES, f"w-{seq}", b"done")
+                await asyncio.sleep(0.05)
+            assert await bus.get(subjects.BUCKET_FUTURES, f"w-{seq}") == b"done"
+            after = await bus.js.stream_info(subjects.STREAM_OPS)
+            assert after.state.messages == before + seq
+            assert after.cluster is not None and after.cluster.leader != leader.name
+        finally:
+            await bus.close()
+            await worker.close()
+            await _restarted(leader)
+
+    asyncio.run(main())
+
+
+def test_a_frozen_node_is_left_within_seconds(nats_cluster: NatsCluster) -> None:
+    """A host that stops answering without closing its sockets (SIGSTOP): the client's pings go
+    unanswered, it drops the connection and moves to another node in seconds, where nats-py's
+    defaults (2 minutes x 2 pings) took minutes."""
+
+    async def main() -> None:
+        bus = _bus(nats_cluster.url, 3, retry_s=30.0)
+        await bus.connect()
+        assert bus.nc is not None and bus.nc.connected_url is not None
+        port = bus.nc.connected_url.port
+        frozen = next(node for node in nats_cluster.nodes if node.port == port)
+        assert frozen.process is not None
+        os.kill(frozen.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            while bus.nc.connected_url is None or bus.nc.connected_url.port == port:
+                assert time.monotonic() - started < 20.0, "still on the frozen node"
+                await asyncio.sleep(0.2)
+            noticed_s = time.monotonic() - started
+            # and it works from there (the frozen node's streams elect other leaders)
+            await bus.put(subjects.BUCKET_SESSIONS, "frozen-test", b"x")
+            assert await bus.get(subjects.BUCKET_SESSIONS, "frozen-test") == b"x"
+        finally:
+            os.kill(frozen.process.pid, signal.SIGCONT)
+            await bus.close()
+        wait_s = topology.PING_INTERVAL_S * (topology.MAX_OUTSTANDING_PINGS + 2)
+        assert noticed_s < wait_s, noticed_s
+
+    asyncio.run(main())
+
+
+def test_a_node_restarts_on_its_ports_and_store(tmp_path: Path) -> None:
+    cluster = NatsCluster(tmp_path, 3)
+    url = cluster.start()
+    try:
+        node = cluster.nodes[1]
+        routes = node.cluster
+        node.kill()
+        node.start()
+        assert cluster.url == url and node.cluster == routes
+        assert len({n.cluster.route_port for n in cluster.nodes if n.cluster}) == 3
+    finally:
+        cluster.stop()

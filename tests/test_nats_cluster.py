@@ -12,14 +12,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 from typer.testing import CliRunner
 
 from protocol import subjects, topology
-from protocol.jobs import OptimStepJob
+from protocol.errors import Unavailable
+from protocol.jobs import OptimStepJob, Outcome, encode_outcome
 from twinkle_async.bus import Bus, TopologyError
 from twinkle_async.cli import app
+from twinkle_async.futures import FutureStore
 from twinkle_async.nats_server import NatsCluster, NatsServer
 from twinkle_async.settings import BusSettings
 from workers.__main__ import parse_args
@@ -309,3 +312,44 @@ def test_a_node_restarts_on_its_ports_and_store(tmp_path: Path) -> None:
         assert len({n.cluster.route_port for n in cluster.nodes if n.cluster}) == 3
     finally:
         cluster.stop()
+
+
+class _ElectingBus(Bus):
+    """A real bus whose first `failures` reads fail as they do while a bucket elects a leader
+    for longer than one call's retries."""
+
+    def __init__(self, settings: BusSettings, failures: int) -> None:
+        super().__init__(settings)
+        self.failures = failures
+
+    async def get(self, bucket: str, key: str) -> bytes | None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise Unavailable(f"the job bus did not answer (read {bucket}/{key})")
+        return await super().get(bucket, key)
+
+
+async def test_a_reconnect_rereads_waiters_until_the_bucket_answers(
+    nats_server: NatsServer,
+) -> None:
+    """A result written while the gateway was away reaches its long poll after the reconnect,
+    even when the first re-reads fail (the reconnect hook gave up at the first failure)."""
+    bus = _ElectingBus(BusSettings(nats_url=nats_server.url), failures=0)
+    await bus.connect()
+    futures = FutureStore(bus)  # not started: no live subscription, as during a disconnect
+    try:
+        request_id = "req-away-forward_backward"
+        key = subjects.future_key(request_id)
+        pending = Outcome(request_id=request_id, state="pending", request_type="forward_backward")
+        await bus.put(subjects.BUCKET_FUTURES, key, encode_outcome(pending))
+        waiting = asyncio.create_task(futures.wait(request_id, timeout_s=60.0))
+        await asyncio.sleep(0.3)  # its first read saw "pending"; it waits
+        assert request_id in futures._waiters and not waiting.done()
+        done = msgspec.structs.replace(pending, state="done", payload=b"{}")
+        await bus.put(subjects.BUCKET_FUTURES, key, encode_outcome(done))
+        bus.failures = 2
+        await asyncio.wait_for(futures._recheck_waiters(), timeout=30.0)
+        outcome = await asyncio.wait_for(waiting, timeout=5.0)
+        assert outcome is not None and outcome.state == "done"
+    finally:
+        await bus.close()

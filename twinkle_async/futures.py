@@ -21,7 +21,7 @@ import msgspec
 from nats.aio.subscription import Subscription
 
 from protocol import rules, subjects
-from protocol.errors import ErrorCategory
+from protocol.errors import ErrorCategory, Unavailable
 from protocol.jobs import (
     Outcome,
     SeqClaim,
@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 _RES_PREFIX = "res."
 _MAX_KNOWN_SEQS = 100_000  # models whose highest seq a gateway keeps (see `note_seq`)
+_RECHECK_S = 60.0  # how long a reconnect keeps re-reading its waiters' results
+_RECHECK_PAUSE_S = 1.0
 
 
 def new_request_id(kind: str) -> str:
@@ -90,11 +92,35 @@ class FutureStore:
                 waiter.set_result(outcome)
 
     async def _recheck_waiters(self) -> None:
-        """After a reconnect: wake the waiters whose result was written while NATS was away."""
-        for request_id in list(self._waiters):
-            outcome = await self.read(request_id)
-            if outcome is not None and outcome.state != "pending":
-                self._wake(request_id, outcome)
+        """After a reconnect: wake the waiters whose result was written while NATS was away.
+
+        A read that fails is tried again (after a node's crash the bucket's leader election
+        can outlast one call's retries) for up to `_RECHECK_S`; a waiter still unchecked then
+        is answered by its long poll's end, when the SDK polls again.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _RECHECK_S
+        unchecked = set(self._waiters)
+        while True:
+            for request_id in sorted(unchecked):
+                if request_id not in self._waiters:  # answered or given up meanwhile
+                    unchecked.discard(request_id)
+                    continue
+                try:
+                    outcome = await self.read(request_id)
+                except Unavailable:
+                    continue
+                unchecked.discard(request_id)
+                if outcome is not None and outcome.state != "pending":
+                    self._wake(request_id, outcome)
+            if not unchecked:
+                return
+            if loop.time() > deadline:
+                log.warning(
+                    "after a reconnect, %d waiting requests were not re-read", len(unchecked)
+                )
+                return
+            await asyncio.sleep(_RECHECK_PAUSE_S)
 
     async def claim(self, model_id: str, seq_id: int, claim: SeqClaim) -> SeqClaim:
         """The claim owning `(model_id, seq_id)`: `claim` if it is the first, else the earlier one."""

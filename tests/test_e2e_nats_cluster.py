@@ -1,0 +1,169 @@
+"""A replicated three-node NATS under real training: `up --nats-cluster 3` (replicas 3), tenants
+training with pipelined steps through the official SDK, and the node leading the ops stream
+SIGKILLed mid-run. Every future resolves without an error, every adapter ends where an
+undisturbed run ends, and `up` brings the node back into the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import numpy as np
+import pytest
+import safetensors.numpy
+import tinker
+from tinker import types
+
+from protocol import subjects, topology
+from tests.conftest import Cluster, start_cluster, stop_cluster
+from tests.sdk_helpers import toy_batch
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 10
+TENANTS = (21, 22, 23)
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Cluster]:
+    running = start_cluster(
+        tmp_path_factory.mktemp("nats-cluster") / "data", [tiny_model], "--nats-cluster", "3"
+    )
+    try:
+        yield running
+    finally:
+        stop_cluster(running)
+
+
+async def _ops_stream(nats_url: str) -> tuple[str, int, int]:
+    """(leader, replicas, peers current) of the ops stream."""
+    nc = await nats.connect(servers=topology.nats_servers(nats_url))
+    try:
+        info = await nc.jetstream(timeout=10).stream_info(subjects.STREAM_OPS)
+        assert info.cluster is not None and info.cluster.leader
+        current = sum(bool(peer.current) for peer in info.cluster.replicas or [])
+        return info.cluster.leader, info.config.num_replicas or 1, current
+    finally:
+        await nc.close()
+
+
+def _train(
+    client: tinker.TrainingClient,
+    seed: int,
+    name: str,
+    progress: dict[int, int] | None = None,
+) -> str:
+    """Pipelined steps on the tenant's own data (each submitted before the last one's results
+    are read), paced so a run lasts a few seconds, then `save_state(name)`."""
+    batch = toy_batch(n=3, seed=seed)
+    previous = None
+    for step in range(STEPS):
+        current = (
+            client.forward_backward(batch, "cross_entropy"),
+            client.optim_step(types.AdamParams(learning_rate=2e-2)),
+        )
+        if previous is not None:
+            previous[0].result()
+            previous[1].result()
+            if progress is not None:
+                progress[seed] = step
+        previous = current
+        time.sleep(0.3)
+    assert previous is not None
+    previous[0].result()
+    previous[1].result()
+    return str(client.save_state(name).result().path)
+
+
+def _adapter(cluster: Cluster, path: str) -> dict[str, np.ndarray]:
+    run_id, kind, name = path.removeprefix("tinker://").split("/")
+    directory = cluster.data_dir / "checkpoints" / run_id / kind / name
+    return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
+
+
+def _node_pid(cluster: Cluster, server_name: str) -> int | None:
+    """The pid of a node `up` runs now (its config lives in `nats/<name>/`), None if none."""
+    conf = str(cluster.data_dir / "nats" / server_name / "nats.conf")
+    for children in Path(f"/proc/{cluster.process.pid}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if conf in argv:
+                return int(pid)
+    return None
+
+
+def test_the_cluster_runs_three_nodes_with_three_replicas(replicated: Cluster) -> None:
+    info = json.loads((replicated.data_dir / "ready.json").read_text())
+    assert sorted(info["nats_pids"]) == ["n1", "n2", "n3"]
+    assert len(topology.nats_servers(replicated.nats_url)) == 3
+    _, replicas, current = asyncio.run(_ops_stream(replicated.nats_url))
+    assert replicas == 3 and current == 2
+
+
+def test_killing_the_ops_streams_leader_loses_nothing(
+    replicated: Cluster, tiny_model: Path
+) -> None:
+    service = tinker.ServiceClient(base_url=replicated.base_url, api_key=replicated.api_key)
+    try:
+        reference = {}
+        for seed in TENANTS:
+            client = service.create_lora_training_client(
+                base_model=str(tiny_model), rank=4, seed=seed
+            ).result()
+            reference[seed] = _adapter(replicated, _train(client, seed, "reference"))
+
+        clients = {
+            seed: service.create_lora_training_client(
+                base_model=str(tiny_model), rank=4, seed=seed
+            ).result()
+            for seed in TENANTS
+        }
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+        progress: dict[int, int] = {}
+
+        def run(seed: int) -> None:
+            try:
+                results[seed] = _train(clients[seed], seed, "through-a-crash", progress)
+            except BaseException as err:  # reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in TENANTS]
+        for thread in threads:
+            thread.start()
+        while min(progress.get(seed, 0) for seed in TENANTS) < 2:
+            assert not errors, errors
+            time.sleep(0.05)
+        leader, _, _ = asyncio.run(_ops_stream(replicated.nats_url))
+        victim = _node_pid(replicated, leader)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        assert max(progress.values()) < STEPS - 2, "killed too late to matter"
+        for thread in threads:
+            thread.join(timeout=180)
+        assert all(not thread.is_alive() for thread in threads), "a training loop hung"
+        assert not errors, errors
+        for seed, path in results.items():
+            got, want = _adapter(replicated, path), reference[seed]
+            assert got.keys() == want.keys()
+            for key in want:
+                np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
+
+        # another node leads now; `up` restarted the killed one, which caught up
+        deadline = time.monotonic() + 60
+        while True:
+            new_leader, replicas, current = asyncio.run(_ops_stream(replicated.nats_url))
+            if current == 2 and _node_pid(replicated, leader) not in (None, victim):
+                break
+            assert time.monotonic() < deadline, (new_leader, current)
+            time.sleep(0.5)
+        assert replicas == 3
+    finally:
+        service.close("success").result()

@@ -84,6 +84,7 @@ class LoadWeightsJob(JobBase, frozen=True, tag="load_weights"):
     with_optimizer: bool = False
     create: bool = False
     base_model: str = ""
+    content_id: str = ""  # the checkpoint's content when the load was asked (artifact stores)
 
 
 class UnloadModelJob(JobBase, frozen=True, tag="unload_model"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -74,3 +75,46 @@ def checkpoint_dir(root: Path, path: TinkerPath) -> Path:
 def version_dir(root: Path, path: TinkerPath, content_id: str) -> Path:
     """Where the content `content_id` of a name lives once an overwrite has replaced it."""
     return root / path.run_id / path.kind / _VERSIONS / path.name / content_id
+
+
+# -- keys in an artifact store (`workers.artifacts`): content-addressed, never overwritten ------
+
+STATE_PREFIX = ".state"  # starts with '.', which no checkpoint kind or name does
+
+
+def checkpoint_key(path: TinkerPath, content_id: str) -> str:
+    """The store prefix of one content of a checkpoint: `<run_id>/<kind>/<name>/<content_id>`."""
+    rules.check_id("content id", content_id)
+    return f"{path.run_id}/{path.kind}/{path.name}/{content_id}"
+
+
+def checkpoint_name_key(path: TinkerPath) -> str:
+    """The store prefix holding every content a checkpoint name ever had."""
+    return f"{path.run_id}/{path.kind}/{path.name}"
+
+
+def snapshot_prefix(run_id: str) -> str:
+    """The store prefix of a model's state snapshots."""
+    return f"{rules.check_id('run id', run_id)}/{STATE_PREFIX}"
+
+
+def snapshot_key(run_id: str, seq_id: int, unique: str) -> str:
+    """One snapshot's prefix: `<run_id>/.state/<seq>-<unique>` (the seq first, for pruning)."""
+    return f"{snapshot_prefix(run_id)}/{seq_id}-{rules.check_id('snapshot id', unique)}"
+
+
+def snapshot_seq(key: str) -> int | None:
+    """The seq of a snapshot prefix made by `snapshot_key`, None for anything else."""
+    digits = key.rsplit("/", 1)[-1].split("-", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def parse_store_url(url: str) -> tuple[str, str]:
+    """(bucket, key prefix) of `s3://BUCKET[/PREFIX]`; `ValueError` naming what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"artifact store {url!r} is not s3://BUCKET/PREFIX")
+    prefix = parts.path.strip("/")
+    if any(segment in ("", ".", "..") for segment in prefix.split("/")) and prefix:
+        raise ValueError(f"artifact store {url!r}: the prefix has an empty or dot segment")
+    return parts.netloc, prefix

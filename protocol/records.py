@@ -67,6 +67,10 @@ class CheckpointRecord(msgspec.Struct):
     # a fresh id per save: an overwritten name gets new content, and readers bound to the old
     # one (sampling sessions) keep reading it from `paths.version_dir`
     content_id: str = ""
+    # in an artifact store (`directory` then empty): the files' key prefix
+    # (`paths.checkpoint_key`) and the sha256 of its manifest
+    store_key: str = ""
+    sha256: str = ""
 
 
 class SamplerRecord(msgspec.Struct):
@@ -227,3 +231,4 @@ class SnapshotRecord(msgspec.Struct):
     step: int
     created_at: float
     worker_id: str = ""
+    store_key: str = ""  # in an artifact store (`directory` then empty): `paths.snapshot_key`

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 import typer
 
-from protocol import topology
+from protocol import paths, topology
 from twinkle_async.settings import (
     BusSettings,
     GatewaySettings,
@@ -70,6 +70,15 @@ def _nats_url(value: str | None) -> str | None:
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
     return value
+
+
+def _artifact_store(value: str | None) -> str | None:
+    if value:
+        try:
+            paths.parse_store_url(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    return value or None
 
 
 def _run(coro: object) -> None:
@@ -158,6 +167,15 @@ def up(
             help="copies of every stream and bucket (default: the --nats-cluster size, else 1)",
         ),
     ] = None,
+    artifact_store: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TWINKLE_ARTIFACT_STORE",
+            callback=_artifact_store,
+            help="s3://BUCKET/PREFIX for checkpoints and snapshots (endpoint and keys from"
+            " AWS_*); each worker then has a data directory of its own",
+        ),
+    ] = None,
     bus_retry_s: Annotated[
         float,
         typer.Option(min=0, help="how long the gateway retries a bus call while NATS is away"),
@@ -221,6 +239,7 @@ def up(
         nats_url=nats_url,
         nats_cluster=nats_cluster,
         nats_replicas=nats_replicas or (1 if nats_url else nats_cluster),
+        artifact_store=artifact_store,
         bus_retry_s=bus_retry_s,
         log_level=log_level,
     )

@@ -74,6 +74,9 @@ class UpOptions:
     nats_url: str | None = None  # an external NATS; None: start one under data_dir
     nats_cluster: int = 1  # nodes of the NATS `up` starts (1: one server)
     nats_replicas: int = 1  # copies of every stream and bucket
+    # checkpoints and snapshots in this S3 store; each worker then gets a data directory of its
+    # own (`<data-dir>/hosts/<role>-<index>`), as on separate machines
+    artifact_store: str | None = None
     bus_retry_s: float = 10.0  # the gateway's `BusSettings.retry_s`
     stop_timeout_s: float = 15.0  # SIGTERM to SIGKILL when stopping a child
     log_level: str = "INFO"
@@ -82,29 +85,36 @@ class UpOptions:
 def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[str, list[str]]]:
     """(role, argv) of each process a base model needs: `--workers` trainers, and a vLLM
     sampler if asked."""
-    common = [
-        "--base-model",
-        base_model,
-        "--nats-url",
-        nats_url,
-        "--data-dir",
-        str(options.data_dir),
-    ]
-    trainer = [
-        *(sys.executable, "-m", "workers", *common),
-        *("--nats-replicas", str(options.nats_replicas)),
-        *options.worker_args,
-    ]
+    pool = subjects.pool_of(base_model)
+
+    def common(role: str) -> list[str]:
+        data_dir = options.data_dir
+        store: list[str] = []
+        if options.artifact_store:  # no shared disk: a data directory per process
+            data_dir = options.data_dir / "hosts" / f"{pool}-{role}"
+            store = ["--artifact-store", options.artifact_store]
+        return [
+            *("--base-model", base_model, "--nats-url", nats_url),
+            *("--data-dir", str(data_dir), *store),
+        ]
+
     # A stable id per trainer: restarted after a crash, it finds its own shard leases and the
     # journal of what it was running (workers/trainer/leases.py, workers/watchdog.py).
     host = socket.gethostname().split(".")[0] or "host"
     commands = [
-        ("trainer", [*trainer, "--worker-id", f"{host}-{subjects.pool_of(base_model)}-{index}"])
+        (
+            "trainer",
+            [
+                *(sys.executable, "-m", "workers", *common(f"trainer-{index}")),
+                *("--nats-replicas", str(options.nats_replicas), *options.worker_args),
+                *("--worker-id", f"{host}-{pool}-{index}"),
+            ],
+        )
         for index in range(options.workers_per_model)
     ]
     if options.vllm_sampler:
-        sampler = [sys.executable, "-m", "workers.sampler.main", *common, "--backend", "vllm"]
-        commands.append(("sampler", [*sampler, *options.sampler_args]))
+        sampler = [sys.executable, "-m", "workers.sampler.main", *common("sampler")]
+        commands.append(("sampler", [*sampler, "--backend", "vllm", *options.sampler_args]))
     return commands
 
 

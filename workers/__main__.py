@@ -149,6 +149,8 @@ def worker_options(
         int,
         typer.Option(envvar="TWINKLE_METRICS_PORT", min=0, help="/metrics port (0: a free one)"),
     ] = 0,
+    artifact_store: worker_settings.ArtifactStoreUrl = None,
+    artifact_cache_bytes: worker_settings.ArtifactCacheBytes = 16 * 1024**3,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a trainer worker: a base model, its adapter slots, shared passes and fused steps."""
@@ -178,6 +180,8 @@ def worker_options(
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         log_level=log_level,
+        artifact_store=artifact_store,
+        artifact_cache_bytes=artifact_cache_bytes,
     )
     return dataclasses.replace(settings, worker_id=worker_id) if worker_id else settings
 
@@ -259,6 +263,7 @@ async def serve(settings: WorkerSettings) -> None:
                 metrics=SamplerMetrics(registry),
                 max_attempts=settings.max_attempts,
                 sample_timeout_s=settings.sample_timeout_s,
+                store=service.ops.store,
             )
             runs.append(sampler.run())
         task = asyncio.ensure_future(asyncio.gather(*runs))

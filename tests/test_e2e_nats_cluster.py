@@ -17,13 +17,11 @@ from pathlib import Path
 import nats
 import numpy as np
 import pytest
-import safetensors.numpy
 import tinker
-from tinker import types
 
 from protocol import subjects, topology
-from tests.conftest import Cluster, start_cluster, stop_cluster
-from tests.sdk_helpers import toy_batch
+from tests.conftest import Cluster, saved_adapter, start_cluster, stop_cluster
+from tests.sdk_helpers import train_pipelined
 
 pytestmark = pytest.mark.e2e
 
@@ -52,40 +50,6 @@ async def _ops_stream(nats_url: str) -> tuple[str, int, int]:
         return info.cluster.leader, info.config.num_replicas or 1, current
     finally:
         await nc.close()
-
-
-def _train(
-    client: tinker.TrainingClient,
-    seed: int,
-    name: str,
-    progress: dict[int, int] | None = None,
-) -> str:
-    """Pipelined steps on the tenant's own data (each submitted before the last one's results
-    are read), paced so a run lasts a few seconds, then `save_state(name)`."""
-    batch = toy_batch(n=3, seed=seed)
-    previous = None
-    for step in range(STEPS):
-        current = (
-            client.forward_backward(batch, "cross_entropy"),
-            client.optim_step(types.AdamParams(learning_rate=2e-2)),
-        )
-        if previous is not None:
-            previous[0].result()
-            previous[1].result()
-            if progress is not None:
-                progress[seed] = step
-        previous = current
-        time.sleep(0.3)
-    assert previous is not None
-    previous[0].result()
-    previous[1].result()
-    return str(client.save_state(name).result().path)
-
-
-def _adapter(cluster: Cluster, path: str) -> dict[str, np.ndarray]:
-    run_id, kind, name = path.removeprefix("tinker://").split("/")
-    directory = cluster.data_dir / "checkpoints" / run_id / kind / name
-    return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
 
 
 def _node_pid(cluster: Cluster, server_name: str) -> int | None:
@@ -117,7 +81,9 @@ def test_killing_the_ops_streams_leader_loses_nothing(
             client = service.create_lora_training_client(
                 base_model=str(tiny_model), rank=4, seed=seed
             ).result()
-            reference[seed] = _adapter(replicated, _train(client, seed, "reference"))
+            reference[seed] = saved_adapter(
+                replicated, train_pipelined(client, seed, STEPS, "reference", pause_s=0.3)
+            )
 
         clients = {
             seed: service.create_lora_training_client(
@@ -131,7 +97,9 @@ def test_killing_the_ops_streams_leader_loses_nothing(
 
         def run(seed: int) -> None:
             try:
-                results[seed] = _train(clients[seed], seed, "through-a-crash", progress)
+                results[seed] = train_pipelined(
+                    clients[seed], seed, STEPS, "through-a-crash", progress, 0.3
+                )
             except BaseException as err:  # reported below
                 errors.append(err)
 
@@ -151,7 +119,7 @@ def test_killing_the_ops_streams_leader_loses_nothing(
         assert all(not thread.is_alive() for thread in threads), "a training loop hung"
         assert not errors, errors
         for seed, path in results.items():
-            got, want = _adapter(replicated, path), reference[seed]
+            got, want = saved_adapter(replicated, path), reference[seed]
             assert got.keys() == want.keys()
             for key in want:
                 np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)

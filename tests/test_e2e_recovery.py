@@ -17,14 +17,12 @@ from pathlib import Path
 import nats
 import numpy as np
 import pytest
-import safetensors.numpy
 import tinker
-from tinker import types
 
 from protocol import records, subjects
 from protocol.records import LeaseRecord
-from tests.conftest import Cluster, start_cluster, stop_cluster
-from tests.sdk_helpers import toy_batch
+from tests.conftest import Cluster, saved_adapter, start_cluster, stop_cluster
+from tests.sdk_helpers import train_pipelined
 
 pytestmark = pytest.mark.e2e
 
@@ -80,42 +78,6 @@ async def _leases(nats_url: str, pool: str) -> dict[int, str]:
         await nc.close()
 
 
-def _train(
-    client: tinker.TrainingClient,
-    seed: int,
-    steps: int,
-    name: str,
-    progress: dict[int, int] | None = None,
-) -> str:
-    """Steps on the tenant's own data, each submitted before the last one's results are read
-    (as the cookbook pipelines), paced so a run lasts a few seconds; then the adapter is saved
-    under `name`. `progress[seed]` counts the steps whose results came back."""
-    batch = toy_batch(n=3, seed=seed)
-    previous = None
-    for step in range(steps):
-        current = (
-            client.forward_backward(batch, "cross_entropy"),
-            client.optim_step(types.AdamParams(learning_rate=2e-2)),
-        )
-        if previous is not None:
-            previous[0].result()
-            previous[1].result()
-            if progress is not None:
-                progress[seed] = step
-        previous = current
-        time.sleep(0.25)
-    assert previous is not None
-    previous[0].result()
-    previous[1].result()
-    return str(client.save_state(name).result().path)
-
-
-def _adapter(cluster: Cluster, path: str) -> dict[str, np.ndarray]:
-    run_id, kind, name = path.removeprefix("tinker://").split("/")
-    directory = cluster.data_dir / "checkpoints" / run_id / kind / name
-    return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
-
-
 @pytest.mark.parametrize("model", ["tiny_model", "tiny_model_moe"])
 def test_a_killed_worker_loses_nothing(
     pool_cluster: Cluster, model: str, request: pytest.FixtureRequest
@@ -157,7 +119,9 @@ def test_a_killed_worker_loses_nothing(
             client = service.create_lora_training_client(
                 base_model=str(tiny_model), rank=4, seed=seed
             ).result()
-            reference[seed] = _adapter(cluster, _train(client, seed, STEPS, "reference"))
+            reference[seed] = saved_adapter(
+                cluster, train_pipelined(client, seed, STEPS, "reference")
+            )
 
         results: dict[int, str] = {}
         errors: list[BaseException] = []
@@ -165,7 +129,7 @@ def test_a_killed_worker_loses_nothing(
 
         def run(seed: int) -> None:
             try:
-                results[seed] = _train(clients[seed], seed, STEPS, "after-crash", progress)
+                results[seed] = train_pipelined(clients[seed], seed, STEPS, "after-crash", progress)
             except BaseException as err:  # reported below
                 errors.append(err)
 
@@ -185,7 +149,7 @@ def test_a_killed_worker_loses_nothing(
         assert not errors, errors
         assert time.monotonic() - killed_at < 180
         for seed, path in results.items():
-            got, want = _adapter(cluster, path), reference[seed]
+            got, want = saved_adapter(cluster, path), reference[seed]
             assert got.keys() == want.keys()
             for key in want:
                 np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)

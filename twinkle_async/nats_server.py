@@ -176,7 +176,7 @@ class NatsServer:
             self.process.wait()
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """`count` distinct loopback ports that were free a moment ago."""
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
@@ -210,7 +210,7 @@ class NatsCluster:
         return ",".join(node.url for node in self.nodes)
 
     def _make_nodes(self) -> None:
-        ports = tuple(_free_ports(self.size))
+        ports = tuple(free_ports(self.size))
         self.nodes = [
             NatsServer(
                 self.data_dir / f"n{i + 1}",

@@ -184,10 +184,17 @@ class WorkerBus:
             max_ack_pending=20000,
             deliver_policy=js_api.DeliverPolicy.ALL,
         )
-        sub = await self.js.pull_subscribe(
-            filter_subject, durable=durable, stream=stream, config=config
-        )
-        await self._set_ack_wait(stream, durable)
+        js = self.js
+
+        async def subscribe() -> JetStreamContext.PullSubscription:
+            return await js.pull_subscribe(
+                filter_subject, durable=durable, stream=stream, config=config
+            )
+
+        # retried: a stream just scaled up answers "insufficient resources" (503) until its new
+        # replicas caught up, and an election answers nothing
+        sub = await self.retried(f"consumer {durable}", subscribe)
+        await self.retried(f"ack wait of {durable}", lambda: self._set_ack_wait(stream, durable))
 
         async def loop() -> None:
             try:

@@ -199,6 +199,13 @@ class RateBucket(msgspec.Struct):
     updated_at: float
 
 
+class InFlightSamples(msgspec.Struct):
+    """A tenant's sample requests in flight on the whole cluster (`tw_usage`, `inflight.<tenant>`):
+    request id -> when a gateway admitted it (Unix seconds), for `max_concurrent_samples`."""
+
+    started: dict[str, float] = {}
+
+
 # -- crash transparency ---------------------------------------------------------------------------
 
 

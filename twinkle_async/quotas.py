@@ -1,9 +1,13 @@
-"""Per-tenant quotas: hard caps that refuse, and a token rate that queues.
+"""Per-tenant quotas: hard caps that refuse, a token rate that queues, and samples in flight.
 
-Pure core (`Limits`, `effective`, `check_cap`, `take`) and a thin KV shell (`Quotas`).
+Pure core (`Limits`, `effective`, `check_cap`, `take`, `admit_sample`, `release_sample`) and
+thin KV shells (`Quotas`, `InFlight`).
 
-- Hard caps (active adapters, LoRA rank, tokens per request, concurrent samples, checkpoint
-  bytes) answer a `QuotaExceeded` (403) naming the limit and the current value.
+- Hard caps (active adapters, LoRA rank, tokens per request, checkpoint bytes) answer a
+  `QuotaExceeded` (403) naming the limit and the current value.
+- Concurrent samples (`max_concurrent_samples`) are counted for the whole cluster in one KV
+  entry per tenant, written with a compare-and-set so two gateways cannot both take the last
+  slot; a sample over the limit answers `RateLimited` (429, which the SDK retries).
 - The training-token rate is a token bucket per tenant (`tokens_per_minute`, with a burst of
   `rate_burst_s` seconds' worth, a minute by default), kept in KV so every gateway shares it. A request over the rate is *accepted* and
   queued: it gets a `not_before` time the worker honours, and until then the SDK's polls answer
@@ -20,8 +24,8 @@ import time
 from dataclasses import fields, replace
 
 from protocol import records, subjects
-from protocol.errors import QuotaExceeded, RateLimited
-from protocol.records import QuotaRecord, RateBucket
+from protocol.errors import QuotaExceeded, RateLimited, Unavailable
+from protocol.records import InFlightSamples, QuotaRecord, RateBucket
 from twinkle_async.bus import Bus
 from twinkle_async.settings import Limits
 
@@ -146,29 +150,129 @@ class Quotas:
                 return start_at
 
 
-class InFlight:
-    """Sample requests a tenant has in flight on this gateway, for `max_concurrent_samples`.
+# The most entries one tenant's in-flight record holds, whatever its limit (an operator may set
+# a higher one): so the value stays well under a stock nats-server's 1 MiB `max_payload`, at
+# most 139 bytes an entry (a 128-character request id and a float, msgpack), 570 KB in all;
+# with our 43-character request ids, 220 KB.
+MAX_IN_FLIGHT = 4096
 
-    Counted per gateway (each admits up to the limit): a request is in flight from its submit
-    until its result is retrieved, or at most `ttl_s` (a client that never asks stops counting).
+_MAX_SWAP_TRIES = 64  # compare-and-set attempts of one admit or release under contention
+
+
+def live_samples(record: InFlightSamples | None, now: float, ttl_s: float) -> dict[str, float]:
+    """The record's requests admitted at most `ttl_s` before `now` (a copy): a client that
+    never fetches its result stops counting."""
+    if record is None:
+        return {}
+    return {rid: t for rid, t in record.started.items() if now - t <= ttl_s}
+
+
+def admit_sample(
+    record: InFlightSamples | None,
+    request_id: str,
+    limit: int,
+    now: float,
+    ttl_s: float,
+    max_entries: int = MAX_IN_FLIGHT,
+) -> InFlightSamples | None:
+    """The tenant's in-flight record with `request_id` added, dropping expired entries; None
+    when it is in already (a retried submit: nothing to write).
+
+    Raises `RateLimited` when `limit` requests are in flight, or `max_entries`.
+    """
+    started = live_samples(record, now, ttl_s)
+    if request_id in started:
+        return None
+    if len(started) >= limit:
+        raise RateLimited(
+            f"quota max_concurrent_samples: {limit} sample requests in flight; retry when one"
+            " finishes"
+        )
+    if len(started) >= max_entries:
+        raise RateLimited(
+            f"{len(started)} sample requests of this tenant are in flight, the most this cluster"
+            f" keeps count of (quota max_concurrent_samples is {limit}); retry when one finishes"
+        )
+    started[request_id] = now
+    return InFlightSamples(started=started)
+
+
+def release_sample(record: InFlightSamples | None, request_id: str) -> InFlightSamples | None:
+    """The record without `request_id`; None when it was not in (nothing to write)."""
+    if record is None or request_id not in record.started:
+        return None
+    return InFlightSamples(
+        started={rid: t for rid, t in record.started.items() if rid != request_id}
+    )
+
+
+def in_flight_key(tenant_id: str) -> str:
+    """The tenant's in-flight samples in `tw_usage`. Like `rate_key`, it holds the tenant id as
+    it is: a valid KV key for every tenant name `rules.check_tenant_name` lets through."""
+    return f"inflight.{tenant_id}"
+
+
+class InFlight:
+    """Sample requests a tenant has in flight on the whole cluster, for `max_concurrent_samples`.
+
+    One `tw_usage` entry per tenant (`inflight.<tenant>`) that every gateway updates with a
+    compare-and-set. A request is in flight from its submit until its result is retrieved (or
+    it is cancelled), or at most `ttl_s` (a client that never asks stops counting). Only a
+    tenant with the limit costs a KV round trip; entries left when a limit is removed expire.
     """
 
-    def __init__(self, ttl_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        quotas: Quotas,
+        *,
+        ttl_s: float = 600.0,
+        max_entries: int = MAX_IN_FLIGHT,
+    ) -> None:
+        self.bus = bus
+        self.quotas = quotas
         self.ttl_s = ttl_s
-        self._started: dict[str, dict[str, float]] = {}
+        self.max_entries = max_entries
 
-    def count(self, tenant_id: str, now: float) -> int:
-        started = self._started.get(tenant_id, {})
-        for request_id in [r for r, t in started.items() if now - t > self.ttl_s]:
-            del started[request_id]
-        return len(started)
+    async def admit(self, tenant_id: str, request_id: str, limit: int | None, now: float) -> None:
+        """Count `request_id` in, or raise `RateLimited` when `limit` are in flight already.
 
-    def add(self, tenant_id: str, request_id: str, now: float) -> None:
-        self._started.setdefault(tenant_id, {})[request_id] = now
+        `limit` is the tenant's `max_concurrent_samples` (None: nothing is counted). Admitting
+        an id already in is a success that writes nothing.
+        """
+        if limit is None:
+            return
+        key = in_flight_key(tenant_id)
+        for _ in range(_MAX_SWAP_TRIES):
+            entry = await self.bus.entry(subjects.BUCKET_USAGE, key)
+            record = records.decode(entry[0], InFlightSamples) if entry else None
+            admitted = admit_sample(record, request_id, limit, now, self.ttl_s, self.max_entries)
+            if admitted is None:
+                return
+            revision = entry[1] if entry else None
+            if await self.bus.swap(subjects.BUCKET_USAGE, key, records.encode(admitted), revision):
+                return
+        raise Unavailable(
+            f"could not count sample {request_id} in: the tenant's samples in flight changed"
+            f" under {_MAX_SWAP_TRIES} tries; retry"
+        )
 
-    def done(self, tenant_id: str, request_id: str) -> None:
-        started = self._started.get(tenant_id)
-        if started is not None:
-            started.pop(request_id, None)
-            if not started:
-                del self._started[tenant_id]
+    async def done(self, tenant_id: str, request_id: str) -> None:
+        """Count `request_id` out (its result was fetched, or it was cancelled); no write when
+        it is not in, and no read of the in-flight entry for a tenant without the limit."""
+        if (await self.quotas.limits(tenant_id)).max_concurrent_samples is None:
+            return
+        key = in_flight_key(tenant_id)
+        for _ in range(_MAX_SWAP_TRIES):
+            entry = await self.bus.entry(subjects.BUCKET_USAGE, key)
+            if entry is None:
+                return
+            released = release_sample(records.decode(entry[0], InFlightSamples), request_id)
+            if released is None:
+                return
+            if await self.bus.swap(subjects.BUCKET_USAGE, key, records.encode(released), entry[1]):
+                return
+        raise Unavailable(
+            f"could not count sample {request_id} out: the tenant's samples in flight changed"
+            f" under {_MAX_SWAP_TRIES} tries; retry"
+        )

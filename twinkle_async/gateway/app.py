@@ -75,13 +75,13 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     keys = KeyRing(bus, settings.api_keys)
     await keys.start()
     app[BUS], app[FUTURES], app[REGISTRY], app[KEYS] = bus, futures, registry, keys
-    app[QUOTAS] = Quotas(
+    quotas = Quotas(
         bus,
         settings.quota_defaults,
         max_queue_s=settings.max_rate_queue_s,
         burst_s=settings.rate_burst_s,
     )
-    app[SAMPLES] = InFlight()
+    app[QUOTAS], app[SAMPLES] = quotas, InFlight(bus, quotas)
     lifecycle = Lifecycle(
         registry,
         futures,

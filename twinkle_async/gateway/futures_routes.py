@@ -49,7 +49,7 @@ async def retrieve_future(request: web.Request) -> web.Response:
             )
         return json_response(api.TryAgainResponse(request_id=body.request_id, queue_state="active"))
     if outcome.request_type == "sample":
-        request.app[SAMPLES].done(request[TENANT], body.request_id)
+        await request.app[SAMPLES].done(request[TENANT], body.request_id)
     if outcome.state == "error":
         return json_response(
             api.RequestFailedResponse(

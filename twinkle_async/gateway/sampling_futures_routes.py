@@ -170,7 +170,7 @@ async def cancel_future(request: web.Request) -> web.Response:
         if outcome.state != "pending":
             return json_response({})
         if await request.app[FUTURES].cancel(outcome, entry[1], Cancelled().message):
-            request.app[SAMPLES].done(tenant, request_id)
+            await request.app[SAMPLES].done(tenant, request_id)
             await _tell_samplers(request.app, outcome, tenant)
             log.info("sample %s cancelled by its client", request_id)
             return json_response({})

@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 
 from protocol import api, paths, stability, subjects
-from protocol.errors import RateLimited, UserError
+from protocol.errors import UserError
 from protocol.jobs import SampleJob, SeqClaim
 from protocol.records import SamplerRecord
 from protocol.sampling import sample_spec
@@ -102,12 +102,6 @@ async def asample(request: web.Request) -> web.Response:
         vocab_size=worker.vocab_size if worker else None,
     )
     limit = (await request.app[QUOTAS].limits(tenant)).max_concurrent_samples
-    in_flight = request.app[SAMPLES]
-    if limit is not None and in_flight.count(tenant, time.time()) >= limit:
-        raise RateLimited(
-            f"quota max_concurrent_samples: {limit} sample requests in flight; retry when one"
-            " finishes"
-        )
     futures = request.app[FUTURES]
     request_id = new_request_id("sample")
     dedupe = request_id
@@ -140,6 +134,10 @@ async def asample(request: web.Request) -> web.Response:
     )
     bus = request.app[BUS]
     data = bus.encode_sample_job(job)  # past the bus's largest message: a 413, nothing pending
+    # Counted for the whole cluster once the request id is known: a retried submit (its seq
+    # claim names the same id) passes even at the limit; a refused one keeps its claim and is
+    # counted when the SDK retries it.
+    await request.app[SAMPLES].admit(tenant, request_id, limit, time.time())
     await futures.record_pending(
         request_id,
         "sample",
@@ -148,7 +146,6 @@ async def asample(request: web.Request) -> web.Response:
         sampling_session_id=sampler.sampling_session_id,
         clone_id=clone_id,
     )
-    in_flight.add(tenant, request_id, time.time())
     await bus.publish_sample(subjects.pool_of(sampler.base_model), job, dedupe, data)
     return json_response(
         api.UntypedAPIFuture(

@@ -80,6 +80,8 @@ def version_dir(root: Path, path: TinkerPath, content_id: str) -> Path:
 # -- keys in an artifact store (`workers.artifacts`): content-addressed, never overwritten ------
 
 STATE_PREFIX = ".state"  # starts with '.', which no checkpoint kind or name does
+# uploaded last under a prefix: each file's size and sha256 (`{"files": {name: {...}}}`)
+STORE_MANIFEST = "MANIFEST.json"
 
 
 def checkpoint_key(path: TinkerPath, content_id: str) -> str:

@@ -96,3 +96,77 @@ def test_the_worker_command_line_checks_the_store_url() -> None:
     )
     with pytest.raises(Exception, match="not s3://BUCKET/PREFIX"):
         parse_args(["--base-model", "m", "--artifact-store", "file:///tmp/x"])
+
+
+# -- the gateway's side: list, sign, stream, copy, delete ------------------------------------------
+
+
+def test_the_gateway_lists_signs_streams_copies_and_deletes(s3: S3Server, tmp_path: Path) -> None:
+    import asyncio
+    import urllib.parse
+
+    from protocol.paths import CONTENT_ID_FILE
+    from twinkle_async.gateway.store_files import StoreFiles
+
+    worker = ArtifactStore("s3://twinkle/gw", tmp_path / "cache")
+    source = _files(tmp_path / "src", {"adapter_model.safetensors": 3 * 1024 * 1024 + 5})
+    (source / "adapter_config.json").write_text('{"r": 4}')
+    (source / CONTENT_ID_FILE).write_text("c1")
+    worker.upload("run/weights/a/c1", source)
+    worker.upload("run/weights/a/c0", source)  # an older content of the same name
+    worker.upload("run/weights/ab/c1", source)  # a name sharing a prefix of characters
+
+    async def scenario() -> None:
+        store = StoreFiles("s3://twinkle/gw")
+        listed = await store.files("run/weights/a/c1")
+        assert [(f.name, f.size) for f in listed] == [
+            ("adapter_config.json", 8),
+            ("adapter_model.safetensors", 3 * 1024 * 1024 + 5),
+        ]  # the content id file and the manifest are bookkeeping, not downloads
+        assert await store.files("run/weights/a/none") == []
+        url = await store.sign("run/weights/a/c1", "adapter_model.safetensors", 60)
+        assert "X-Amz-Signature=" in url and "/gw/run/weights/a/c1/" in url
+        fetched = await asyncio.to_thread(_fetch, url)  # no credentials
+        assert fetched == (source / "adapter_model.safetensors").read_bytes()
+        streamed = b"".join(
+            [c async for c in store.chunks("run/weights/a/c1", "adapter_config.json")]
+        )
+        assert streamed == b'{"r": 4}'
+
+        public = StoreFiles("s3://twinkle/gw", public_url="https://s3.example.test:9443")
+        signed = await public.sign("run/weights/a/c1", "adapter_config.json", 60)
+        assert urllib.parse.urlsplit(signed).netloc == "s3.example.test:9443"
+
+        await store.copy("run/weights/a/c1", "copy/weights/a/c1")
+        with pytest.raises(FileNotFoundError):
+            await store.copy("run/weights/a/none", "copy/weights/b/c1")
+        await store.delete_tree("run/weights/a")  # every content of the name, nothing else
+        assert await store.files("run/weights/a/c1") == [] == await store.files("run/weights/a/c0")
+        assert len(await store.files("run/weights/ab/c1")) == 2
+        assert len(await store.files("copy/weights/a/c1")) == 2
+
+    asyncio.run(scenario())
+    copy = worker.download("copy/weights/a/c1")  # the copy passes the manifest check
+    assert (copy / "adapter_model.safetensors").read_bytes() == (
+        source / "adapter_model.safetensors"
+    ).read_bytes()
+    assert not worker.exists("run/weights/a")
+
+
+def _fetch(url: str) -> bytes:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return bytes(response.read())
+
+
+def test_the_gateway_refuses_a_foreign_manifest(s3: S3Server) -> None:
+    import asyncio
+
+    from twinkle_async.gateway.store_files import StoreFiles
+
+    store = StoreFiles("s3://twinkle/gw")
+    for body in (b"not json", b'{"files": {"../escape": {"size": 1}}}', b'{"files": {"a": {}}}'):
+        obstore.put(store.store, f"bad/weights/x/c1/{MANIFEST}", body)
+        with pytest.raises(ServerError):
+            asyncio.run(store.files("bad/weights/x/c1"))

@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
         "numpy",
         "google",
         "prometheus_client",
+        "obstore",  # checkpoint files in the artifact store (`gateway/store_files.py`)
     },
     "admin_cli": {"typer", "aiohttp", "httpx", "msgspec", "rich"},
     "workers": {

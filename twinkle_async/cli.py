@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import urllib.parse
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -78,6 +79,14 @@ def _artifact_store(value: str | None) -> str | None:
             paths.parse_store_url(value)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
+    return value or None
+
+
+def _endpoint_url(value: str | None) -> str | None:
+    if value:
+        parts = urllib.parse.urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query:
+            raise typer.BadParameter(f"{value!r} is not an http(s)://HOST[:PORT] URL")
     return value or None
 
 
@@ -321,6 +330,24 @@ def gateway(
         str | None,
         typer.Option(help="base URL clients reach this gateway at (default: the request's host)"),
     ] = None,
+    artifact_store: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TWINKLE_ARTIFACT_STORE",
+            callback=_artifact_store,
+            help="s3://BUCKET/PREFIX the workers save checkpoints in (endpoint and keys from"
+            " AWS_*): downloads, copies and deletes go there",
+        ),
+    ] = None,
+    artifact_public_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TWINKLE_ARTIFACT_PUBLIC_URL",
+            callback=_endpoint_url,
+            help="the S3 endpoint clients reach, when it differs from AWS_ENDPOINT_URL"
+            " (presigned download URLs are signed for it)",
+        ),
+    ] = None,
     bus_retry_s: Annotated[
         float,
         typer.Option(
@@ -357,6 +384,8 @@ def gateway(
         checkpoint_root=checkpoint_root or (data_dir / "checkpoints" if data_dir else None),
         checkpoint_sweep_s=checkpoint_sweep_s or None,
         public_url=public_url,
+        artifact_store=artifact_store,
+        artifact_public_url=artifact_public_url,
     )
     if download_secret:
         settings = dataclasses.replace(settings, download_secret=download_secret.encode())

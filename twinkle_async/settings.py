@@ -10,6 +10,9 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol import rules
+from protocol.errors import UserError
+
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"TWINKLE_{name}", default)
@@ -104,6 +107,13 @@ class GatewaySettings:
     # gateway deletes, copies and serves them. None: a checkpoint's record can still be
     # deleted, its files stay, and copy and download answer that no store is configured.
     checkpoint_root: Path | None = None
+    # `s3://BUCKET/PREFIX` where workers save checkpoints (endpoint and keys from `AWS_*`): the
+    # gateway signs, streams, copies and deletes them there. Records without a store key keep
+    # using `checkpoint_root`.
+    artifact_store: str | None = None
+    # the S3 endpoint clients reach, when it differs from `AWS_ENDPOINT_URL` (presigned URLs
+    # are signed for a host)
+    artifact_public_url: str | None = None
     # how often checkpoints past their TTL are deleted (record and files); None: never
     checkpoint_sweep_s: float | None = 60.0
     # HMAC key of signed download URLs. Random per process unless given: gateways behind one
@@ -143,7 +153,12 @@ def load_api_keys(key_file: Path | None, api_key: str | None) -> dict[str, str]:
             if not line:
                 continue
             parts = line.split()
-            keys[parts[0]] = parts[1] if len(parts) > 1 else "default"
+            tenant = parts[1] if len(parts) > 1 else "default"
+            try:  # a tenant's name becomes KV keys (its rate and in-flight entries): checked
+                rules.check_tenant_name(f"{path}: tenant", tenant)
+            except UserError as err:
+                raise ValueError(str(err)) from None
+            keys[parts[0]] = tenant
     for key in keys:
         if not key.startswith("tml-"):
             raise ValueError(

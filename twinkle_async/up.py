@@ -158,6 +158,8 @@ def gateway_command(options: UpOptions, nats_url: str, port: int, ready_file: Pa
         argv += ["--base-model", base_model]
     if options.key_file is not None:
         argv += ["--key-file", str(options.key_file)]
+    if options.artifact_store:
+        argv += ["--artifact-store", options.artifact_store]
     return argv
 
 

@@ -41,11 +41,11 @@ import obstore
 from obstore.store import S3Store
 
 from protocol.errors import ServerError
-from protocol.paths import parse_store_url
+from protocol.paths import STORE_MANIFEST, parse_store_url
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST.json"
+MANIFEST = STORE_MANIFEST
 DEFAULT_CACHE_BYTES = 16 * 1024**3
 _CHUNK_BYTES = 8 * 1024 * 1024  # multipart part size; files above it go up in parts
 

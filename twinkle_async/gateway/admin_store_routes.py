@@ -20,7 +20,7 @@ from protocol.errors import NotFound, UserError
 from protocol.records import CheckpointRecord
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.checkpoint_files import remove_checkpoint
-from twinkle_async.gateway.state import REGISTRY, SETTINGS
+from twinkle_async.gateway.state import ARTIFACTS, REGISTRY, SETTINGS
 
 routes = web.RouteTableDef()
 
@@ -63,7 +63,9 @@ async def list_checkpoints(request: web.Request) -> web.Response:
 async def delete_checkpoint(request: web.Request) -> web.Response:
     body = api.decode(await read_body(request), CheckpointRef)
     ckpt = await _checkpoint(request, body.path)
-    await remove_checkpoint(request.app[REGISTRY], request.app[SETTINGS].checkpoint_root, ckpt)
+    await remove_checkpoint(
+        request.app[REGISTRY], request.app[SETTINGS].checkpoint_root, request.app[ARTIFACTS], ckpt
+    )
     return json_response({"deleted": ckpt.path})
 
 
@@ -115,6 +117,6 @@ async def delete_run(request: web.Request) -> web.Response:
     ckpts = await registry.checkpoints(run_id)
     root = request.app[SETTINGS].checkpoint_root
     for ckpt in ckpts:
-        await remove_checkpoint(registry, root, ckpt)
+        await remove_checkpoint(registry, root, request.app[ARTIFACTS], ckpt)
     await registry.delete_run(run_id)
     return json_response({"deleted": run_id, "checkpoints": len(ckpts)})

@@ -52,14 +52,14 @@ from protocol.jobs import (
     import_staging_dir,
     merged_export_dir,
 )
-from protocol.records import RunRecord
+from protocol.records import CheckpointRecord, RunRecord
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway import signed_urls
 from twinkle_async.gateway.admin_routes import _known_tenant
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.checkpoint_files import downloadable_files
-from twinkle_async.gateway.checkpoint_routes import base_url, checkpoint_root
-from twinkle_async.gateway.state import BUS, FUTURES, QUOTAS, REGISTRY, SETTINGS
+from twinkle_async.gateway.checkpoint_routes import artifact_store, base_url, checkpoint_root
+from twinkle_async.gateway.state import ARTIFACTS, BUS, FUTURES, QUOTAS, REGISTRY, SETTINGS
 from twinkle_async.quotas import check_limit, check_room
 
 routes = web.RouteTableDef()
@@ -97,9 +97,12 @@ async def export_checkpoint(request: web.Request) -> web.Response:
     ckpt = await registry.find_checkpoint(path.run_id, path.checkpoint_id)
     if ckpt is None:
         raise NotFound(f"checkpoint {body.path!r} not found")
-    root = checkpoint_root(request)
     if body.merged and body.layout != "peft":
         raise UserError("layout: a merged export is a whole model, not an adapter in a layout")
+    if ckpt.store_key:
+        return await _export_stored(request, ckpt, body)
+    _no_store(request, "a merged or re-laid-out export")
+    root = checkpoint_root(request)
     directory = paths.checkpoint_dir(root, path)
     stored = None if body.merged else await asyncio.to_thread(_stored_layout, directory)
     if not body.merged and stored in (None, body.layout):
@@ -150,12 +153,58 @@ async def export_checkpoint(request: web.Request) -> web.Response:
     return await _answer(request, job.request_id)
 
 
+def _no_store(request: web.Request, what: str) -> None:
+    """Workers on other hosts write merged exports and read imports on their own disks: with
+    an artifact store, those need a transfer through it, which is not there yet."""
+    if request.app[ARTIFACTS] is not None:
+        raise ServerError(
+            f"{what} is not available with an artifact store yet; export the adapter"
+            " (merged=false, its stored layout) instead",
+            code="not_with_artifact_store",
+            status=501,
+        )
+
+
+async def _export_stored(
+    request: web.Request, ckpt: CheckpointRecord, body: ExportRequest
+) -> web.Response:
+    """An adapter export of a checkpoint in the artifact store: presigned URLs of its files."""
+    store = artifact_store(request, ckpt)
+    files = [f for f in await store.files(ckpt.store_key) if f.name in ADAPTER_FILES]
+    if len(files) != len(ADAPTER_FILES):
+        raise NotFound(f"checkpoint {body.path!r} has no PEFT adapter files in the store")
+    config = await store.read_small(ckpt.store_key, ADAPTER_CONFIG, MAX_CONFIG_BYTES)
+    if body.merged or _layout_of(config) not in (None, body.layout):
+        _no_store(request, "a merged or re-laid-out export")
+    listed = [
+        {"name": f.name, "size": f.size, "url": await store.sign(ckpt.store_key, f.name, URL_TTL_S)}
+        for f in files
+    ]
+    return json_response(
+        {
+            "state": "done",
+            "kind": "adapter",
+            "layout": body.layout,
+            "path": ckpt.path,
+            "files": listed,
+        }
+    )
+
+
 def _stored_layout(directory: Path) -> AdapterLayout | None:
     """The layout of a checkpoint's MoE experts, from its adapter config; None without experts
     (or without a readable config: then the files are served, or found missing, as they are)."""
     try:
-        config = json.loads((directory / ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError, RecursionError):
+        return _layout_of((directory / ADAPTER_CONFIG).read_bytes())
+    except OSError:
+        return None
+
+
+def _layout_of(raw: bytes | None) -> AdapterLayout | None:
+    """`_stored_layout` of an adapter config's bytes."""
+    try:
+        config = json.loads(raw or b"")
+    except (ValueError, RecursionError):
         return None
     if not isinstance(config, dict):
         return None
@@ -218,6 +267,7 @@ async def delete_export(request: web.Request) -> web.Response:
 
 @routes.post("/admin/v1/checkpoints/import")
 async def import_checkpoint(request: web.Request) -> web.Response:
+    _no_store(request, "an adapter import")
     tenant = await _known_tenant(request, request.query.get("tenant", ""))
     name = rules.check_checkpoint_name("name", request.query.get("name", ""))
     limits = await request.app[QUOTAS].limits(tenant)

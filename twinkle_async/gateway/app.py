@@ -37,6 +37,7 @@ from twinkle_async.gateway.metrics_routes import METRICS, metrics_middleware
 from twinkle_async.gateway.middleware import auth_middleware, errors_middleware
 from twinkle_async.gateway.sampling_futures_routes import COMPLETIONS
 from twinkle_async.gateway.state import (
+    ARTIFACTS,
     BUS,
     FUTURES,
     KEYS,
@@ -46,6 +47,7 @@ from twinkle_async.gateway.state import (
     SAMPLES,
     SETTINGS,
 )
+from twinkle_async.gateway.store_files import StoreFiles
 from twinkle_async.gateway.sweeper import sweeper_ctx
 from twinkle_async.lifecycle import Lifecycle
 from twinkle_async.metrics import GatewayMetrics
@@ -107,6 +109,11 @@ def build_app(settings: GatewaySettings) -> web.Application:
         client_max_size=settings.max_request_bytes,
     )
     app[SETTINGS] = settings
+    app[ARTIFACTS] = (
+        StoreFiles(settings.artifact_store, settings.artifact_public_url)
+        if settings.artifact_store
+        else None
+    )
     app[METRICS] = GatewayMetrics()  # a registry per app: apps in one process never collide
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(sweeper_ctx)  # after the bus: it sweeps through the registry

@@ -2,8 +2,9 @@
 download serves, and a tar stream of them.
 
 The workers write checkpoints under the shared `checkpoint_root` (`protocol.paths` has the
-layout); the gateway deletes them (REST DELETE and the TTL sweeper), copies them
-(`copy_weights`) and serves them (signed downloads).
+layout), or into an artifact store (`store_files`, for records with a `store_key`); the gateway
+deletes them (REST DELETE and the TTL sweeper), copies them (`copy_weights`) and serves them
+(signed downloads).
 
 Invariants:
 - Paths are built from a parsed `TinkerPath` (ids and names checked by `protocol.rules`), never
@@ -22,13 +23,16 @@ import logging
 import os
 import shutil
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from protocol import paths
+from protocol.errors import ServerError
 from protocol.paths import CONTENT_ID_FILE, TinkerPath
 from protocol.records import CheckpointRecord
+from twinkle_async.gateway.store_files import StoreFiles
 from twinkle_async.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -76,10 +80,24 @@ def link_copy(source: Path, target: Path) -> None:
             shutil.copy2(entry, target / entry.name)
 
 
-async def remove_checkpoint(registry: Registry, root: Path | None, ckpt: CheckpointRecord) -> None:
-    """Delete a checkpoint: its files (when this gateway knows the root), then its record."""
+async def remove_checkpoint(
+    registry: Registry, root: Path | None, store: StoreFiles | None, ckpt: CheckpointRecord
+) -> None:
+    """Delete a checkpoint: its files (in the artifact store, or under the root when this
+    gateway knows it), then its record. A stored checkpoint on a gateway without the store
+    is refused: its record must not go while its objects stay (they would block a new save
+    of the name)."""
     path = paths.parse_path(ckpt.path)
-    if root is not None:
+    if ckpt.store_key:
+        if store is None:
+            raise ServerError(
+                f"checkpoint {ckpt.path} is in an artifact store this gateway has not been"
+                " given (--artifact-store)",
+                code="no_checkpoint_store",
+                status=501,
+            )
+        await store.delete_tree(paths.checkpoint_name_key(path))
+    elif root is not None:
         await asyncio.to_thread(delete_files, root, path)
     else:
         log.warning("no checkpoint root configured: the files of %s stay on disk", ckpt.path)
@@ -91,14 +109,12 @@ async def remove_checkpoint(registry: Registry, root: Path | None, ckpt: Checkpo
 
 
 @dataclass
-class TarMember:
-    """One file of an archive, opened before the first byte is sent: a concurrent overwrite
-    renames the directory away, and open handles keep reading the content that was signed."""
+class TarEntry:
+    """One file of an archive: its flat name, size and time."""
 
     name: str
     size: int
     mtime: int
-    handle: BinaryIO
 
     def header(self) -> bytes:
         info = tarfile.TarInfo(self.name)
@@ -109,6 +125,15 @@ class TarMember:
 
     def padding(self) -> bytes:
         return b"\0" * (-self.size % _TAR_BLOCK)
+
+
+@dataclass
+class TarMember(TarEntry):
+    """A local file of an archive, opened before the first byte is sent: a concurrent
+    overwrite renames the directory away, and open handles keep reading the content that was
+    signed."""
+
+    handle: BinaryIO
 
 
 def open_members(directory: Path) -> list[TarMember]:
@@ -130,6 +155,6 @@ def close_members(members: list[TarMember]) -> None:
         member.handle.close()
 
 
-def tar_size(members: list[TarMember]) -> int:
+def tar_size(members: Sequence[TarEntry]) -> int:
     """The exact length of the tar `members` make: headers, data, padding and the end blocks."""
     return sum(_TAR_BLOCK + m.size + len(m.padding()) for m in members) + len(TAR_END)

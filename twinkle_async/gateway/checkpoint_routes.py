@@ -8,7 +8,8 @@ slash. Who may do what:
 - change or delete: the owner only. Anyone else gets the 404 of an id that does not exist, a
   published checkpoint included (published means readable, never writable).
 Publishing and unpublishing are idempotent (a retried call whose answer was lost succeeds again).
-Files are touched only through `checkpoint_files`, under `GatewaySettings.checkpoint_root`.
+Files are touched only through `checkpoint_files`, under `GatewaySettings.checkpoint_root`, or
+through `store_files` for a checkpoint in the artifact store (its record has a `store_key`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from twinkle_async.gateway.checkpoint_files import (
     link_copy,
     remove_checkpoint,
 )
-from twinkle_async.gateway.state import QUOTAS, REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.state import ARTIFACTS, QUOTAS, REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.store_files import StoreFiles
 
 routes = web.RouteTableDef()
 
@@ -63,6 +65,19 @@ def checkpoint_root(request: web.Request) -> Path:
     return root
 
 
+def artifact_store(request: web.Request, ckpt: CheckpointRecord) -> StoreFiles:
+    """The artifact store holding a stored checkpoint (`store_key` set)."""
+    store = request.app[ARTIFACTS]
+    if store is None:
+        raise ServerError(
+            f"checkpoint {ckpt.path} is in an artifact store this gateway has not been given"
+            " (start it with --artifact-store)",
+            code="no_checkpoint_store",
+            status=501,
+        )
+    return store
+
+
 def base_url(request: web.Request) -> str:
     """Where clients reach this gateway: the configured public URL, else the request's own."""
     public = request.app[SETTINGS].public_url
@@ -74,8 +89,20 @@ async def delete_checkpoint(request: web.Request) -> web.Response:
     path = _checkpoint_path(request)
     registry = request.app[REGISTRY]
     ckpt = await registry.owned_checkpoint(path.run_id, path.checkpoint_id, request[TENANT])
-    await remove_checkpoint(registry, request.app[SETTINGS].checkpoint_root, ckpt)
+    await remove_checkpoint(
+        registry, request.app[SETTINGS].checkpoint_root, request.app[ARTIFACTS], ckpt
+    )
     return json_response({})
+
+
+@routes.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}")
+async def delete_unprefixed_checkpoint(request: web.Request) -> web.Response:
+    """A checkpoint id without its kind: name the form instead of a 404 for the route."""
+    shown = request.match_info["checkpoint_id"][:60]
+    raise UserError(
+        f"checkpoint_id: {shown!r} must start with 'weights/' or 'sampler_weights/'"
+        " (as in weights/<name>)"
+    )
 
 
 async def _set_public(request: web.Request, public: bool) -> web.Response:
@@ -125,19 +152,27 @@ async def _readable(request: web.Request) -> tuple[TinkerPath, CheckpointRecord]
 async def external_weights_urls(request: web.Request) -> web.Response:
     """A signed URL per file (what `tinker checkpoint download` fetches), for any kind."""
     path, ckpt = await _readable(request)
-    directory = paths.checkpoint_dir(checkpoint_root(request), path)
-    files = await asyncio.to_thread(downloadable_files, directory)
-    if not files:
-        raise NotFound(f"checkpoint {ckpt.path} has no files in the store")
     settings = request.app[SETTINGS]
     expires = int(time.time() + settings.download_url_ttl_s)
-    base = base_url(request)
-    urls = {
-        f.name: signed_urls.file_url(
-            base, settings.download_secret, path, f.name, ckpt.content_id, expires
-        )
-        for f in files
-    }
+    if ckpt.store_key:  # presigned URLs of the store: the bytes never pass through a gateway
+        store = artifact_store(request, ckpt)
+        stored = await store.files(ckpt.store_key)
+        if not stored:
+            raise NotFound(f"checkpoint {ckpt.path} has no files in the store")
+        ttl_s = settings.download_url_ttl_s
+        urls = {f.name: await store.sign(ckpt.store_key, f.name, ttl_s) for f in stored}
+    else:
+        directory = paths.checkpoint_dir(checkpoint_root(request), path)
+        files = await asyncio.to_thread(downloadable_files, directory)
+        if not files:
+            raise NotFound(f"checkpoint {ckpt.path} has no files in the store")
+        base = base_url(request)
+        urls = {
+            f.name: signed_urls.file_url(
+                base, settings.download_secret, path, f.name, ckpt.content_id, expires
+            )
+            for f in files
+        }
     return json_response(
         api.ExternalWeightsUrlsResponse(
             urls=urls, expires=dt.datetime.fromtimestamp(expires, dt.UTC)
@@ -149,7 +184,11 @@ async def external_weights_urls(request: web.Request) -> web.Response:
 async def checkpoint_archive(request: web.Request) -> web.Response:
     """Older SDKs: a 302 to a signed tar of the checkpoint's files, `Expires` when it lapses."""
     path, ckpt = await _readable(request)
-    checkpoint_root(request)  # no redirect to a download this gateway could not serve
+    # no redirect to a download this gateway could not serve
+    if ckpt.store_key:
+        artifact_store(request, ckpt)
+    else:
+        checkpoint_root(request)
     settings = request.app[SETTINGS]
     expires = int(time.time() + settings.download_url_ttl_s)
     url = signed_urls.archive_url(
@@ -207,11 +246,15 @@ async def copy_weights(request: web.Request) -> web.Response:
     if limit is not None:  # the copy counts as the caller's, as a save does
         used = sum(c.size_bytes for c in await registry.tenant_checkpoints(tenant))
         quotas.check_cap("max_checkpoint_bytes", used, ckpt.size_bytes, limit)
-    root = checkpoint_root(request)
-    source_dir = paths.checkpoint_dir(root, source)
-    target_dir = paths.checkpoint_dir(root, target)
+    target_dir = store_key = ""
     try:
-        await asyncio.to_thread(link_copy, source_dir, target_dir)
+        if ckpt.store_key:  # a server-side copy into the target's own, never-shared prefix
+            store_key = paths.checkpoint_key(target, ckpt.content_id or uuid.uuid4().hex[:16])
+            await artifact_store(request, ckpt).copy(ckpt.store_key, store_key)
+        else:
+            root = checkpoint_root(request)
+            target_dir = str(paths.checkpoint_dir(root, target))
+            await asyncio.to_thread(link_copy, paths.checkpoint_dir(root, source), Path(target_dir))
     except FileNotFoundError:
         raise NotFound(f"source_path: {body.source_path!r} has no files in the store") from None
     now = time.time()
@@ -221,7 +264,8 @@ async def copy_weights(request: web.Request) -> web.Response:
             run_id=run_id,
             tenant_id=tenant,
             path=str(target),
-            directory=str(target_dir),
+            directory=target_dir,
+            store_key=store_key,
             created_at=now,
             public=False,
             expires_at=now + ttl_s if ttl_s is not None else None,

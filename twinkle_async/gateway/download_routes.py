@@ -14,21 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from protocol import paths
 from protocol.errors import NotFound, ServerError
 from protocol.paths import TinkerPath
+from protocol.records import CheckpointRecord
 from twinkle_async.gateway import signed_urls
 from twinkle_async.gateway.checkpoint_files import (
     TAR_END,
+    TarEntry,
     close_members,
     downloadable_files,
     open_members,
     tar_size,
 )
-from twinkle_async.gateway.checkpoint_routes import checkpoint_root
+from twinkle_async.gateway.checkpoint_routes import artifact_store, checkpoint_root
 from twinkle_async.gateway.state import REGISTRY, SETTINGS
 
 routes = web.RouteTableDef()
@@ -37,7 +40,7 @@ _CHUNK_BYTES = 1 << 20
 _SEGMENTS = "{run_id}/{kind}/{name}"
 
 
-async def _checked(request: web.Request, resource_of: str) -> TinkerPath:
+async def _checked(request: web.Request, resource_of: str) -> tuple[TinkerPath, CheckpointRecord]:
     """The checkpoint a signed URL names, once its signature holds for the current content."""
     info = request.match_info
     path = paths.parse_path(
@@ -56,12 +59,15 @@ async def _checked(request: web.Request, resource_of: str) -> TinkerPath:
         request.query,
         time.time(),
     )
-    return path
+    assert ckpt is not None  # `check` refuses a missing checkpoint
+    return path, ckpt
 
 
 @routes.get(f"{signed_urls.FILES_PREFIX}/checkpoints/{_SEGMENTS}/{{file}}")
 async def download_file(request: web.Request) -> web.StreamResponse:
-    path = await _checked(request, "file")
+    path, ckpt = await _checked(request, "file")
+    if ckpt.store_key:
+        return await _stream_stored_file(request, path, ckpt)
     directory = paths.checkpoint_dir(checkpoint_root(request), path)
     files = await asyncio.to_thread(downloadable_files, directory)
     wanted = [f for f in files if f.name == request.match_info["file"]]
@@ -74,7 +80,9 @@ async def download_file(request: web.Request) -> web.StreamResponse:
 async def download_archive(request: web.Request) -> web.StreamResponse:
     """Streamed: headers, data and padding are written as the files are read, never held whole;
     `Content-Length` is exact, computed from the opened files."""
-    path = await _checked(request, "archive")
+    path, ckpt = await _checked(request, "archive")
+    if ckpt.store_key:
+        return await _stream_stored_archive(request, path, ckpt)
     directory = paths.checkpoint_dir(checkpoint_root(request), path)
     members = await asyncio.to_thread(open_members, directory)
     try:
@@ -104,3 +112,71 @@ async def download_archive(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         close_members(members)
+
+
+# -- from the artifact store ---------------------------------------------------------------------
+
+
+async def _stream_stored_file(
+    request: web.Request, path: TinkerPath, ckpt: CheckpointRecord
+) -> web.StreamResponse:
+    store = artifact_store(request, ckpt)
+    name = request.match_info["file"]
+    wanted = [f for f in await store.files(ckpt.store_key) if f.name == name]
+    if not wanted:
+        raise NotFound(f"file {name[:80]!r} is not part of {path}")
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    response.content_length = wanted[0].size
+    await response.prepare(request)
+    await _send(response, store.chunks(ckpt.store_key, name), wanted[0].size, path, name)
+    await response.write_eof()
+    return response
+
+
+async def _stream_stored_archive(
+    request: web.Request, path: TinkerPath, ckpt: CheckpointRecord
+) -> web.StreamResponse:
+    """The tar of a stored content, streamed from the store file by file (content-addressed:
+    nothing can change it while it is sent)."""
+    store = artifact_store(request, ckpt)
+    stored = await store.files(ckpt.store_key)
+    if not stored:
+        raise NotFound(f"checkpoint {path} has no files in the store")
+    mtime = int(ckpt.created_at)
+    members = [TarEntry(f.name, f.size, mtime) for f in stored]
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "application/x-tar",
+            "Content-Disposition": f'attachment; filename="{path.name}.tar"',
+        }
+    )
+    response.content_length = tar_size(members)
+    await response.prepare(request)
+    for member in members:
+        await response.write(member.header())
+        await _send(
+            response, store.chunks(ckpt.store_key, member.name), member.size, path, member.name
+        )
+        await response.write(member.padding())
+    await response.write(TAR_END)
+    await response.write_eof()
+    return response
+
+
+async def _send(
+    response: web.StreamResponse,
+    chunks: AsyncIterator[bytes],
+    size: int,
+    path: TinkerPath,
+    name: str,
+) -> None:
+    """Exactly `size` bytes of `chunks`: the length was promised, a different one breaks the
+    download instead of corrupting it."""
+    sent = 0
+    async for chunk in chunks:
+        sent += len(chunk)
+        if sent > size:
+            break
+        await response.write(chunk)
+    if sent != size:
+        raise ServerError(f"{name} of {path} is not the size its manifest says")

@@ -7,6 +7,7 @@ from aiohttp import web
 from twinkle_async.auth import KeyRing
 from twinkle_async.bus import Bus
 from twinkle_async.futures import FutureStore
+from twinkle_async.gateway.store_files import StoreFiles
 from twinkle_async.lifecycle import Lifecycle
 from twinkle_async.quotas import InFlight, Quotas
 from twinkle_async.registry import Registry
@@ -20,4 +21,6 @@ KEYS = web.AppKey("keys", KeyRing)
 QUOTAS = web.AppKey("quotas", Quotas)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 SAMPLES = web.AppKey("samples", InFlight)
+# the artifact store of checkpoints saved there (None: no `--artifact-store`)
+ARTIFACTS = web.AppKey[StoreFiles | None]("artifacts")
 TENANT = web.RequestKey("tenant_id", str)  # set by the auth middleware

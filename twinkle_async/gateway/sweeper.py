@@ -20,7 +20,8 @@ from aiohttp import web
 from protocol.errors import TwinkleError
 from protocol.records import CheckpointRecord
 from twinkle_async.gateway.checkpoint_files import remove_checkpoint
-from twinkle_async.gateway.state import REGISTRY, SETTINGS
+from twinkle_async.gateway.state import ARTIFACTS, REGISTRY, SETTINGS
+from twinkle_async.gateway.store_files import StoreFiles
 from twinkle_async.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,14 @@ def expired(ckpts: list[CheckpointRecord], now: float) -> list[CheckpointRecord]
     return [c for c in ckpts if c.expires_at is not None and c.expires_at <= now]
 
 
-async def sweep_once(registry: Registry, root: Path | None, now: float) -> int:
+async def sweep_once(
+    registry: Registry, root: Path | None, store: StoreFiles | None, now: float
+) -> int:
     """Delete what has expired; returns how many checkpoints went."""
     removed = 0
     for ckpt in expired(await registry.all_checkpoints(), now):
         try:
-            await remove_checkpoint(registry, root, ckpt)
+            await remove_checkpoint(registry, root, store, ckpt)
         except (TwinkleError, OSError):
             # one broken record or directory must not keep the others alive
             log.exception("sweeper: could not delete expired checkpoint %s", ckpt.path)
@@ -50,7 +53,9 @@ async def _sweep_forever(app: web.Application, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
-            removed = await sweep_once(app[REGISTRY], settings.checkpoint_root, time.time())
+            removed = await sweep_once(
+                app[REGISTRY], settings.checkpoint_root, app[ARTIFACTS], time.time()
+            )
         except Exception:
             log.exception("checkpoint sweep failed; retrying in %.0f s", interval_s)
             continue

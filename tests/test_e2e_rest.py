@@ -205,6 +205,19 @@ def test_delete_removes_record_files_and_versions(
     not_found(lambda: rest.delete_checkpoint_from_tinker_path(first).result())
 
 
+def test_delete_of_an_id_without_its_kind_names_the_form(
+    cluster: Cluster, trained: Trained, rest: tinker.RestClient
+) -> None:
+    run = quote(trained.run_id, safe=":")
+    with httpx.Client(base_url=cluster.base_url, headers={"X-API-Key": API_KEY}) as http:
+        for bare in ("rest-state", "x" * 5000, "%2E%2E"):
+            answer = http.delete(f"/api/v1/training_runs/{run}/checkpoints/{bare}")
+            assert answer.status_code == 400, answer.text
+            assert "must start with 'weights/' or 'sampler_weights/'" in answer.text
+            assert len(answer.text) < 1000
+    assert trained.state in by_path(rest, trained.run_id)  # nothing was deleted
+
+
 # -- downloads load in PEFT ----------------------------------------------------------------------
 
 

@@ -130,11 +130,15 @@ def start_cluster(
     *extra: str,
     timeout_s: float = 240.0,
     env: dict[str, str] | None = None,
+    keys: dict[str, str] | None = None,
 ) -> Cluster:
+    """`up` with the test keys, `keys` (key -> tenant) more tenants in its key file
+    (`<data_dir>/keys.txt`)."""
     ready = data_dir / "ready.json"
     data_dir.mkdir(parents=True, exist_ok=True)
     key_file = data_dir / "keys.txt"
-    key_file.write_text(f"{OTHER_TENANT_KEY} other\n")
+    lines = {OTHER_TENANT_KEY: "other", **(keys or {})}
+    key_file.write_text("".join(f"{key} {tenant}\n" for key, tenant in lines.items()))
     log = open(data_dir.parent / f"{data_dir.name}.log", "wb")  # noqa: SIM115 - closed by the child's exit
     cmd = [
         sys.executable,

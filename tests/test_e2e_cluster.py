@@ -1,0 +1,363 @@
+"""The service spread over several hosts, on loopback: three NATS nodes with replicas 3, an S3
+server (SeaweedFS), two trainer workers each with a data directory of its own and no shared
+disk, and two gateways. Four tenants train through the official SDK, two through each gateway,
+with pipelined steps and a `save_state` midway; the NATS node leading the ops stream is
+SIGKILLed, then the worker owning the most shards. Every future resolves without an error and
+every adapter ends where an undisturbed run ends; a checkpoint saved by the killed worker
+resumes with its optimizer on the other; a sampler checkpoint saved through one gateway samples
+through the other; both gateways' download URLs fetch the files; copies and deletes happen in
+the store."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import tarfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+import tinker
+from tinker import types
+
+from protocol import subjects
+from tests.cluster_helpers import (
+    Gateway,
+    checkpoint_record,
+    node_pid,
+    ops_stream,
+    shard_owners,
+    start_gateway,
+    stored_adapter,
+    worker_pids,
+)
+from tests.conftest import ADMIN_KEY, Cluster, start_cluster, stop_cluster
+from tests.s3_server import S3Server
+from tests.sdk_helpers import toy_batch
+
+pytestmark = pytest.mark.e2e
+
+STORE = "s3://twinkle/multi-host"
+SECRET = "shared-download-secret-of-both-gateways"
+STEPS = 16
+MIDDLE = 4  # the step after which each tenant saves its state
+TENANTS = {  # seed -> API key; the first two train through one gateway, the others the other
+    41: "tml-cluster-tenant-a-0000000000",
+    42: "tml-cluster-tenant-b-0000000000",
+    43: "tml-cluster-tenant-c-0000000000",
+    44: "tml-cluster-tenant-d-0000000000",
+}
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def env(s3: S3Server) -> dict[str, str]:
+    # a short lease: a worker's death is noticed in seconds (it still outlasts an election)
+    return {**s3.env, "TWINKLE_DOWNLOAD_SECRET": SECRET, "TWINKLE_LEASE_S": "12"}
+
+
+@pytest.fixture(scope="module")
+def spread(
+    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Iterator[tuple[Cluster, Gateway]]:
+    running = start_cluster(
+        tmp_path_factory.mktemp("multi-host") / "data",
+        [tiny_model],
+        *("--nats-cluster", "3", "--workers", "2", "--artifact-store", STORE),
+        *("--token-budget", "512"),
+        env={**env, "TWINKLE_SNAPSHOT_EVERY": "3"},
+        keys={key: f"tenant-{seed}" for seed, key in TENANTS.items()},
+    )
+    try:
+        other = start_gateway(running, "--nats-replicas", "3", "--artifact-store", STORE, env=env)
+        try:
+            yield running, other
+        finally:
+            other.stop()
+    finally:
+        stop_cluster(running)
+
+
+def _train(
+    client: tinker.TrainingClient,
+    seed: int,
+    progress: dict[int, int],
+    saved: dict[int, str] | None = None,
+) -> str:
+    """`STEPS` pipelined steps on the tenant's own data, a `save_state("middle")` after step
+    `MIDDLE` when `saved` is given; then `save_state("final")`, whose path it returns."""
+    batch = toy_batch(n=3, seed=seed)
+    previous = None
+    middle = None
+    for step in range(STEPS):
+        current = (
+            client.forward_backward(batch, "cross_entropy"),
+            client.optim_step(types.AdamParams(learning_rate=2e-2)),
+        )
+        if saved is not None and step == MIDDLE - 1:
+            middle = client.save_state("middle")
+        if previous is not None:
+            previous[0].result()
+            previous[1].result()
+            progress[seed] = step
+        previous = current
+        time.sleep(0.3)
+    assert previous is not None
+    previous[0].result()
+    previous[1].result()
+    if middle is not None and saved is not None:
+        saved[seed] = str(middle.result().path)
+    return str(client.save_state("final").result().path)
+
+
+def _in_threads(
+    clients: dict[int, tinker.TrainingClient],
+    progress: dict[int, int],
+    saved: dict[int, str] | None = None,
+) -> tuple[list[threading.Thread], dict[int, str], list[BaseException]]:
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(seed: int) -> None:
+        try:
+            results[seed] = _train(clients[seed], seed, progress, saved)
+        except BaseException as err:  # reported by the caller
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in clients]
+    for thread in threads:
+        thread.start()
+    return threads, results, errors
+
+
+def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
+
+
+def _wait_for(
+    progress: dict[int, int],
+    step: int,
+    errors: list[BaseException],
+    seeds: list[int] | None = None,
+) -> None:
+    deadline = time.monotonic() + 180
+    while min(progress.get(seed, 0) for seed in seeds or TENANTS) < step:
+        assert not errors, errors
+        assert time.monotonic() < deadline, f"training never reached step {step}: {progress}"
+        time.sleep(0.05)
+
+
+def test_two_gateways_two_hosts_through_a_nats_and_a_worker_crash(
+    spread: tuple[Cluster, Gateway], env: dict[str, str], tiny_model: Path
+) -> None:
+    cluster, other = spread
+    pool = subjects.pool_of(str(tiny_model))
+    services = {
+        seed: tinker.ServiceClient(
+            base_url=cluster.base_url if index < 2 else other.base_url, api_key=key
+        )
+        for index, (seed, key) in enumerate(TENANTS.items())
+    }
+
+    def adapter(path: str) -> dict[str, np.ndarray]:
+        return stored_adapter(STORE, env, cluster, path)
+
+    def new_clients() -> dict[int, tinker.TrainingClient]:
+        return {
+            seed: service.create_lora_training_client(
+                base_model=str(tiny_model), rank=4, seed=seed
+            ).result()
+            for seed, service in services.items()
+        }
+
+    try:
+        deadline = time.monotonic() + 90
+        while len(set(asyncio.run(shard_owners(cluster.nats_url, pool)).values())) < 2:
+            assert time.monotonic() < deadline, "the two workers never shared the shards"
+            time.sleep(0.5)
+
+        # undisturbed
+        threads, reference, errors = _in_threads(new_clients(), {})
+        for thread in threads:
+            thread.join(timeout=300)
+        assert not errors, errors
+        want = {seed: adapter(path) for seed, path in reference.items()}
+
+        # the same runs through a NATS node's death, then a worker's
+        clients = new_clients()
+        progress: dict[int, int] = {}
+        middles: dict[int, str] = {}
+        threads, results, errors = _in_threads(clients, progress, middles)
+        _wait_for(progress, 2, errors)
+        leader, _, _ = asyncio.run(ops_stream(cluster.nats_url))
+        node = node_pid(cluster, leader)
+        assert node is not None
+        os.kill(node, signal.SIGKILL)
+        # the worker owning the most shards, once its tenants have saved their middle state
+        owners = asyncio.run(shard_owners(cluster.nats_url, pool))
+        counts = {worker: list(owners.values()).count(worker) for worker in set(owners.values())}
+        victim = max(counts, key=lambda worker: counts[worker])
+        on_victim = [
+            s for s, c in clients.items() if owners.get(subjects.shard_of(c.model_id)) == victim
+        ]
+        assert on_victim, "no tenant trained on the worker owning the most shards"
+        _wait_for(progress, MIDDLE + 1, errors, on_victim)
+        os.kill(worker_pids(cluster)[victim], signal.SIGKILL)
+        assert min(progress[seed] for seed in on_victim) < STEPS - 2, ("killed too late", progress)
+        for thread in threads:
+            thread.join(timeout=300)
+        assert all(not thread.is_alive() for thread in threads), "a training loop hung"
+        assert not errors, errors
+        for seed, path in results.items():
+            _close(adapter(path), want[seed])
+
+        # a state the killed worker saved resumes with its optimizer on the other worker,
+        # through the other gateway
+        seed = on_victim[0]
+        resumer = tinker.ServiceClient(
+            base_url=other.base_url if seed in list(TENANTS)[:2] else cluster.base_url,
+            api_key=TENANTS[seed],
+        )
+        resumed = None
+        for _ in range(64):
+            candidate = resumer.create_training_client_from_state_with_optimizer(
+                middles[seed]
+            ).result()
+            owner = asyncio.run(shard_owners(cluster.nats_url, pool)).get(
+                subjects.shard_of(candidate.model_id)
+            )
+            if owner is not None and owner != victim:
+                resumed = candidate
+                break
+        assert resumed is not None, "no resumed model landed on the other worker"
+        batch = toy_batch(n=3, seed=seed)
+        for _ in range(STEPS - MIDDLE):
+            resumed.forward_backward(batch, "cross_entropy").result()
+            resumed.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        _close(adapter(str(resumed.save_state("resumed").result().path)), want[seed])
+
+        # a sampler checkpoint saved through one gateway samples through the other
+        first = list(TENANTS)[0]
+        sampler_path = clients[first].save_weights_for_sampler("for-sampling").result().path
+        there = tinker.ServiceClient(base_url=other.base_url, api_key=TENANTS[first])
+        sampled = (
+            there.create_sampling_client(model_path=sampler_path)
+            .result()
+            .sample(
+                types.ModelInput.from_ints([5, 9, 13]),
+                num_samples=2,
+                sampling_params=types.SamplingParams(max_tokens=6, seed=3),
+            )
+            .result()
+        )
+        assert len(sampled.sequences) == 2 and all(s.tokens for s in sampled.sequences)
+        resumer.close("success").result()
+        there.close("success").result()
+    finally:
+        for service in services.values():
+            service.close("success").result()
+
+
+def test_both_gateways_serve_downloads_copies_and_deletes_from_the_store(
+    spread: tuple[Cluster, Gateway], env: dict[str, str], tiny_model: Path
+) -> None:
+    cluster, other = spread
+    key = TENANTS[41]
+    service = tinker.ServiceClient(base_url=cluster.base_url, api_key=key)
+    try:
+        client = service.create_lora_training_client(
+            base_model=str(tiny_model), rank=4, seed=7
+        ).result()
+        batch = toy_batch(n=2, seed=7)
+        client.forward_backward(batch, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        path = str(client.save_state("shared").result().path)
+        export = str(client.save_weights_external("shared-export").result().path)
+        record = checkpoint_record(cluster, path)
+        saved = stored_adapter(STORE, env, cluster, path)
+
+        for base_url in (cluster.base_url, other.base_url):
+            rest = tinker.RestClient(base_url=base_url, api_key=key)
+            urls = rest.get_external_weights_urls(export).result().urls
+            assert set(urls) == {"adapter_config.json", "adapter_model.safetensors"}
+            # presigned by the store: fetched without a key, not through a gateway
+            assert all(url.startswith(env["AWS_ENDPOINT_URL"]) for url in urls.values())
+            with urllib.request.urlopen(urls["adapter_model.safetensors"], timeout=30) as got:
+                weights = got.read()
+            _close(safetensors.numpy.load(weights), saved)
+            run = quote(client.model_id, safe=":")
+            with httpx.Client(base_url=base_url, headers={"X-API-Key": key}) as http:
+                redirect = http.get(
+                    f"/api/v1/training_runs/{run}/checkpoints/weights/shared/archive"
+                )
+            assert redirect.status_code == 302, redirect.text
+            # a gateway's signed URL, honoured by the other gateway too (one shared secret)
+            swapped = redirect.headers["Location"].replace(
+                base_url, other.base_url if base_url == cluster.base_url else cluster.base_url
+            )
+            for location in (redirect.headers["Location"], swapped):
+                archive = httpx.get(location, timeout=30)
+                assert archive.status_code == 200, archive.text
+                with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+                    assert set(urls) <= set(tar.getnames())  # and the optimizer state
+                    member = tar.extractfile("adapter_model.safetensors")
+                    assert member is not None
+                    _close(safetensors.numpy.load(member.read()), saved)
+
+        # an operator's adapter export: presigned URLs of the store; what needs a worker's
+        # disk (a merged export, an import) answers that it is not there yet
+        with httpx.Client(
+            base_url=cluster.base_url, headers={"X-Admin-Key": ADMIN_KEY}, timeout=30
+        ) as admin:
+            exported = admin.post("/admin/v1/checkpoints/export", json={"path": path}).json()
+            assert exported["state"] == "done", exported
+            by_name = {f["name"]: f for f in exported["files"]}
+            fetched = httpx.get(by_name["adapter_model.safetensors"]["url"]).content
+            assert by_name["adapter_model.safetensors"]["size"] == len(fetched)
+            _close(safetensors.numpy.load(fetched), saved)
+            merged = admin.post("/admin/v1/checkpoints/export", json={"path": path, "merged": True})
+            assert merged.status_code == 501 and "artifact store" in merged.text
+            imported = admin.post(
+                "/admin/v1/checkpoints/import",
+                params={"tenant": "tenant-41", "name": "imported"},
+                files={"adapter_config.json": b"{}"},
+            )
+            assert imported.status_code == 501 and "artifact store" in imported.text
+
+        # a copy is a server-side copy in the store, under a key of its own
+        rest = tinker.RestClient(base_url=other.base_url, api_key=key)
+        copy = rest.copy_weights(path, "elsewhere").result()
+        copied = checkpoint_record(cluster, copy)
+        assert copied.store_key and copied.store_key != record.store_key and not copied.directory
+        _close(stored_adapter(STORE, env, cluster, copy), saved)
+
+        # deleting removes the objects (the name can be saved again), not the copy
+        rest.delete_checkpoint_from_tinker_path(path).result()
+        assert str(client.save_state("shared").result().path) == path  # no overwrite needed
+        resumed = service.create_training_client_from_state(copy).result()
+        _close(
+            stored_adapter(STORE, env, cluster, str(resumed.save_state("from-copy").result().path)),
+            saved,
+        )
+    finally:
+        service.close("success").result()

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import start_cluster, stop_cluster
 from twinkle_async.cli import app
+from twinkle_async.settings import load_api_keys
 
 runner = CliRunner()
 
@@ -28,6 +29,22 @@ def test_up_refuses_a_key_the_sdk_would_refuse() -> None:
     result = runner.invoke(app, ["up", "--base-model", "x", "--api-key", "sk-not-tinker"])
     assert result.exit_code != 0
     assert "tml-" in result.output
+
+
+def test_a_key_file_tenant_that_is_no_valid_name_is_refused(tmp_path: Path) -> None:
+    # a tenant's name becomes KV keys (`rate.<tenant>`): `a@b` or `a.b` would make every
+    # rate-limited call of that tenant fail later, so the file is refused at start
+    for tenant in ("a@b", "a.b", "A" * 64, "-x"):
+        key_file = tmp_path / "keys.txt"
+        key_file.write_text(f"tml-good-key-0123456789 {tenant}\n")
+        result = CliRunner().invoke(app, ["up", "--base-model", "x", "--key-file", str(key_file)])
+        assert result.exit_code != 0
+        assert "not a valid tenant name" in str(result.exception) + result.output, tenant
+    key_file.write_text("tml-good-key-0123456789 team-7\ntml-other-key-0123456789\n")
+    assert load_api_keys(key_file, None) == {
+        "tml-good-key-0123456789": "team-7",
+        "tml-other-key-0123456789": "default",
+    }
 
 
 def test_make_tiny_model_writes_a_loadable_model(tmp_path: Path) -> None:

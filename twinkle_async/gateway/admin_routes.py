@@ -18,7 +18,7 @@ from protocol.errors import NotFound, UserError
 from protocol.records import KeyRecord, QuotaRecord, TenantRecord, UsageRecord
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.state import BUS, KEYS, LIFECYCLE, QUOTAS, REGISTRY, SETTINGS
-from twinkle_async.quotas import LIMIT_NAMES
+from twinkle_async.quotas import LIMIT_NAMES, MAX_IN_FLIGHT
 from twinkle_async.registry import WORKER_STALE_S
 
 routes = web.RouteTableDef()
@@ -206,8 +206,9 @@ async def set_quotas(request: web.Request) -> web.Response:
         value = getattr(body, name)
         if value is msgspec.UNSET:
             continue
-        if value is not None and not 0 <= value <= 2**62:
-            raise UserError(f"{name}: {value} is out of range 0..{2**62} (or null for the default)")
+        top = MAX_IN_FLIGHT if name == "max_concurrent_samples" else 2**62
+        if value is not None and not 0 <= value <= top:
+            raise UserError(f"{name}: {value} is out of range 0..{top} (or null for the default)")
         setattr(record, name, value)
     await quotas.set(record)
     return json_response(await _quota_view(request, tenant))

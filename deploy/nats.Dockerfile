@@ -20,6 +20,8 @@ RUN set -e; found="$(command -v nats-server || true)"; \
 FROM ${NATS_BASE_IMAGE}
 COPY --from=build /nats-server.bin /usr/local/bin/nats-server
 COPY deploy/nats.conf /etc/nats/nats.conf
+# a node of the three-node cluster (compose profile cluster; NATS_SERVER_NAME names it)
+COPY deploy/nats-cluster.conf /etc/nats/nats-cluster.conf
 EXPOSE 4222 8222
 # wget on the alpine image, python3 on a python base
 HEALTHCHECK --interval=3s --timeout=3s --retries=20 --start-period=3s \

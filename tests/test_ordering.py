@@ -67,6 +67,22 @@ def test_a_gap_that_never_fills_fails_loudly() -> None:
     assert [p.job.seq_id for p in seq.ready()["a"]] == [5]
 
 
+def test_a_gap_of_some_seconds_is_reported_before_it_fails() -> None:
+    seq: Sequencer[str] = Sequencer()
+    for model in ("a", "b"):
+        offer(seq, create(model), now=0.0)
+        seq.applied(create(model))
+    offer(seq, fwd("a", 2), now=1.0)
+    offer(seq, fwd("b", 2), now=3.0)
+    assert seq.stalled(now=4.0, gap_timeout_s=60.0) == {}
+    assert seq.gapped(now=4.0, after_s=5.0) == []
+    assert seq.gapped(now=8.5, after_s=5.0) == ["a", "b"]  # the oldest gap first
+    offer(seq, fwd("a", 1), now=9.0)
+    seq.stalled(now=9.0, gap_timeout_s=60.0)
+    assert seq.gapped(now=9.0, after_s=5.0) == ["b"]  # a's gap filled; nothing was removed
+    assert [p.job.seq_id for p in seq.ready()["a"]] == [1, 2]
+
+
 def test_plan_merges_models_into_one_pass_then_fuses_optim_steps() -> None:
     seq: Sequencer[str] = Sequencer()
     for model in ("a", "b", "c"):

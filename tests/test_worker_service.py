@@ -29,6 +29,7 @@ from protocol.jobs import (
     Outcome,
     SeqClaim,
     UnloadModelJob,
+    decode_job,
     decode_outcome,
     request_type_of,
 )
@@ -204,6 +205,51 @@ async def test_service_merges_models_and_fails_gaps(
             await asyncio.sleep(0.01)
         assert value("twinkle_worker_ops_total", gap_failed) == 1
         assert value("twinkle_worker_slots_used") == 4
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker_bus.close()
+        await gateway_bus.close()
+
+
+@pytest.mark.timeout(120)
+async def test_an_op_delivered_to_a_connection_that_died_is_delivered_again_in_seconds(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    # A delivery the server sent on a connection that died (a NATS node killed mid-fetch)
+    # counts as delivered and would come back only after ack_wait (120 s), or the model's gap
+    # timeout would fail it: the worker has the shard's un-acked ops delivered again.
+    settings = worker_settings(nats_server, tmp_path, gap_timeout_s=90.0)
+    model_dir = Path(settings.base_model)
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
+    worker_bus = WorkerBus(nats_server.url)
+    await worker_bus.connect()
+    service = TrainerService(worker_bus, engine, settings)
+    deliver = service._on_msg
+    lost: list[int] = []
+
+    async def losing_the_first_copy_of_seq_1(msg: Any) -> None:
+        job = decode_job(msg.data)
+        if job.model_id == "m-lost" and job.seq_id == 1 and not lost:
+            lost.append(job.seq_id)  # delivered, never acked, never run
+            return
+        await deliver(msg)
+
+    service._on_msg = losing_the_first_copy_of_seq_1  # type: ignore[method-assign]
+    task = asyncio.create_task(service.run())
+    try:
+        await gateway_bus.publish_job(settings.pool, create_job("m-lost", model_dir))
+        assert (await wait_outcome(gateway_bus, "req-m-lost-0")).state == "done"
+        started = time.monotonic()
+        await gateway_bus.publish_job(settings.pool, fwd_job("m-lost", 1, length=4))
+        await gateway_bus.publish_job(settings.pool, optim_job("m-lost", 2))
+        out = await wait_outcome(gateway_bus, "req-m-lost-2", timeout_s=40)
+        assert out.state == "done", out.error
+        assert lost == [1]
+        assert (await wait_outcome(gateway_bus, "req-m-lost-1")).state == "done"
+        assert time.monotonic() - started < 30  # ack_wait is 120 s
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

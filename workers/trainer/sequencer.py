@@ -4,8 +4,10 @@ The SDK posts the chunks of a large forward_backward concurrently (first chunk l
 pipelines optim_step before results exist, so arrival order is not execution order. Creation
 (create_model or create-via-load) is seq 0. An op at or below the applied seq is a duplicate
 (a redelivery or a re-publish): the caller acks it and re-serves nothing, its result is in KV
-already. A model stuck waiting on a missing seq for longer than the gap timeout has its buffered
-ops failed loudly rather than hanging.
+already. A model waiting on a missing seq for a few seconds is reported by `gapped` (its op may
+have been delivered to a connection that died with a NATS node: the caller has it delivered
+again); one stuck for longer than the gap timeout has its buffered ops failed loudly rather
+than hanging.
 
 Pure bookkeeping: no I/O, no clocks of its own (callers pass `now`).
 """
@@ -148,6 +150,16 @@ class Sequencer(Generic[H]):
                 line.stalled_since = None
                 out[model_id] = dropped
         return out
+
+    def gapped(self, now: float, after_s: float) -> list[str]:
+        """Models whose next seq has been missing for at least `after_s` (as `stalled` saw
+        them: call it first), oldest gap first. Nothing is removed."""
+        waiting = [
+            (line.stalled_since, model_id)
+            for model_id, line in self.lines.items()
+            if line.stalled_since is not None and now - line.stalled_since >= after_s
+        ]
+        return [model_id for _, model_id in sorted(waiting)]
 
     def held(self) -> list[Any]:
         """Handles of every buffered op (to keep them from being redelivered while they wait);

@@ -81,6 +81,8 @@ Item = Pending[Msg | None]
 
 
 _STARTUP_GATHER_S = 0.2
+# a model waiting this long for a seq has its shard's un-acked ops delivered again
+GAP_REDELIVER_S = 5.0
 
 
 def _creates(job: Job) -> bool:
@@ -129,6 +131,7 @@ class TrainerService:
             on_lose=self._lose_shard,
         )
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
+        self._redelivered: dict[int, float] = {}  # shard -> when its ops were last redelivered
         self.journal = CrashJournal(bus, settings.worker_id)
         self._steps_since_snapshot: dict[str, int] = {}
         # models changed since their snapshot: their last applied op, and when it was applied
@@ -415,6 +418,7 @@ class TrainerService:
                 pass
             self._wake.clear()
             await self._fail_stalled()
+            await self._redeliver_gaps()
             await self._snapshot_idle()
             while True:
                 cycles = self._plan()
@@ -819,6 +823,33 @@ class TrainerService:
                 if current():
                     self._unsnapped[model_id] = (item, time.monotonic())
             return  # one model per look: the others' cycles wait for no more than one write
+
+    async def _redeliver_gaps(self) -> None:
+        """Have a shard's un-acked ops delivered again, in order, when one of its models has
+        waited `GAP_REDELIVER_S` for a seq. A delivery the server sent on a connection that
+        died with its NATS node (or its consumer's leader) counts as delivered and comes back
+        only after `ack_wait` (120 s); the gateway published it, so it is in the log. The
+        copies of what is already buffered here are duplicates (`Sequencer.offer`). Once per
+        shard every `GAP_REDELIVER_S`: a seq the gateway never published waits its gap timeout."""
+        now = time.monotonic()
+        for model_id in self.sequencer.gapped(now, GAP_REDELIVER_S):
+            shard = subjects.shard_of(model_id, self.settings.n_shards)
+            if shard not in self._shard_tasks or now - self._redelivered.get(shard, -1e9) < (
+                GAP_REDELIVER_S
+            ):
+                continue
+            self._redelivered[shard] = now
+            log.warning(
+                "model %s: waiting %.0f s for a seq; shard %d's un-acked ops delivered again",
+                model_id,
+                GAP_REDELIVER_S,
+                shard,
+            )
+            durable = subjects.consumer_name(self.settings.pool, shard)
+            try:
+                await self.bus.reset_consumer(subjects.STREAM_OPS, durable)
+            except Exception:
+                log.exception("shard %d: redelivery failed; trying again later", shard)
 
     async def _fail_stalled(self) -> None:
         for model_id, items in self.sequencer.stalled(

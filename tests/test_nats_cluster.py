@@ -310,6 +310,44 @@ def test_a_frozen_node_is_left_within_seconds(nats_cluster: NatsCluster) -> None
     asyncio.run(main())
 
 
+def test_a_workers_write_in_flight_when_its_node_dies_is_retried_at_once(
+    nats_cluster: NatsCluster,
+) -> None:
+    """The node a worker is connected to dies with a KV write in flight (frozen first, so the
+    write is surely waiting, then SIGKILLed): the write is sent again through another node as
+    soon as the client reconnects, not after the request's 10 s timeout."""
+
+    async def main() -> None:
+        bus = _bus(nats_cluster.url, 3, retry_s=30.0)
+        await bus.connect()  # the topology
+        worker = WorkerBus(nats_cluster.url)
+        await worker.connect(retry_s=30.0)
+        assert worker.nc is not None and worker.nc.connected_url is not None
+        port = worker.nc.connected_url.port
+        node = next(n for n in nats_cluster.nodes if n.port == port)
+        other = next(n for n in nats_cluster.nodes if n.port != port)
+        # only the connection is lost, not the bucket's leader (no election to wait out)
+        await _lead(bus, f"KV_{subjects.BUCKET_FUTURES}", other.name)
+        assert node.process is not None
+        os.kill(node.process.pid, signal.SIGSTOP)
+        try:
+            write = asyncio.create_task(worker.put(subjects.BUCKET_FUTURES, "in-flight", b"v"))
+            await asyncio.sleep(0.5)
+            assert not write.done()
+            node.kill()
+            killed = time.monotonic()
+            await asyncio.wait_for(write, timeout=30)
+            took_s = time.monotonic() - killed
+            assert await bus.get(subjects.BUCKET_FUTURES, "in-flight") == b"v"
+            assert took_s < 5.0, took_s  # the request's timeout is 10 s
+        finally:
+            await bus.close()
+            await worker.close()
+            await _restarted(node)
+
+    asyncio.run(main())
+
+
 def test_a_node_restarts_on_its_ports_and_store(tmp_path: Path) -> None:
     cluster = NatsCluster(tmp_path, 3)
     url = cluster.start()

@@ -57,11 +57,20 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-async def retrying(nc: Client, what: str, call: Callable[[], Awaitable[T]], retry_s: float) -> T:
+async def retrying(
+    nc: Client,
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    retry_s: float,
+    dropped: asyncio.Event | None = None,
+) -> T:
     """`call()`, tried again while NATS is away, for up to `retry_s`; then `Unavailable`.
 
     While the connection is down nothing is sent (a request would only wait in the reconnect
     buffer). Only for idempotent calls: a KV put of the same value, a publish with a msg id.
+    `dropped` (set while the connection is down): an attempt in flight when the connection
+    drops is given up at once, not after its whole timeout (its reply went with the socket: a
+    node stopped or killed), and tried again once reconnected.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_s
@@ -71,7 +80,7 @@ async def retrying(nc: Client, what: str, call: Callable[[], Awaitable[T]], retr
         failure = "not connected"
         if nc.is_connected:
             try:
-                return await call()
+                return await _unless_dropped(call, dropped)
             except TRANSIENT_ERRORS as exc:
                 failure = type(exc).__name__
                 if nc.is_closed:
@@ -87,6 +96,23 @@ async def retrying(nc: Client, what: str, call: Callable[[], Awaitable[T]], retr
         await asyncio.sleep(min(delay, remaining))
 
 
+async def _unless_dropped(call: Callable[[], Awaitable[T]], dropped: asyncio.Event | None) -> T:
+    """`call()`, or a `TimeoutError` as soon as `dropped` is set."""
+    if dropped is None:
+        return await call()
+    attempt = asyncio.ensure_future(call())
+    lost = asyncio.ensure_future(dropped.wait())
+    try:
+        done, _ = await asyncio.wait({attempt, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+        if not attempt.done():
+            attempt.cancel()
+    if attempt in done:
+        return attempt.result()
+    raise TimeoutError("the connection dropped")
+
+
 class WorkerBus:
     """A worker's connection, KV handles and shard fetch loops."""
 
@@ -100,6 +126,7 @@ class WorkerBus:
         self.js: JetStreamContext | None = None
         self.kv: dict[str, KeyValue] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._dropped = asyncio.Event()  # set while the connection is down
 
     async def connect(
         self, wait_topology_s: float = 60.0, *, retry_s: float = WORKER_RETRY_S
@@ -118,10 +145,12 @@ class WorkerBus:
                 log.warning("nats: %r", exc)
 
         async def on_disconnected() -> None:
+            self._dropped.set()
             if self.nc is not None and not self.nc.is_closed:
                 log.warning("lost the connection to NATS; reconnecting")
 
         async def on_reconnected() -> None:
+            self._dropped.clear()
             log.info("reconnected to NATS")
 
         self.nc = await asyncio.wait_for(
@@ -267,12 +296,12 @@ class WorkerBus:
         async def attempt() -> None:
             await kv.put(key, value)
 
-        await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s)
+        await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s, self._dropped)
 
     async def retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """`call()` tried again while NATS is away, as `get` and `put` are (`retrying`)."""
         assert self.nc is not None
-        return await retrying(self.nc, what, call, self.retry_s)
+        return await retrying(self.nc, what, call, self.retry_s, self._dropped)
 
     async def get(self, bucket: str, key: str) -> bytes | None:
         assert self.nc is not None
@@ -284,7 +313,7 @@ class WorkerBus:
             except nats.js.errors.KeyNotFoundError:
                 return None
 
-        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s)
+        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s, self._dropped)
 
     # -- KV compare-and-set, listings, and the ops log (leases, snapshots, replay) ---------------
 
@@ -300,7 +329,7 @@ class WorkerBus:
                 return None
             return entry.value or b"", int(entry.revision or 0)
 
-        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s)
+        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s, self._dropped)
 
     async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
         """Write `key` only if its revision is still `revision` (None: only if absent)."""
@@ -322,7 +351,9 @@ class WorkerBus:
             except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
                 return None
 
-        return await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s)
+        return await retrying(
+            self.nc, f"write {bucket}/{key}", attempt, self.retry_s, self._dropped
+        )
 
     async def delete(self, bucket: str, key: str) -> None:
         assert self.nc is not None
@@ -331,7 +362,7 @@ class WorkerBus:
         async def attempt() -> None:
             await kv.delete(key)
 
-        await retrying(self.nc, f"delete {bucket}/{key}", attempt, self.retry_s)
+        await retrying(self.nc, f"delete {bucket}/{key}", attempt, self.retry_s, self._dropped)
 
     async def values(self, bucket: str, prefix: str) -> list[bytes]:
         """Current values of the keys under `prefix.`: the keys (`topology.kv_keys`), then one

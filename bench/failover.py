@@ -180,12 +180,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lease-s", type=float, default=12.0)
     parser.add_argument("--checkpoint-mb", type=int, default=100)
+    parser.add_argument("--keep", action="store_true", help="keep the data and logs")
+    parser.add_argument("--phases", default="quiet,nats-sigkill,nats-sigterm,worker-sigkill,files")
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE", TINKER_TELEMETRY="0")
     tmp = Path(tempfile.mkdtemp(prefix="twinkle-failover-"))
     s3 = S3Server(tmp / "s3")
     s3.start()
     cluster = None
+    phases = set(args.phases.split(","))
+    failed = True
     try:
         os.environ.update(s3.env)
         model = build_model(tmp / "tiny", "qwen3")
@@ -209,14 +213,23 @@ def main() -> None:
             f" {os.cpu_count()} CPUs",
             flush=True,
         )
-        _report("quiet", _phase("quiet", clients, args.steps), seeds)
+        if "quiet" in phases:
+            _report("quiet", _phase("quiet", clients, args.steps), seeds)
         for name, sig in (("nats-sigkill", signal.SIGKILL), ("nats-sigterm", signal.SIGTERM)):
+            if name not in phases:
+                continue
             _settled(cluster)
             done = _phase(
                 name, clients, args.steps, action=lambda s=sig, c=cluster: _kill_leader(c, s)
             )
             _report(name, done, seeds)
         _settled(cluster)
+        if "worker-sigkill" not in phases:
+            service.close("success").result()
+            if "files" in phases:
+                _files_mb_s(tmp, args.checkpoint_mb)
+            failed = False
+            return
         owners = asyncio.run(shard_owners(cluster.nats_url, pool))
         counts = {w: list(owners.values()).count(w) for w in set(owners.values())}
         victim = max(counts, key=lambda w: counts[w])
@@ -231,12 +244,17 @@ def main() -> None:
         if on_victim:
             _report("  its tenants", done, on_victim)
         service.close("success").result()
-        _files_mb_s(tmp, args.checkpoint_mb)
+        if "files" in phases:
+            _files_mb_s(tmp, args.checkpoint_mb)
+        failed = False
     finally:
         if cluster is not None:
             stop_cluster(cluster)
         s3.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if failed or args.keep:
+            print(f"kept {tmp} (the cluster's log: {tmp / 'data.log'})", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import nats
 import numpy as np
 import pytest
-import safetensors.numpy
 import tinker
 from tinker import types
 
 from protocol import records, subjects
-from protocol.records import CheckpointRecord, LeaseRecord, SnapshotRecord
+from protocol.records import SnapshotRecord
+from tests.cluster_helpers import kv_get, shard_owners, stored_adapter, worker_pids
 from tests.conftest import Cluster, start_cluster, stop_cluster
 from tests.s3_server import S3Server
 from tests.sdk_helpers import toy_batch
@@ -63,39 +62,6 @@ def stored(
         stop_cluster(running)
 
 
-async def _kv(nats_url: str, bucket: str, key: str) -> bytes | None:
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(bucket)
-        try:
-            return (await kv.get(key)).value
-        except nats.js.errors.KeyNotFoundError:
-            return None
-    finally:
-        await nc.close()
-
-
-async def _owners(nats_url: str, pool: str) -> dict[int, str]:
-    owners = {}
-    for shard in range(subjects.DEFAULT_SHARDS):
-        value = await _kv(nats_url, subjects.BUCKET_LEASES, subjects.lease_key(pool, shard))
-        if value:
-            lease = records.decode(value, LeaseRecord)
-            if lease.expires_at > time.time():
-                owners[shard] = lease.worker_id
-    return owners
-
-
-def _worker_pids(cluster: Cluster) -> dict[str, int]:
-    found = {}
-    for children in Path(f"/proc/{cluster.process.pid}/task").glob("*/children"):
-        for pid in children.read_text().split():
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            if "workers" in argv and "--worker-id" in argv:
-                found[argv[argv.index("--worker-id") + 1]] = int(pid)
-    return found
-
-
 def _steps(client: tinker.TrainingClient, seed: int, steps: int) -> None:
     batch = toy_batch(n=3, seed=seed)
     for _ in range(steps):
@@ -105,24 +71,8 @@ def _steps(client: tinker.TrainingClient, seed: int, steps: int) -> None:
         opt.result()
 
 
-def _record(cluster: Cluster, path: str) -> CheckpointRecord:
-    run_id, kind, name = path.removeprefix("tinker://").split("/")
-    key = subjects.checkpoint_key(run_id, f"{kind}/{name}")
-    value = asyncio.run(_kv(cluster.nats_url, subjects.BUCKET_CHECKPOINTS, key))
-    assert value is not None, path
-    return records.decode(value, CheckpointRecord)
-
-
 def _adapter(s3: S3Server, cluster: Cluster, path: str) -> dict[str, np.ndarray]:
-    """The checkpoint's adapter, read back from the store (through a fresh cache)."""
-    from workers.artifacts import ArtifactStore
-
-    record = _record(cluster, path)
-    assert record.store_key and not record.directory and record.sha256
-    with s3.client_env():
-        store = ArtifactStore(STORE, cluster.data_dir / f"test-cache-{time.time_ns()}")
-        directory = store.download(record.store_key)
-    return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
+    return stored_adapter(STORE, s3.env, cluster, path)
 
 
 def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
@@ -138,10 +88,10 @@ def test_no_shared_disk_checkpoints_and_takeover(
     service = tinker.ServiceClient(base_url=stored.base_url, api_key=stored.api_key)
     try:
         deadline = time.monotonic() + 90
-        while len(set(asyncio.run(_owners(stored.nats_url, pool)).values())) < 2:
+        while len(set(asyncio.run(shard_owners(stored.nats_url, pool)).values())) < 2:
             assert time.monotonic() < deadline, "the two workers never shared the shards"
             time.sleep(0.5)
-        owners = asyncio.run(_owners(stored.nats_url, pool))
+        owners = asyncio.run(shard_owners(stored.nats_url, pool))
 
         def client_on(
             worker: str | None, seed: int, avoid: str | None = None
@@ -183,11 +133,11 @@ def test_no_shared_disk_checkpoints_and_takeover(
         victim = owners[subjects.shard_of(victim_client.model_id)]
         _steps(victim_client, 32, 4)  # a snapshot after step 3
         key = subjects.snapshot_key(victim_client.model_id)
-        snapshot = asyncio.run(_kv(stored.nats_url, subjects.BUCKET_RUNS, key))
+        snapshot = asyncio.run(kv_get(stored.nats_url, subjects.BUCKET_RUNS, key))
         assert snapshot is not None
         record = records.decode(snapshot, SnapshotRecord)
         assert record.store_key and not record.directory and record.step >= 3
-        os.kill(_worker_pids(stored)[victim], signal.SIGKILL)
+        os.kill(worker_pids(stored)[victim], signal.SIGKILL)
         _steps(victim_client, 32, 2)
         _close(_adapter(s3, stored, str(victim_client.save_state("after").result().path)), want)
 

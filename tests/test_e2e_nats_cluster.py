@@ -14,12 +14,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import nats
 import numpy as np
 import pytest
 import tinker
 
-from protocol import subjects, topology
+from protocol import topology
+from tests.cluster_helpers import node_pid, ops_stream
 from tests.conftest import Cluster, saved_adapter, start_cluster, stop_cluster
 from tests.sdk_helpers import train_pipelined
 
@@ -40,34 +40,11 @@ def replicated(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
         stop_cluster(running)
 
 
-async def _ops_stream(nats_url: str) -> tuple[str, int, int]:
-    """(leader, replicas, peers current) of the ops stream."""
-    nc = await nats.connect(servers=topology.nats_servers(nats_url))
-    try:
-        info = await nc.jetstream(timeout=10).stream_info(subjects.STREAM_OPS)
-        assert info.cluster is not None and info.cluster.leader
-        current = sum(bool(peer.current) for peer in info.cluster.replicas or [])
-        return info.cluster.leader, info.config.num_replicas or 1, current
-    finally:
-        await nc.close()
-
-
-def _node_pid(cluster: Cluster, server_name: str) -> int | None:
-    """The pid of a node `up` runs now (its config lives in `nats/<name>/`), None if none."""
-    conf = str(cluster.data_dir / "nats" / server_name / "nats.conf")
-    for children in Path(f"/proc/{cluster.process.pid}/task").glob("*/children"):
-        for pid in children.read_text().split():
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            if conf in argv:
-                return int(pid)
-    return None
-
-
 def test_the_cluster_runs_three_nodes_with_three_replicas(replicated: Cluster) -> None:
     info = json.loads((replicated.data_dir / "ready.json").read_text())
     assert sorted(info["nats_pids"]) == ["n1", "n2", "n3"]
     assert len(topology.nats_servers(replicated.nats_url)) == 3
-    _, replicas, current = asyncio.run(_ops_stream(replicated.nats_url))
+    _, replicas, current = asyncio.run(ops_stream(replicated.nats_url))
     assert replicas == 3 and current == 2
 
 
@@ -109,8 +86,8 @@ def test_killing_the_ops_streams_leader_loses_nothing(
         while min(progress.get(seed, 0) for seed in TENANTS) < 2:
             assert not errors, errors
             time.sleep(0.05)
-        leader, _, _ = asyncio.run(_ops_stream(replicated.nats_url))
-        victim = _node_pid(replicated, leader)
+        leader, _, _ = asyncio.run(ops_stream(replicated.nats_url))
+        victim = node_pid(replicated, leader)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         assert max(progress.values()) < STEPS - 2, "killed too late to matter"
@@ -127,8 +104,8 @@ def test_killing_the_ops_streams_leader_loses_nothing(
         # another node leads now; `up` restarted the killed one, which caught up
         deadline = time.monotonic() + 60
         while True:
-            new_leader, replicas, current = asyncio.run(_ops_stream(replicated.nats_url))
-            if current == 2 and _node_pid(replicated, leader) not in (None, victim):
+            new_leader, replicas, current = asyncio.run(ops_stream(replicated.nats_url))
+            if current == 2 and node_pid(replicated, leader) not in (None, victim):
                 break
             assert time.monotonic() < deadline, (new_leader, current)
             time.sleep(0.5)

@@ -19,12 +19,13 @@ import pytest
 
 from protocol import subjects
 from protocol.jobs import ForwardBackwardJob, Job, OptimStepJob, decode_outcome
+from twinkle_async.nats_server import NatsServer
 from workers.settings import WorkerSettings
 from workers.trainer import service as trainer_service
 from workers.trainer.operations import Result, done_outcome
 from workers.trainer.sequencer import Pending
 from workers.trainer.service import TrainerService
-from workers.watchdog import running_key, snapshot_step
+from workers.watchdog import running_key, snapshot_step, strikes_key
 
 
 class RecordingBus:
@@ -231,3 +232,38 @@ async def test_an_outcome_that_cannot_be_stored_fails_its_op_and_the_model_it_ch
     assert (outcome.state, outcome.category) == ("error", "server")
     assert "stopped training" in outcome.error and "req-b" in outcome.error
     assert released == ["m-b"] and service.sequencer.missing_seq("m-b") == 2
+
+
+async def test_a_snapshot_step_inherited_from_a_dead_worker_is_struck(
+    nats_server: NatsServer,
+) -> None:
+    # A worker killed while it wrote a model's snapshot leaves `snapshot.<model_id>` on its
+    # running list; model ids hold ':', which no KV key may: the heir raised InvalidKeyError
+    # while gaining the shard, and died, again and again.
+    from twinkle_async.bus import Bus
+    from twinkle_async.settings import BusSettings
+    from workers.bus import WorkerBus
+    from workers.watchdog import CrashJournal
+
+    gateway = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway.connect()  # the topology
+    bus = WorkerBus(nats_server.url)
+    await bus.connect()
+    try:
+        dead = CrashJournal(bus, "w-dead")
+        step = snapshot_step("sess-0123456789abcdef:train:0")
+        await dead.running(["req-a"])
+        await dead.enter(step)
+        heir = CrashJournal(bus, "w-heir")
+        assert sorted(await heir.inherit("w-dead")) == sorted(["req-a", step])
+        assert heir.strikes == {"req-a": 1, step: 1}
+        again = CrashJournal(bus, "w-third")
+        await dead.running(["req-a"])
+        await dead.enter(step)
+        await again.inherit("w-dead")
+        assert again.strikes[step] == 2  # counted in KV across workers
+        await again.forgive(step)
+        assert await bus.get("tw_futures", strikes_key(step)) == b"0"
+    finally:
+        await bus.close()
+        await gateway.close()

@@ -22,6 +22,7 @@ from typing import NoReturn
 
 import msgspec
 
+from protocol import subjects
 from workers.bus import WorkerBus
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,10 @@ def running_key(worker_id: str) -> str:
     return f"running.{worker_id}"
 
 
-def strikes_key(request_id: str) -> str:
-    return f"strikes.{request_id}"
+def strikes_key(entry: str) -> str:
+    """The KV key of an entry's strikes. Encoded: a snapshot step names its model, whose id
+    holds ':' (`sess-...:train:0`), which no KV key may."""
+    return f"strikes.{subjects.token(entry)}"
 
 
 def snapshot_step(model_id: str) -> str:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -33,6 +34,9 @@ from twinkle_async.nats_server import NatsServer  # noqa: E402
 
 API_KEY = "tml-test-key-0123456789"
 OTHER_TENANT_KEY = "tml-other-tenant-key-9876543210"
+if TYPE_CHECKING:
+    from tests.s3_server import S3Server
+
 ADMIN_KEY = "twa-test-admin-key"  # every test cluster's admin key (`/admin/v1`, twinkle-admin)
 
 
@@ -245,3 +249,16 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
         yield running
     finally:
         stop_cluster(running)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS) on loopback for the module's tests."""
+    from tests.s3_server import S3Server as Server
+
+    server = Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

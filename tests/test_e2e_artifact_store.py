@@ -31,16 +31,6 @@ STORE = "s3://twinkle/cluster"
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def stored(
     s3: S3Server, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> Iterator[Cluster]:

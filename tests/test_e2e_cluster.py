@@ -59,16 +59,6 @@ TENANTS = {  # seed -> API key; the first two train through one gateway, the oth
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def env(s3: S3Server) -> dict[str, str]:
     # a short lease: a worker's death is noticed in seconds (it still outlasts an election)
     return {**s3.env, "TWINKLE_DOWNLOAD_SECRET": SECRET, "TWINKLE_LEASE_S": "12"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -76,6 +76,21 @@ async def download_file(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(wanted[0], headers={"Content-Type": "application/octet-stream"})
 
 
+async def _tar_response(
+    request: web.Request, path: TinkerPath, members: Sequence[TarEntry]
+) -> web.StreamResponse:
+    """A prepared tar download of exactly `tar_size(members)` bytes."""
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "application/x-tar",
+            "Content-Disposition": f'attachment; filename="{path.name}.tar"',
+        }
+    )
+    response.content_length = tar_size(members)
+    await response.prepare(request)
+    return response
+
+
 @routes.get(f"{signed_urls.FILES_PREFIX}/archives/{_SEGMENTS}")
 async def download_archive(request: web.Request) -> web.StreamResponse:
     """Streamed: headers, data and padding are written as the files are read, never held whole;
@@ -88,14 +103,7 @@ async def download_archive(request: web.Request) -> web.StreamResponse:
     try:
         if not members:
             raise NotFound(f"checkpoint {path} has no files in the store")
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "application/x-tar",
-                "Content-Disposition": f'attachment; filename="{path.name}.tar"',
-            }
-        )
-        response.content_length = tar_size(members)
-        await response.prepare(request)
+        response = await _tar_response(request, path, members)
         for member in members:
             await response.write(member.header())
             left = member.size
@@ -144,14 +152,7 @@ async def _stream_stored_archive(
         raise NotFound(f"checkpoint {path} has no files in the store")
     mtime = int(ckpt.created_at)
     members = [TarEntry(f.name, f.size, mtime) for f in stored]
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "application/x-tar",
-            "Content-Disposition": f'attachment; filename="{path.name}.tar"',
-        }
-    )
-    response.content_length = tar_size(members)
-    await response.prepare(request)
+    response = await _tar_response(request, path, members)
     for member in members:
         await response.write(member.header())
         await _send(

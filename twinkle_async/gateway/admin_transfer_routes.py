@@ -101,7 +101,6 @@ async def export_checkpoint(request: web.Request) -> web.Response:
         raise UserError("layout: a merged export is a whole model, not an adapter in a layout")
     if ckpt.store_key:
         return await _export_stored(request, ckpt, body)
-    _no_store(request, "a merged or re-laid-out export")
     root = checkpoint_root(request)
     directory = paths.checkpoint_dir(root, path)
     stored = None if body.merged else await asyncio.to_thread(_stored_layout, directory)
@@ -127,15 +126,8 @@ async def export_checkpoint(request: web.Request) -> web.Response:
             }
             for f in files
         ]
-        return json_response(
-            {
-                "state": "done",
-                "kind": "adapter",
-                "layout": body.layout,
-                "path": ckpt.path,
-                "files": listed,
-            }
-        )
+        return _adapter_answer(body, ckpt, listed)
+    _no_store(request, "a merged or re-laid-out export")
     registry.check_base_model(ckpt.base_model)
     await asyncio.to_thread(_sweep_exports, root, time.time())
     export_id = uuid.uuid4().hex
@@ -180,6 +172,13 @@ async def _export_stored(
         {"name": f.name, "size": f.size, "url": await store.sign(ckpt.store_key, f.name, URL_TTL_S)}
         for f in files
     ]
+    return _adapter_answer(body, ckpt, listed)
+
+
+def _adapter_answer(
+    body: ExportRequest, ckpt: CheckpointRecord, listed: list[dict[str, Any]]
+) -> web.Response:
+    """An adapter export's answer: done at once, its files' URLs."""
     return json_response(
         {
             "state": "done",

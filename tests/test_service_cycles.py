@@ -56,9 +56,10 @@ async def test_outcomes_are_written_before_the_journal_is_cleared(tmp_path: Path
         ForwardBackwardJob(request_id="req-a", model_id="m-a", tenant_id="t", seq_id=1),
         OptimStepJob(request_id="req-b", model_id="m-b", tenant_id="t", seq_id=1),
     ]
-    for job in jobs:
-        service.sequencer.start(job.model_id, applied_seq=0)
     items: list[Pending[Any]] = [Pending(job=job, handle=None, received_at=0.0) for job in jobs]
+    for item in items:
+        service.sequencer.start(item.job.model_id, applied_seq=0)
+        service.sequencer.offer(item)
 
     await service._run(items, _ran)
 
@@ -150,7 +151,9 @@ def _snapshotting(service: TrainerService, released: list[str]) -> None:
 def _step(service: TrainerService) -> list[Pending[Any]]:
     job = OptimStepJob(request_id="req-b", model_id="m-b", tenant_id="t", seq_id=1)
     service.sequencer.start(job.model_id, applied_seq=0)
-    return [Pending(job=job, handle=None, received_at=0.0, stream_seq=7)]
+    item: Pending[Any] = Pending(job=job, handle=None, received_at=0.0, stream_seq=7)
+    service.sequencer.offer(item)
+    return [item]
 
 
 def _journal(bus: RecordingBus) -> list[list[str]]:

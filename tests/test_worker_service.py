@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from protocol import api, records, subjects
 from protocol.api import LoraConfig
@@ -529,4 +530,71 @@ async def test_a_crash_that_recurs_in_a_snapshot_is_struck_out_like_a_poison_pas
                 out = await wait_outcome(gateway_bus, f"req-m-ok-{seq}", timeout_s=30)
                 assert (out.state, out.error) == ("done", ""), out
     finally:
+        await gateway_bus.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_shard_handed_over_during_a_cycle_leaves_its_unrun_ops_to_the_new_owner(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard released while a cycle runs (a worker joined and the spread evens out): the op
+    running finishes, and the ops of its models planned after it in the same cycle are left
+    un-acked for the new owner. They used to run on the adapter the handover had just
+    released and answer their client "is not loaded" (make compose-test saw it on an
+    optim_step). Here the new owner is this worker again, once the lease is free: it rebuilds
+    the model from the log and runs them, and the adapter ends equal to a bystander's trained
+    alike in the same passes with no handover."""
+    settings = worker_settings(nats_server, tmp_path, lease_renew_s=0.5)
+    moved = "m-moved"
+    shard = subjects.shard_of(moved, settings.n_shards)
+    kept = next(
+        f"m-kept-{i}"
+        for i in range(100)
+        if subjects.shard_of(f"m-kept-{i}", settings.n_shards) != shard
+    )
+    model_dir = Path(settings.base_model)
+    gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
+    await gateway_bus.connect()
+    for model_id in (moved, kept):
+        for job in (create_job(model_id, model_dir), fwd_job(model_id, 1, 5)):
+            await gateway_bus.publish_job(settings.pool, job)
+        await gateway_bus.publish_job(settings.pool, optim_job(model_id, 2))
+    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
+    worker_bus = WorkerBus(settings.nats_url)
+    await worker_bus.connect()
+    service = TrainerService(worker_bus, engine, settings)
+    loop = asyncio.get_running_loop()
+    released: list[Any] = []
+    shared_pass = service.ops.shared_pass
+
+    def pass_during_a_handover(jobs: list[Job]) -> Any:
+        if not released and any(job.model_id == moved for job in jobs):
+            released.append(asyncio.run_coroutine_threadsafe(service.leases.release(shard), loop))
+            deadline = time.monotonic() + 10
+            while service.sequencer.known(moved):  # its line goes, then its adapter's release
+                assert time.monotonic() < deadline, "the shard was not handed over"
+                time.sleep(0.01)
+            time.sleep(0.2)  # ... is queued behind this call on the engine thread
+        return shared_pass(jobs)
+
+    monkeypatch.setattr(service.ops, "shared_pass", pass_during_a_handover)
+    task = asyncio.create_task(service.run())
+    try:
+        for model_id in (moved, kept):
+            for seq in range(3):
+                out = await wait_outcome(gateway_bus, f"req-{model_id}-{seq}", timeout_s=60)
+                assert (out.state, out.error) == ("done", ""), out
+        assert released and released[0].done(), "the shard was not released mid-cycle"
+        states = [
+            await loop.run_in_executor(service.executor, engine.slots.capture, model_id)
+            for model_id in (moved, kept)
+        ]
+        assert states[0].step == states[1].step == 1
+        assert states[0].rows.keys() == states[1].rows.keys()
+        for name, row in states[0].rows.items():
+            torch.testing.assert_close(row.values, states[1].rows[name].values, atol=1e-5, rtol=0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker_bus.close()
         await gateway_bus.close()

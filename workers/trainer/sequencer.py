@@ -95,6 +95,12 @@ class Sequencer(Generic[H]):
         waiting.handle = handle
         return True
 
+    def holds(self, pending: Pending[H]) -> bool:
+        """Whether this very op still waits in its model's line: False once the line was
+        dropped (its shard moved to another worker), even if the model has a new line since."""
+        line = self.lines.get(pending.job.model_id)
+        return line is not None and line.buffer.get(pending.job.seq_id) is pending
+
     def known(self, model_id: str) -> bool:
         """Whether the model has a line here (it was created, or taken over, on this worker)."""
         return model_id in self.lines

@@ -491,6 +491,9 @@ class TrainerService:
         runs past `pass_timeout_s` stops this process: the thread cannot be interrupted, and
         the supervisor or another worker carries on, with these requests as suspects.
         """
+        items = self._still_here(items)
+        if not items:
+            return
         suspects = [item for item in items if self._strikes(item)]
         if suspects and len(items) > 1:
             for item in suspects:
@@ -515,9 +518,15 @@ class TrainerService:
             )
             await self._finish(item, failed_outcome(item.job, err))
             return
-        self._in_flight = [item.handle for item in items if item.handle is not None]
         loop = asyncio.get_running_loop()
         await self.journal.running([item.job.request_id for item in items])
+        # Checked again right before the call: the engine thread runs in order, so a model
+        # handed over from here on is released after this call (`_lose_shard`), never during it.
+        items = self._still_here(items)
+        if not items:
+            await self.journal.idle()
+            return
+        self._in_flight = [item.handle for item in items if item.handle is not None]
         try:
             results: list[Result] = await asyncio.wait_for(
                 loop.run_in_executor(self.executor, fn, [item.job for item in items]),
@@ -546,6 +555,20 @@ class TrainerService:
         # Cleared only now, off the clients' path and after every op's snapshot: a stop before
         # here strikes these requests, finished or not (`_strikes`).
         await self.journal.idle()
+
+    def _still_here(self, items: list[Item]) -> list[Item]:
+        """The planned ops whose model is still this worker's. A shard handed over while a
+        cycle runs (`_lose_shard`) takes its models' lines with it: their ops not yet run are
+        left un-acked for the new owner, which rebuilds each model from its snapshot and log.
+        Running one here would find its adapter released and answer its client an error."""
+        kept = [item for item in items if self.sequencer.holds(item)]
+        if len(kept) < len(items):
+            log.info(
+                "%d planned ops left to their models' new owner: %s",
+                len(items) - len(kept),
+                ", ".join(item.job.request_id for item in items if item not in kept),
+            )
+        return kept
 
     def _strikes(self, item: Item) -> int:
         """Times this request was running when a worker stopped. A finished one replayed to
@@ -592,6 +615,7 @@ class TrainerService:
             item.replay == "quiet"
             and outcome.state != "done"
             and job.model_id not in self.ops.failed
+            and self.sequencer.holds(item)
         ):
             log.error(
                 "op %s of %s failed in its replay: %s", job.request_id, job.model_id, outcome.error
@@ -604,6 +628,11 @@ class TrainerService:
         await self._ack(item)
         if outcome.state == "done" and publish:
             self._count(job)
+        if not self.sequencer.holds(item):
+            # Handed over while it ran: its new owner rebuilds the model from the snapshot and
+            # the log (this op included) and snapshots it; a snapshot or a failure noted here
+            # would outlive the handover, and a line this worker opened since is not this op's.
+            return
         self.sequencer.applied(job)
         if job.model_id in self._unsnapped:  # the idle snapshot stands at the last op
             self._unsnapped[job.model_id] = (item, time.monotonic())
@@ -627,7 +656,7 @@ class TrainerService:
     async def _unanswered(self, item: Item, outcome: Outcome) -> Outcome:
         """Fail an op whose outcome (or checkpoint record) could not be stored; the outcome
         that stands for it now. If it changed its model, the model fails too."""
-        if outcome.state == "done" and changes_state(item.job):
+        if outcome.state == "done" and changes_state(item.job) and self.sequencer.holds(item):
             await self._fail_model(
                 item.job.model_id,
                 f"stopped training: its worker failed to store the result of request"

@@ -37,10 +37,12 @@ import torch
 from torch import nn
 
 from protocol.errors import ServerError
+from workers.engine.collective import Collective
 from workers.engine.lora_kernels import LoraKind, segment_lora
 from workers.engine.moe_lora import (
     EXPERT_PROJECTIONS,
     ExpertFactors,
+    ExpertParallel,
     ExpertProjection,
     ExpertShape,
     MultiSlotLoraExperts,
@@ -229,6 +231,10 @@ class LayerLayout:
     # experts of a block; E for one factor per expert (A `[E, r, in]`, B `[E, out, r]`).
     a_experts: int = 0
     b_experts: int = 0
+    # Expert parallelism (`workers.engine.expert_parallel`): the per-expert factor here holds
+    # experts `expert_offset ..` of `experts_total` (0: all of them, no split).
+    expert_offset: int = 0
+    experts_total: int = 0
 
     @property
     def a_size(self) -> int:
@@ -239,33 +245,80 @@ class LayerLayout:
         return max(1, self.b_experts) * self.out_features
 
 
-def lay_out_slot(model: nn.Module, max_rank: int) -> tuple[list[LayerLayout], int]:
-    """Where every adaptable layer's factors sit in a slot's row, and the row's length: the
-    linears first, then each fused experts block's w1, w3, w2."""
+@dataclass(frozen=True)
+class ExpertSlice:
+    """The experts one rank holds of a fused experts block: `offset ..` of `total`."""
+
+    offset: int
+    total: int
+
+
+def lay_out_slot(
+    model: nn.Module,
+    max_rank: int,
+    slices: dict[str, ExpertSlice] | None = None,
+    *,
+    whole: bool = False,
+) -> tuple[list[LayerLayout], int]:
+    """Where every adaptable layer's factors sit in a slot's row, and the row's length.
+
+    Layouts in order: the linears, then each fused experts block's w1, w3, w2. In the row, every
+    factor one rank holds whole comes first (the linears' A and B, the experts' shared factors)
+    and the per-expert factors last, from `per_expert_start` on (`LoraBank`): under expert
+    parallelism that tail is what differs between ranks, one contiguous part of each row.
+    `slices`: the experts this rank holds of each block that is split; `whole`: lay out the
+    blocks with all their experts (the layout of one device, which checkpoints and snapshots
+    use whatever the split).
+    """
     targets = find_target_linears(model)
     experts = find_expert_modules(model)
     if not targets and not experts:
         raise ServerError("the base model has no attention, MLP or output linears to adapt")
+    slices = slices or {}
     layouts: list[LayerLayout] = []
-    offset = 0
-
-    def lay_out(
-        path: str, group: LayerGroup, features: tuple[int, int], experts_ab: tuple[int, int]
-    ) -> None:
-        nonlocal offset
-        layout = LayerLayout(path, group, *features, offset, 0, *experts_ab)
-        b_offset = offset + layout.a_size * max_rank
-        layouts.append(replace(layout, b_offset=b_offset))
-        offset = b_offset + layout.b_size * max_rank
-
     for path, group in targets.items():
         linear = cast(nn.Linear, model.get_submodule(path))
-        lay_out(path, group, (linear.in_features, linear.out_features), (0, 0))
+        layouts.append(LayerLayout(path, group, linear.in_features, linear.out_features, 0, 0))
     for path, shape in experts.items():
+        part = slices.get(path)
         for projection in EXPERT_PROJECTIONS:
             in_f, out_f, a_e, b_e = projection_shape(shape, projection)
-            lay_out(f"{path}.{projection}", "mlp", (in_f, out_f), (a_e, b_e))
-    return layouts, offset
+            offset, total = (part.offset, part.total) if part else (0, 0)
+            if whole and part:
+                a_e, b_e, offset, total = (
+                    (part.total if a_e else 0),
+                    (part.total if b_e else 0),
+                    0,
+                    0,
+                )
+            layouts.append(
+                LayerLayout(
+                    f"{path}.{projection}", "mlp", in_f, out_f, 0, 0, a_e, b_e, offset, total
+                )
+            )
+    offset = 0
+    placed: list[LayerLayout] = []
+    for layout in layouts:  # the factors every rank holds whole
+        a_offset = offset
+        offset += 0 if layout.a_experts else layout.a_size * max_rank
+        b_offset = offset
+        offset += 0 if layout.b_experts else layout.b_size * max_rank
+        placed.append(replace(layout, a_offset=a_offset, b_offset=b_offset))
+    for i, layout in enumerate(placed):  # then the per-expert ones
+        if layout.a_experts:
+            placed[i] = layout = replace(layout, a_offset=offset)
+            offset += layout.a_size * max_rank
+        if layout.b_experts:
+            placed[i] = replace(layout, b_offset=offset)
+            offset += layout.b_size * max_rank
+    return placed, offset
+
+
+def per_expert_start(layouts: Iterable[LayerLayout], row: int, max_rank: int) -> int:
+    """Where the per-expert factors begin in a slot's row (`row`: none)."""
+    starts = [layout.a_offset for layout in layouts if layout.a_experts]
+    starts += [layout.b_offset for layout in layouts if layout.b_experts]
+    return min(starts, default=row)
 
 
 class LoraBank:
@@ -279,13 +332,24 @@ class LoraBank:
         max_rank: int,
         routing: SlotRouting,
         device: torch.device,
+        slices: dict[str, ExpertSlice] | None = None,
+        collective: Collective | None = None,
     ) -> None:
         targets = find_target_linears(model)
         experts = find_expert_modules(model)
-        layouts, offset = lay_out_slot(model, max_rank)
+        slices = slices or {}
+        layouts, offset = lay_out_slot(model, max_rank, slices)
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.routing = routing
+        self.collective = collective or Collective()
+        self.slices = dict(slices)
+        # The same adapter laid out as on one device: what checkpoints and snapshots hold.
+        whole, self.whole_numel = lay_out_slot(model, max_rank, slices, whole=True)
+        self.whole_layouts: tuple[LayerLayout, ...] = tuple(whole)
+        # Row columns from here on hold per-expert factors (under expert parallelism: only this
+        # rank's experts); the ones before are the same on every rank.
+        self.per_expert_start = per_expert_start(layouts, offset, max_rank)
         # Expert blocks left unadapted: an adapter training the MLP is refused on such a model.
         self.unwrappable_experts = find_unwrappable_experts(model)
         self.layouts: tuple[LayerLayout, ...] = tuple(layouts)
@@ -301,6 +365,40 @@ class LoraBank:
             self._wrap(model, by_path[path])
         for path, shape in experts.items():
             self._wrap_experts(model, path, shape, by_path)
+
+    def reduce_expert_gradients(self, slots: Sequence[int], before: torch.Tensor) -> None:
+        """Under expert parallelism, sum over the ranks what a pass added to the experts' shared
+        factors of `slots` (`before[i]`: slot i's gradient row before the pass). Each rank's
+        backward adds only its own experts' share to them; every other column of a row is
+        either computed whole on every rank (the same bits everywhere) or this rank's alone."""
+        spans = self._shared_expert_spans()
+        if not self.collective.parallel or not slots or not spans:
+            return
+        rows = torch.tensor(list(slots), dtype=torch.long, device=self.grads.device)
+        grads = self.grads.index_select(0, rows)
+        added = torch.cat(
+            [(grads[:, a:b] - before[: len(slots), a:b]).reshape(-1) for a, b in spans]
+        )
+        self.collective.all_reduce_sum(added)
+        start = 0
+        for a, b in spans:
+            width = b - a
+            piece = added[start : start + len(slots) * width].view(len(slots), width)
+            grads[:, a:b] = before[: len(slots), a:b] + piece
+            start += len(slots) * width
+        self.grads.index_copy_(0, rows, grads)
+
+    def _shared_expert_spans(self) -> list[tuple[int, int]]:
+        """Row columns of the shared factors of the experts blocks split over the ranks."""
+        spans = []
+        for layout in self.layouts:
+            if not layout.experts_total:
+                continue
+            if not layout.a_experts:
+                spans.append((layout.a_offset, layout.a_offset + layout.a_size * self.max_rank))
+            if not layout.b_experts:
+                spans.append((layout.b_offset, layout.b_offset + layout.b_size * self.max_rank))
+        return spans
 
     def groups_present(self) -> frozenset[LayerGroup]:
         """The layer groups this model has layers of."""
@@ -342,6 +440,7 @@ class LoraBank:
             factors[projection] = ExpertFactors(lora_A, lora_B)
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
+        part = self.slices.get(path)
         layer = MultiSlotLoraExperts(
             getattr(parent, leaf),
             shape=shape,
@@ -349,6 +448,7 @@ class LoraBank:
             slot_scales=self.scales["mlp"],
             slot_ranks=self.ranks,
             routing=self.routing,
+            parallel=ExpertParallel(self.collective, part.offset, part.total) if part else None,
         )
         setattr(parent, leaf, layer)
         self.expert_layers[path] = layer
@@ -391,9 +491,14 @@ class LoraBank:
             if layout.group not in trained:
                 continue
             # Drawn on the CPU so a seed gives the same adapter on every device; a per-expert A
-            # is drawn as one [E·rank, in] matrix, as PEFT draws its fused-experts A (fan-in `in`).
-            init = torch.empty(a.numel() // layout.in_features, layout.in_features)
+            # is drawn as one [E·rank, in] matrix, as PEFT draws its fused-experts A (fan-in `in`),
+            # all E experts' whatever share of them this rank holds.
+            experts = (layout.experts_total or layout.a_experts) if layout.a_experts else 1
+            init = torch.empty(experts * rank, layout.in_features)
             nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+            if layout.a_experts:
+                init = init.view(experts, rank, -1)
+                init = init[layout.expert_offset : layout.expert_offset + layout.a_experts]
             a.copy_(init.view(a.shape))
         self.set_scales(slot, rank=rank, groups=trained, lora_alpha=lora_alpha)
 

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protocol.errors import ServerError
+from workers.engine.collective import Collective, ExpertInput, ExpertOutput
 from workers.engine.moe_kernels import ExpertLinear, GroupedProduct, RoutePlan
 
 if TYPE_CHECKING:
@@ -142,6 +143,16 @@ def projection_shape(shape: ExpertShape, projection: ExpertProjection) -> tuple[
     return h, i, 0, e
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """A block whose experts are split over the ranks of a group: this rank holds experts
+    `offset ..` of `total` (its base weights and its slots' per-expert factors)."""
+
+    collective: Collective
+    offset: int
+    total: int
+
+
 @dataclass
 class ExpertFactors:
     """One projection's factors over every slot, as views of the bank's weights."""
@@ -162,10 +173,12 @@ class MultiSlotLoraExperts(nn.Module):
         slot_scales: list[float],
         slot_ranks: list[int],
         routing: SlotRouting,
+        parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
-        self.shape = shape
+        self.shape = shape  # this rank's experts
+        self.parallel = parallel
         self.group = "mlp"
         for projection in EXPERT_PROJECTIONS:
             self.register_parameter(f"{projection}_lora_A", factors[projection].lora_A)
@@ -182,9 +195,51 @@ class MultiSlotLoraExperts(nn.Module):
     ) -> torch.Tensor:
         segments = self.routing.segments
         active = self._active(segments, hidden_states.shape[0])
+        if self.parallel is not None:
+            return self._parallel_forward(hidden_states, top_k_index, top_k_weights, active)
         if not active:
             return cast(torch.Tensor, self.base_layer(hidden_states, top_k_index, top_k_weights))
         return experts_forward(self, hidden_states, top_k_index, top_k_weights, active)
+
+    def base(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The frozen experts alone: the wrapped module, or this rank's experts of a split block
+        (`top_k_index` then names them locally, `shape.num_experts` for another rank's)."""
+        if self.parallel is None:
+            return cast(torch.Tensor, self.base_layer(x, top_k_index, top_k_weights))
+        return local_experts(self, x, top_k_index, top_k_weights)
+
+    def _parallel_forward(
+        self,
+        x: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        active: list[tuple[int, int, int, float, int]],
+    ) -> torch.Tensor:
+        """Expert parallelism: every rank has every token, computes its own experts' share of
+        the block's output (base and LoRA), and the shares are summed (`ExpertOutput`); the
+        gradients into the tokens and the routing weights are summed backward (`ExpertInput`)."""
+        parallel = self.parallel
+        assert parallel is not None
+        grad = torch.is_grad_enabled()
+        needs = grad and (x.requires_grad or top_k_weights.requires_grad)
+        if needs:
+            x, top_k_weights = ExpertInput.apply(x, top_k_weights, parallel.collective)  # type: ignore[no-untyped-call]
+        n_local = self.shape.num_experts
+        local = top_k_index.to(torch.long) - parallel.offset
+        local = torch.where((local >= 0) & (local < n_local), local, n_local)
+        if active:
+            partial = experts_forward(self, x, local, top_k_weights, active)
+        else:
+            partial = local_experts(self, x, local, top_k_weights)
+        # Whether the output takes part in the backward must not depend on this rank's experts:
+        # with a trained slot in the pass it does on every rank.
+        anchor = torch.zeros((), device=x.device, requires_grad=grad and bool(active))
+        return cast(
+            torch.Tensor,
+            ExpertOutput.apply(partial, x, top_k_weights, anchor, parallel.collective),  # type: ignore[no-untyped-call]
+        )
 
     def _active(
         self, segments: Sequence[Segment], n_tokens: int
@@ -240,7 +295,7 @@ def experts_forward(
     # Step 1.
     plan = RoutePlan(active, top_k_index, x.shape[0], shape.num_experts, rank)
     if not plan.grids:  # no token of an active segment reaches an expert: no update
-        return cast(torch.Tensor, layer.base_layer(x, top_k_index, top_k_weights))
+        return layer.base(x, top_k_index, top_k_weights)
     frozen = expert_weights(layer.base_layer, shape)
     scales = plan.scales.to(dtype)
     routed_weight = top_k_weights.reshape(-1).index_select(0, plan.routed).unsqueeze(-1)
@@ -282,3 +337,39 @@ def experts_forward(
     summed = summed[:-1].view(*shrunk.shape[:2], rank) * scales
     b_down = layer.factor("w2", "B")[..., :rank].index_select(0, plan.slots).to(dtype)
     return plan.place(result, torch.bmm(summed, b_down.transpose(1, 2)))
+
+
+def local_experts(
+    layer: MultiSlotLoraExperts,
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """This rank's experts of a split block with no LoRA: each expert over its routed rows,
+    weighted and summed per token, as the wrapped module computes them for all experts. Routed
+    rows naming `shape.num_experts` belong to another rank's experts and are left out."""
+    shape = layer.shape
+    frozen = expert_weights(layer.base_layer, shape)
+    n_experts, top_k = shape.num_experts, top_k_index.shape[1]
+    flat = top_k_index.reshape(-1).to(torch.long)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts].tolist()
+    weights = top_k_weights.reshape(-1, 1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows = order[start : start + count]
+        start += count
+        tokens = rows // top_k
+        gate_up = frozen.gate_up[expert]
+        hidden = x.index_select(0, tokens) @ (gate_up if shape.transposed else gate_up.T)
+        if frozen.gate_up_bias is not None:
+            hidden = hidden + frozen.gate_up_bias[expert]
+        down = frozen.down[expert]
+        y = frozen.apply_gate(hidden) @ (down if shape.transposed else down.T)
+        if frozen.down_bias is not None:
+            y = y + frozen.down_bias[expert]
+        out = out.index_add(0, tokens, y * weights.index_select(0, rows).to(y.dtype))
+    return out

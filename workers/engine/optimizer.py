@@ -50,8 +50,10 @@ import torch
 
 from protocol.api import AdamParams
 from protocol.errors import UserError
+from workers.engine.collective import Collective
 
 GRAD_NORM_METRIC = "unclipped_grad_l2:mean"
+_BAD_GRADIENT, _BAD_UPDATE = 2, 1  # a step's failure, most telling first (agreed by maximum)
 _CLIP_EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _SCRATCH_ROWS = 5  # per stepping slot at most: 3 saved rows, a saved gradient, a denominator
@@ -116,9 +118,19 @@ class SlotAdamW:
     """AdamW state for every slot of a bank: moments `exp_avg`/`exp_avg_sq` and step counts."""
 
     def __init__(
-        self, weights: torch.Tensor, grads: torch.Tensor, *, scratch_bytes: int = 2**28
+        self,
+        weights: torch.Tensor,
+        grads: torch.Tensor,
+        *,
+        scratch_bytes: int = 2**28,
+        collective: Collective | None = None,
+        per_expert_start: int | None = None,
     ) -> None:
         self.weights = weights
+        # A rank of a worker group holds the columns from `per_expert_start` on for its own
+        # experts only; the ones before are the same on every rank (`workers.engine.lora`).
+        self.collective = collective or Collective()
+        self.split = weights.shape[1] if per_expert_start is None else per_expert_start
         self.scratch_bytes = scratch_bytes  # bounds the slots stepped at once
         self.grads = grads
         self.exp_avg = torch.zeros_like(weights)
@@ -173,7 +185,9 @@ class SlotAdamW:
         exp_avg_sqs = [self.exp_avg_sq[s] for s in slots]
         grads = [self.grads[s] for s in slots]
         safe = _bounded(weights, exp_avgs, exp_avg_sqs, grads, coefs, scalars)
-        guarded = [i for i in range(n) if not safe[i]]
+        # a slot whose step could fail on any rank is guarded on every rank, to be put back
+        unsure = self.collective.agree([not ok for ok in safe])
+        guarded = [i for i in range(n) if unsure[i]]
         guarded_clips = [i for i in guarded if coefs[i] is not None]
         g = len(guarded)
         # Scratch first: an allocation failure must come before the first in-place write.
@@ -200,14 +214,23 @@ class SlotAdamW:
                 grad_sums.isfinite().tolist(),
                 new_sums.isfinite().all(dim=1).tolist(),
             )  # one device sync
+            codes = []
             for j, i in enumerate(guarded):
                 # A sum is NaN or inf whenever a value is; only a sum that is not finite (its
                 # finite values may overflow it) needs a look at every value.
                 if not grad_ok[j] and not _finite(grads[i]):
-                    verdicts[i] = _gradient_error("it holds NaN or inf")
+                    codes.append(_BAD_GRADIENT)
                 elif not update_ok[j] and not (
                     _finite(weights[i]) and _finite(exp_avgs[i]) and _finite(exp_avg_sqs[i])
                 ):
+                    codes.append(_BAD_UPDATE)
+                else:
+                    codes.append(0)
+            # what any rank found in its part of a row holds for the whole row
+            for i, code in zip(guarded, self.collective.agree_max(codes), strict=True):
+                if code == _BAD_GRADIENT:
+                    verdicts[i] = _gradient_error("it holds NaN or inf")
+                elif code == _BAD_UPDATE:
                     verdicts[i] = UserError(
                         "optim_step: the update is not finite (the new weights or Adam moments "
                         "overflow float32); lower learning_rate, or check the gradients' scale"
@@ -243,7 +266,7 @@ class SlotAdamW:
         clipping = [i for i, spec in enumerate(specs) if spec.grad_clip_norm > 0]
         if not clipping:
             return results, coefs
-        norms = torch.stack(torch._foreach_norm([self.grads[slots[i]] for i in clipping]))
+        norms = self._norms([self.grads[slots[i]] for i in clipping])
         max_norms = torch.tensor(
             [specs[i].grad_clip_norm for i in clipping], dtype=norms.dtype, device=norms.device
         )
@@ -255,6 +278,20 @@ class SlotAdamW:
             results[i] = {GRAD_NORM_METRIC: norm}
             coefs[i] = coef
         return results, coefs
+
+    def _norms(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Each gradient row's L2 norm; in a worker group over the whole row across the ranks,
+        every column counted once: the columns every rank holds alike from rank 0, each rank's
+        own experts' columns from it (the same result on every rank)."""
+        if not self.collective.parallel:
+            return torch.stack(torch._foreach_norm(rows))
+        shared = torch.stack(torch._foreach_norm([row[: self.split] for row in rows]))
+        own = torch.stack(torch._foreach_norm([row[self.split :] for row in rows]))
+        if self.collective.rank:
+            shared = torch.zeros_like(shared)
+        squares = torch.cat([shared.double() ** 2, own.double() ** 2])
+        self.collective.all_reduce_sum(squares)
+        return (squares[: len(rows)] + squares[len(rows) :]).sqrt().to(rows[0].dtype)
 
     def _scratch_rows(self, count: int) -> list[torch.Tensor]:
         # Grown to the largest number of rows needed at once, then reused.

@@ -45,13 +45,16 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
 from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from workers.engine.collective import Collective
 from workers.engine.custom_loss import check_request as check_custom_request
+from workers.engine.expert_parallel import split_experts
 from workers.engine.lora import LoraBank, SlotRouting, lay_out_slot
 from workers.engine.losses import check_inputs, get_loss, resolve_config
 from workers.engine.optimizer import SlotAdamW
 from workers.engine.passes import CUSTOM, PassResults, PassRunner, not_finite
+from workers.trainer.layouts import own_state, whole_state
 from workers.trainer.memory import free_memory, plan_slots
-from workers.trainer.parking import ParkedAdapters
+from workers.trainer.parking import ParkedAdapters, SlotState
 from workers.trainer.residency import Residency
 from workers.trainer.slot_checkpoints import SlotCheckpoints
 
@@ -73,6 +76,7 @@ class Engine:
         max_parked: int | None = None,
         pass_tokens: int = 16384,
         logits_chunk_elements: int | None = None,
+        collective: Collective | None = None,
     ) -> None:
         if (max_slots is not None and max_slots < 1) or max_rank < 1:
             raise ValueError(f"max_slots={max_slots} and max_rank={max_rank} must be >= 1")
@@ -90,9 +94,12 @@ class Engine:
         self.vocab_size = int(text_config.vocab_size)
         self.max_context = int(text_config.max_position_embeddings)
         self.arch = str(model.config.model_type)
+        # A rank of a worker group keeps its share of the experts (`workers.engine.expert_parallel`)
+        self.collective = collective or Collective()
+        slices = split_experts(model, self.collective)
         if max_slots is None:
             # planned from what the device holds once the base model is on it
-            plan = plan_slots(free_memory(self.device), lay_out_slot(model, max_rank)[1])
+            plan = plan_slots(free_memory(self.device), lay_out_slot(model, max_rank, slices)[1])
             log.info("%s: %s", base_model, plan.describe())
             max_slots = plan.max_slots
         self.max_slots = max_slots
@@ -100,9 +107,20 @@ class Engine:
         self.lora_alpha = float(lora_alpha)
         self.routing = SlotRouting()
         self.bank = LoraBank(
-            model, max_slots=max_slots, max_rank=max_rank, routing=self.routing, device=self.device
+            model,
+            max_slots=max_slots,
+            max_rank=max_rank,
+            routing=self.routing,
+            device=self.device,
+            slices=slices,
+            collective=self.collective,
         )
-        self.optimizer = SlotAdamW(self.bank.weights, self.bank.grads)
+        self.optimizer = SlotAdamW(
+            self.bank.weights,
+            self.bank.grads,
+            collective=self.collective,
+            per_expert_start=self.bank.per_expert_start,
+        )
         # The trained slots' gradient rows as a pass found them (see `_shared_pass`): one
         # buffer for the life of the engine, so a pass neither allocates nor faults it in.
         self._pending = torch.empty_like(self.bank.grads)
@@ -185,6 +203,16 @@ class Engine:
 
     def load_snapshot(self, key: str, directory: Path) -> None:
         self.slots.load_snapshot(key, directory)
+
+    def capture(self, model_id: str) -> SlotState:
+        """A host copy of the adapter's whole state, in one device's layout whatever this
+        engine's share of the experts (`workers.trainer.layouts`): what a snapshot holds."""
+        state = self.slots.capture(model_id)
+        return whole_state(self.bank, state) if self.collective.parallel else state
+
+    def adopt(self, model_id: str, state: SlotState) -> None:
+        """Take a state in one device's layout (a snapshot) as this model's adapter."""
+        self.slots.adopt(model_id, own_state(self.bank, state) if self.bank.slices else state)
 
     def has_snapshot(self, key: str) -> bool:
         return self.slots.has_snapshot(key)
@@ -316,6 +344,8 @@ class Engine:
                             # the whole slot fails rather than keep part of its gradient.
                             for other in training_items[slots[index]]:
                                 results[other] = not_finite("loss", "float32 overflow")
+            # each rank's share of the experts' shared factors, summed (expert parallelism)
+            self.bank.reduce_expert_gradients(trained, pending)
             failed_rows = self._failed_rows(trained)
             for row, slot in enumerate(trained):
                 items = training_items[slot]
@@ -345,11 +375,12 @@ class Engine:
         if not slots:
             return set()
         sums = torch.stack([self.bank.grads[slot].sum() for slot in slots]).isfinite().tolist()
-        return {
-            slot
+        failed = [
+            not ok and not bool(self.bank.grads[slot].isfinite().all())
             for slot, ok in zip(slots, sums, strict=True)
-            if not ok and not bool(self.bank.grads[slot].isfinite().all())
-        }
+        ]
+        # in a worker group a row is whole only over the ranks: a slot fails on all or none
+        return {slot for slot, bad in zip(slots, self.collective.agree(failed), strict=True) if bad}
 
     def validate_optim_step(self, model_id: str, adam: AdamParams) -> None:
         """Raise a `UserError` (or `NotFound`) if this step cannot run; changes nothing.

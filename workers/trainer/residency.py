@@ -41,7 +41,7 @@ from protocol.rules import check_lora_config
 from workers.engine.lora import LoraBank
 from workers.engine.optimizer import SlotAdamW
 from workers.trainer.parking import ParkedAdapters, SlotState, Tenant, trained_groups
-from workers.trainer.slot_checkpoints import SlotCheckpoints
+from workers.trainer.slot_checkpoints import SlotCheckpoints, StoredAdapter
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,12 @@ class Residency:
     def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraConfig:
         """Load a checkpoint into `model_id` (creating it if new); pending gradients are dropped."""
         stored = self.files.read(directory, with_optimizer=with_optimizer)
-        # Everything is checked; from here on the slot is overwritten.
+        return self.load_stored(model_id, stored, with_optimizer=with_optimizer)
+
+    def load_stored(
+        self, model_id: str, stored: StoredAdapter, *, with_optimizer: bool
+    ) -> LoraConfig:
+        """`load` of a checkpoint already read and checked (`SlotCheckpoints.read`)."""
         tenant = self._tenants.get(model_id)
         if tenant is not None:
             slot = tenant.slot
@@ -200,7 +205,13 @@ class Residency:
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return
-        stored = self.files.read(directory, with_optimizer=False)
+        self.load_stored_snapshot(key, self.files.read(directory, with_optimizer=False))
+
+    def load_stored_snapshot(self, key: str, stored: StoredAdapter) -> None:
+        """`load_snapshot` of a checkpoint already read and checked."""
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return
         slot = self._slot_for_tenant(keep=())
         self.files.write(slot, stored, with_optimizer=False)
         self._snapshots[key] = slot

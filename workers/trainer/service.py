@@ -264,7 +264,7 @@ class TrainerService:
             loop = asyncio.get_running_loop()
             try:
                 state = await asyncio.to_thread(self._read_snapshot, snapshot)
-                await loop.run_in_executor(self.executor, self.engine.slots.adopt, model_id, state)
+                await loop.run_in_executor(self.executor, self.engine.adopt, model_id, state)
             except Exception:
                 log.exception(
                     "model %s: its snapshot cannot be restored; replaying its log", model_id
@@ -805,7 +805,7 @@ class TrainerService:
     async def _write_snapshot(self, item: Item, current: Callable[[], bool]) -> None:
         model_id = item.job.model_id
         loop = asyncio.get_running_loop()
-        state = await loop.run_in_executor(self.executor, self.engine.slots.capture, model_id)
+        state = await loop.run_in_executor(self.executor, self.engine.capture, model_id)
         meta = {"model_id": model_id, "seq_id": item.job.seq_id, "stream_seq": item.stream_seq}
         written, key = await asyncio.to_thread(
             self._store_snapshot, model_id, item.job.seq_id, state, meta

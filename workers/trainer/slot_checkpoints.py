@@ -17,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,7 +26,7 @@ import torch
 from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.rules import check_lora_config
-from workers.engine.lora import LayerGroup, LoraBank
+from workers.engine.lora import LayerGroup, LayerLayout, LoraBank
 from workers.engine.optimizer import SlotAdamW
 from workers.trainer.checkpoints import (
     MOMENTS,
@@ -38,6 +38,7 @@ from workers.trainer.checkpoints import (
     tensor_shapes,
     write_checkpoint,
 )
+from workers.trainer.expert_files import Matrix
 from workers.trainer.parking import GROUP_FLAGS, Tenant, trained_groups
 
 
@@ -62,9 +63,15 @@ class SlotCheckpoints:
         # Every linear of the model, so `target_modules` selects exactly the trained ones. A
         # wrapped linear keeps its path, its own `nn.Linear` sitting at `<path>.base_layer`.
         self.linear_paths = list(dict.fromkeys(p.removesuffix(".base_layer") for p in linear_paths))
+        # the whole model's experts, whatever share of them this rank of a group holds
         self.model = ModelTargets(
             linear_paths=tuple(self.linear_paths),
-            experts={path: layer.shape for path, layer in bank.expert_layers.items()},
+            experts={
+                path: replace(layer.shape, num_experts=layer.parallel.total)
+                if layer.parallel is not None
+                else layer.shape
+                for path, layer in bank.expert_layers.items()
+            },
         )
 
     def save(
@@ -75,7 +82,10 @@ class SlotCheckpoints:
         kind: Literal["weights", "sampler_weights"],
         meta: dict[str, Any],
     ) -> int:
-        """Write the slot as a PEFT checkpoint (plus optimizer state for `weights`); bytes written."""
+        """Write the slot as a PEFT checkpoint (plus optimizer state for `weights`); bytes written.
+
+        In a worker group every rank calls it (each sends its experts' factors) and rank 0
+        alone writes the files, the same bytes as one device would."""
         tensors = self._export(tenant, self.bank.weights)
         moments: dict[str, torch.Tensor] | None = None
         if kind == "weights":
@@ -93,6 +103,8 @@ class SlotCheckpoints:
             step=self.optimizer.steps[tenant.slot],
             meta=meta,
         )
+        if self.bank.collective.rank:
+            return 0
         return write_checkpoint(directory, checkpoint, kind=kind, model=self.model)
 
     def read(self, directory: Path, *, with_optimizer: bool) -> StoredAdapter:
@@ -100,7 +112,7 @@ class SlotCheckpoints:
         checkpoint = read_checkpoint(
             directory, with_optimizer=with_optimizer, experts=self.model.experts
         )
-        groups = match_layers(checkpoint, self.bank.layouts, max_rank=self.bank.max_rank)
+        groups = match_layers(checkpoint, self.bank.whole_layouts, max_rank=self.bank.max_rank)
         spec = checkpoint.spec or LoraConfig(
             rank=checkpoint.rank,
             **{flag: group in groups for group, flag in GROUP_FLAGS.items()},
@@ -126,8 +138,10 @@ class SlotCheckpoints:
         for suffix, buffer in buffers:
             for layout, a, b in self.bank.slot_views(buffer, slot, spec.rank):
                 if layout.group in stored.groups:
-                    a.copy_(values[adapter_key(layout.path, "A") + suffix].view(a.shape))
-                    b.copy_(values[adapter_key(layout.path, "B") + suffix].view(b.shape))
+                    pairs: tuple[tuple[Matrix, torch.Tensor], ...] = (("A", a), ("B", b))
+                    for matrix, view in pairs:
+                        value = values[adapter_key(layout.path, matrix) + suffix]
+                        view.copy_(_own_experts(layout, matrix, value).view(view.shape))
         return Tenant(slot, spec, checkpoint.lora_alpha)
 
     def _export(
@@ -136,13 +150,36 @@ class SlotCheckpoints:
         """The trained layers' matrices of a slot in `buffer`, by key (+ suffix), on the CPU:
         linears as PEFT has them, experts in Tinker's shared-outer form."""
         groups = trained_groups(tenant.spec)
+        rank = tenant.spec.rank
         exported: dict[str, torch.Tensor] = {}
-        for layout, a, b in self.bank.slot_views(buffer, tenant.slot, tenant.spec.rank):
+        views = self.bank.slot_views(buffer, tenant.slot, rank)
+        for (layout, a, b), whole in zip(views, self.bank.whole_layouts, strict=True):
             if layout.group in groups:
-                a_shape, b_shape = tensor_shapes(layout, tenant.spec.rank)
-                exported[adapter_key(layout.path, "A") + suffix] = _exported(a).view(a_shape)
-                exported[adapter_key(layout.path, "B") + suffix] = _exported(b).view(b_shape)
+                a_shape, b_shape = tensor_shapes(whole, rank)
+                triples: tuple[tuple[Matrix, torch.Tensor, tuple[int, ...]], ...] = (
+                    ("A", a, a_shape),
+                    ("B", b, b_shape),
+                )
+                for matrix, view, shape in triples:
+                    if _split(layout, matrix):  # every rank's experts, in rank order
+                        view = self.bank.collective.all_gather_rows(view)
+                    exported[adapter_key(layout.path, matrix) + suffix] = _exported(view).view(
+                        shape
+                    )
         return exported
+
+
+def _split(layout: LayerLayout, matrix: str) -> bool:
+    """Whether this factor holds one matrix per expert of a block split over a group's ranks."""
+    return bool(layout.experts_total and (layout.a_experts if matrix == "A" else layout.b_experts))
+
+
+def _own_experts(layout: LayerLayout, matrix: str, value: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a whole factor as a checkpoint holds it (all of it if not split)."""
+    if not _split(layout, matrix):
+        return value
+    count = layout.a_experts if matrix == "A" else layout.b_experts
+    return value[layout.expert_offset : layout.expert_offset + count]
 
 
 def _exported(tensor: torch.Tensor) -> torch.Tensor:

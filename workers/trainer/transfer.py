@@ -82,7 +82,7 @@ def _adaptable(engine: Engine) -> list[str]:
     experts = list(engine.slots.files.model.experts)
     names = [*PER_EXPERT_NAMES.values(), GATE_UP, DOWN]
     return [
-        *(layout.path for layout in engine.bank.layouts),
+        *(layout.path for layout in engine.bank.whole_layouts),
         *(f"{path}.{name}" for path in experts for name in names),
     ]
 
@@ -137,7 +137,7 @@ def _checked_adapter(engine: Engine, directory: Path) -> StoredAdapter:
         raise UserError(f"{ADAPTER_CONFIG}: lora_alpha {alpha!r} is not a positive number")
     _rank(config)
     scales = adapter_scales(config)
-    layouts = engine.bank.layouts
+    layouts = engine.bank.whole_layouts
     experts = engine.slots.files.model.experts
     with _fitting(engine):  # raises before any tensor is read
         header = from_file(_header(directory / ADAPTER_WEIGHTS, layouts), experts, scales)
@@ -196,7 +196,7 @@ def _header(path: Path, layouts: Sequence[LayerLayout]) -> dict[str, torch.Tenso
 def _match(engine: Engine, tensors: dict[str, torch.Tensor], rank: int) -> set[LayerGroup]:
     """`match_layers` on these tensors (the trainer's form)."""
     probe = AdapterCheckpoint(base_model="", rank=rank, lora_alpha=1.0, tensors=tensors)
-    return match_layers(probe, engine.bank.layouts, max_rank=engine.bank.max_rank)
+    return match_layers(probe, engine.bank.whole_layouts, max_rank=engine.bank.max_rank)
 
 
 @contextmanager

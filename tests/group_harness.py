@@ -1,0 +1,152 @@
+"""One training scenario, run by every rank of a worker group or by one engine alone.
+
+`python -m tests.group_harness --rank R --world N --port P --model DIR --out FILE` joins a gloo
+group of N ranks on loopback, builds the engine (its share of the experts) and runs `scenario`;
+rank 0 writes what it observed to FILE (safetensors). `tests/test_group_engine.py` compares that
+with the same scenario on one device: tenants of different ranks sharing passes (one of them
+MLP-only, one failing alone on a non-finite loss), fused optimizer steps with and without
+clipping, a checkpoint saved then loaded into a new tenant, a state captured then adopted, and
+every adapter saved at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from protocol.api import AdamParams, LoraConfig
+from protocol.errors import TwinkleError
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.engine.collective import Collective
+from workers.group.runtime import GroupSpec, join, leave
+from workers.trainer.engine import Engine
+
+TENANTS = (
+    ("t0", 4, {}),
+    ("t1", 8, {}),
+    ("t2", 8, {"train_attn": False, "train_unembed": False}),
+    ("t3", 16, {}),
+)
+
+
+def _request(
+    model_id: str, lengths: list[int], rng: np.random.Generator, vocab: int
+) -> FwdBwdRequest:
+    datums = []
+    for length in lengths:
+        targets = rng.integers(0, vocab, length).astype(np.int64)
+        weights = (rng.normal(size=length) / length).astype(np.float32)
+        tokens = rng.integers(0, vocab, length).astype(np.int32)
+        datums.append(DatumArrays(tokens, {"target_tokens": targets, "weights": weights}))
+    return FwdBwdRequest(model_id, 1, "cross_entropy", False, {}, datums)
+
+
+def _record(out: dict[str, torch.Tensor], key: str, result: object) -> None:
+    if isinstance(result, TwinkleError):
+        out[f"{key}.error"] = torch.ones(1)
+        return
+    for i, datum in enumerate(result.loss_fn_outputs):  # type: ignore[attr-defined]
+        out[f"{key}.{i}.logprobs"] = torch.from_numpy(np.array(datum["logprobs"]))
+    out[f"{key}.loss"] = torch.tensor([result.metrics["loss:sum"]])  # type: ignore[attr-defined]
+
+
+def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
+    """The same calls on every rank; what rank 0 saw, by name."""
+    out: dict[str, torch.Tensor] = {
+        # what this rank holds: a slot's row length and each experts block's experts
+        "meta.row": torch.tensor([engine.bank.weights.shape[1]]),
+        "meta.experts": torch.tensor(
+            [layer.shape.num_experts for layer in engine.bank.expert_layers.values()] or [0]
+        ),
+    }
+    vocab = engine.vocab_size
+    rng = np.random.default_rng(0)
+    for index, (model_id, rank, flags) in enumerate(TENANTS):
+        engine.create(model_id, LoraConfig(rank=rank, seed=index, **flags))
+    for round_ in range(2):
+        batch = [
+            (model_id, _request(model_id, [5 + i, 3 + round_], rng, vocab))
+            for i, (model_id, _, _) in enumerate(TENANTS)
+        ]
+        for (model_id, _), result in zip(batch, engine.forward_backward(batch), strict=True):
+            _record(out, f"r{round_}.{model_id}", result)
+        steps = [
+            (model_id, AdamParams(learning_rate=0.05, grad_clip_norm=0.5 if i % 2 else 0.0))
+            for i, (model_id, _, _) in enumerate(TENANTS)
+        ]
+        for (model_id, _), metrics in zip(steps, engine.optim_step(steps), strict=True):
+            assert isinstance(metrics, dict), metrics
+            for name, value in metrics.items():
+                out[f"r{round_}.{model_id}.{name}"] = torch.tensor([value])
+    # a non-finite loss fails its tenant alone, and leaves its slot as it was
+    bad = _request("t1", [6], rng, vocab)
+    bad.datums[0].inputs["weights"][:] = 1e38  # a loss float32 cannot hold
+    mixed = [("t0", _request("t0", [4], rng, vocab)), ("t1", bad)]
+    for (model_id, _), result in zip(mixed, engine.forward_backward(mixed), strict=True):
+        _record(out, f"bad.{model_id}", result)
+    engine.optim_step([("t0", AdamParams(learning_rate=0.05))])
+    # checkpoints and states move through the one-device layout
+    engine.save("t3", workdir / "t3", kind="weights", meta={})
+    _barrier(engine)  # rank 0 wrote the files every rank reads next
+    state = engine.capture("t2")
+    if engine.collective.rank == 0:
+        for name, row in state.rows.items():
+            out[f"state.t2.{name}"] = row.values.clone()
+    engine.load("t9", workdir / "t3", with_optimizer=True)
+    engine.adopt("t8", state)
+    probe = _request("t3", [7], rng, vocab)
+    for model_id in ("t3", "t9", "t2", "t8"):
+        [result] = engine.forward_backward([(model_id, probe)])
+        _record(out, f"probe.{model_id}", result)
+    engine.optim_step([(model_id, AdamParams(learning_rate=0.05)) for model_id in ("t9", "t8")])
+    for model_id in ("t0", "t1", "t2", "t3", "t8", "t9"):
+        engine.save(model_id, workdir / f"final-{model_id}", kind="weights", meta={})
+        if engine.collective.rank == 0:
+            files = safetensors.torch.load_file(
+                workdir / f"final-{model_id}" / "adapter_model.safetensors"
+            )
+            for key, tensor in files.items():
+                out[f"final.{model_id}.{key}"] = tensor
+    return out
+
+
+def _barrier(engine: Engine) -> None:
+    if engine.collective.parallel:
+        torch.distributed.barrier()
+
+
+def run_alone(model: Path, workdir: Path) -> dict[str, torch.Tensor]:
+    """The scenario on one device (the reference)."""
+    engine = Engine(str(model), max_slots=4, max_rank=16, collective=Collective())
+    return scenario(engine, workdir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    spec = GroupSpec(rank=args.rank, world=args.world, port=args.port, timeout_s=300)
+    collective = join(spec, torch.device("cpu"))
+    try:
+        engine = Engine(str(args.model), max_slots=4, max_rank=16, collective=collective)
+        out = scenario(engine, args.workdir)
+        if args.rank == 0:
+            safetensors.torch.save_file({k: v.contiguous() for k, v in out.items()}, str(args.out))
+    finally:
+        leave()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The engine on a worker group of 2 and 4 CPU ranks (gloo, loopback) against one device: a
+Qwen3-MoE model's experts split over the ranks, a dense Qwen3 model whole on each, the same
+scenario (`tests.group_harness`) gives the same losses, log-probs, gradient norms, checkpoints,
+states and final adapters (≤ 1e-5, fp32), a failing tenant failing alone on every rank alike.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from tests.group_harness import run_alone
+from workers.group.runtime import free_port
+from workers.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-5
+
+
+def run_group(model: Path, world: int, workdir: Path) -> dict[str, torch.Tensor]:
+    """The scenario on a group of `world` ranks (one process each); rank 0's observations."""
+    workdir.mkdir(parents=True)
+    port, out = free_port(), workdir / "rank0.safetensors"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.group_harness",
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--model",
+                str(model),
+                "--workdir",
+                str(workdir),
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    try:
+        codes = [rank.wait(timeout=600) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert codes == [0] * world, codes
+    return safetensors.torch.load_file(str(out))
+
+
+def assert_same(alone: dict[str, torch.Tensor], group: dict[str, torch.Tensor]) -> None:
+    assert sorted(group) == sorted(alone)
+    for key, want in alone.items():
+        if key.startswith("meta."):
+            continue
+        got = group[key]
+        assert got.shape == want.shape, key
+        if not want.numel():
+            continue
+        bound = TOLERANCE * max(1.0, float(want.abs().max()))
+        diff = float((got - want).abs().max())
+        assert diff <= bound, f"{key}: {diff:.3g} > {bound:.3g}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "model", arch)
+    alone = run_alone(model, tmp_path / "alone")
+    assert "bad.t1.error" in alone and "bad.t0.loss" in alone  # the failing tenant alone
+    for world in (2, 4) if arch == "qwen3_moe" else (2,):
+        group = run_group(model, world, tmp_path / f"group-{world}")
+        if arch == "qwen3_moe":  # each rank holds its share of the experts and their factors
+            assert group["meta.experts"].tolist() == [n // world for n in alone["meta.experts"]]
+            assert int(group["meta.row"]) < int(alone["meta.row"])
+        else:
+            assert int(group["meta.row"]) == int(alone["meta.row"])
+        assert_same(alone, group)

@@ -1,0 +1,1 @@
+"""A worker group: one base model over several devices (`workers.group.runtime`)."""

@@ -26,6 +26,10 @@ from workers.engine.collective import Collective
 from workers.group.runtime import GroupSpec, join, leave
 from workers.trainer.engine import Engine
 
+# Adam divides by the gradient's own scale: a gradient entry near 0, whose rounding differs
+# between a sum over ranks and one over a device, moves its weight by up to LR whatever its size.
+# With EPS above such entries the step is linear in them, and their rounding stays rounding.
+LR, EPS = 0.01, 1e-3
 TENANTS = (
     ("t0", 4, {}),
     ("t1", 8, {}),
@@ -76,7 +80,7 @@ def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
         for (model_id, _), result in zip(batch, engine.forward_backward(batch), strict=True):
             _record(out, f"r{round_}.{model_id}", result)
         steps = [
-            (model_id, AdamParams(learning_rate=0.05, grad_clip_norm=0.5 if i % 2 else 0.0))
+            (model_id, AdamParams(learning_rate=LR, eps=EPS, grad_clip_norm=0.5 if i % 2 else 0.0))
             for i, (model_id, _, _) in enumerate(TENANTS)
         ]
         for (model_id, _), metrics in zip(steps, engine.optim_step(steps), strict=True):
@@ -89,7 +93,7 @@ def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
     mixed = [("t0", _request("t0", [4], rng, vocab)), ("t1", bad)]
     for (model_id, _), result in zip(mixed, engine.forward_backward(mixed), strict=True):
         _record(out, f"bad.{model_id}", result)
-    engine.optim_step([("t0", AdamParams(learning_rate=0.05))])
+    engine.optim_step([("t0", AdamParams(learning_rate=LR, eps=EPS))])
     # checkpoints and states move through the one-device layout
     engine.save("t3", workdir / "t3", kind="weights", meta={})
     _barrier(engine)  # rank 0 wrote the files every rank reads next
@@ -103,7 +107,9 @@ def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
     for model_id in ("t3", "t9", "t2", "t8"):
         [result] = engine.forward_backward([(model_id, probe)])
         _record(out, f"probe.{model_id}", result)
-    engine.optim_step([(model_id, AdamParams(learning_rate=0.05)) for model_id in ("t9", "t8")])
+    engine.optim_step(
+        [(model_id, AdamParams(learning_rate=LR, eps=EPS)) for model_id in ("t9", "t8")]
+    )
     for model_id in ("t0", "t1", "t2", "t3", "t8", "t9"):
         engine.save(model_id, workdir / f"final-{model_id}", kind="weights", meta={})
         if engine.collective.rank == 0:

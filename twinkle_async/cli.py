@@ -152,6 +152,15 @@ def up(
     workers: Annotated[
         int, typer.Option("--workers", min=1, help="trainer worker processes per base model")
     ] = 1,
+    devices: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=64,
+            help="devices (ranks) per trainer worker: a MoE model's experts split over them;"
+            " sampling then runs in a sampler process",
+        ),
+    ] = 1,
     nats_url: Annotated[
         str | None,
         typer.Option(
@@ -213,7 +222,12 @@ def up(
         "--log-level",
         log_level,
     ]
-    if sampler != "torch":
+    sampler_backend: str | None = "vllm" if sampler == "vllm" else None
+    if devices > 1:
+        worker_args += ["--devices", str(devices)]
+        # a group does not sample with its own model: a torch sampler process does
+        sampler_backend = "vllm" if sampler == "vllm" else ("torch" if sampler == "torch" else None)
+    if sampler != "torch" or devices > 1:
         # Only the sampler asked for serves the pool: a trainer that also took sample jobs
         # would answer some of them with the other backend (another RNG: a seeded request's
         # tokens would depend on which process took it; adapters vLLM refuses would pass).
@@ -241,7 +255,7 @@ def up(
         ready_file=ready_file,
         worker_args=worker_args,
         fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
-        vllm_sampler=sampler == "vllm",
+        sampler_backend=sampler_backend,
         sampler_args=["--max-lora-rank", str(max_rank), "--log-level", log_level],
         checkpoint_sweep_s=checkpoint_sweep_s or None,
         workers_per_model=workers,

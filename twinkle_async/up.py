@@ -67,7 +67,9 @@ class UpOptions:
     fwdbwd_max_chunk_len: int = 1024
     worker_ready_timeout_s: float = 300.0
     gateway_ready_timeout_s: float = 90.0
-    vllm_sampler: bool = False
+    # a sampler process per base model with this backend ("vllm", or "torch" beside trainers
+    # over several devices, which do not sample); None: the trainers sample themselves
+    sampler_backend: str | None = None
     sampler_args: list[str] = field(default_factory=list)
     checkpoint_sweep_s: float | None = 60.0  # None: expired checkpoints are never swept
     workers_per_model: int = 1  # trainer worker processes per base model
@@ -83,8 +85,8 @@ class UpOptions:
 
 
 def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[str, list[str]]]:
-    """(role, argv) of each process a base model needs: `--workers` trainers, and a vLLM
-    sampler if asked."""
+    """(role, argv) of each process a base model needs: `--workers` trainers, and a sampler
+    process if asked (vLLM; torch beside trainers over several devices)."""
     pool = subjects.pool_of(base_model)
 
     def common(role: str) -> list[str]:
@@ -112,9 +114,10 @@ def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[
         )
         for index in range(options.workers_per_model)
     ]
-    if options.vllm_sampler:
+    if options.sampler_backend:
         sampler = [sys.executable, "-m", "workers.sampler.main", *common("sampler")]
-        commands.append(("sampler", [*sampler, "--backend", "vllm", *options.sampler_args]))
+        backend = ["--backend", options.sampler_backend]
+        commands.append(("sampler", [*sampler, *backend, *options.sampler_args]))
     return commands
 
 

@@ -70,6 +70,15 @@ def worker_options(
         ),
     ] = None,
     device: Annotated[str, typer.Option(envvar="TWINKLE_DEVICE")] = "cpu",
+    devices: Annotated[
+        int,
+        typer.Option(
+            envvar="TWINKLE_DEVICES",
+            min=1,
+            max=64,
+            help="devices (ranks) of one base model: a MoE model's experts are split over them",
+        ),
+    ] = 1,
     threads: Annotated[
         int, typer.Option(envvar="TWINKLE_TORCH_THREADS", min=0, help="torch threads (0: default)")
     ] = 0,
@@ -164,6 +173,7 @@ def worker_options(
         max_rank=max_rank,
         max_parked=max_parked,
         device=device,
+        devices=devices,
         threads=threads or None,
         token_budget=token_budget or None,
         gap_timeout_s=gap_timeout_s,
@@ -205,16 +215,31 @@ async def serve(settings: WorkerSettings) -> None:
     from workers.engine.passes import tune_malloc
 
     tune_malloc()
+    group = None
+    if settings.devices > 1 and settings.sampler:
+        log.warning(
+            "a worker over %d devices does not sample with its own model: --sampler %s is off;"
+            " start a sampler process for the pool (`up --devices` does)",
+            settings.devices,
+            settings.sampler,
+        )
+        settings = dataclasses.replace(settings, sampler="")
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
     try:
-        engine = Engine(
-            settings.base_model,
-            max_slots=settings.max_slots,
-            max_rank=settings.max_rank,
-            max_parked=settings.max_parked,
-            device=settings.device,
-        )
+        if settings.devices > 1:
+            from workers.group.launch import start_group
+
+            group = await asyncio.to_thread(start_group, settings)
+            engine = group.engine
+        else:
+            engine = Engine(
+                settings.base_model,
+                max_slots=settings.max_slots,
+                max_rank=settings.max_rank,
+                max_parked=settings.max_parked,
+                device=settings.device,
+            )
         if settings.token_budget:
             engine.pass_tokens = settings.token_budget
         else:
@@ -283,6 +308,8 @@ async def serve(settings: WorkerSettings) -> None:
             await service.hand_over()
             await _close_bus(bus)
     finally:
+        if group is not None:
+            await asyncio.to_thread(group.stop)
         await asyncio.to_thread(metrics_server.close)
 
 

@@ -126,6 +126,7 @@ class WorkerSettings:
     max_rank: int = 32
     max_parked: int | None = None  # adapters parked in host memory beyond the slots (None: any)
     device: str = "cpu"
+    devices: int = 1  # ranks of one base model (a worker group: `workers.group`)
     threads: int | None = None
     token_budget: int | None = (
         None  # tokens of one pass (None: measured, `workers.trainer.calibration`)

@@ -101,7 +101,8 @@ class Engine:
             # planned from what the device holds once the base model is on it
             plan = plan_slots(free_memory(self.device), lay_out_slot(model, max_rank, slices)[1])
             log.info("%s: %s", base_model, plan.describe())
-            max_slots = plan.max_slots
+            # the ranks of a group hold as many slots as the fullest of them holds
+            max_slots = -self.collective.agree_max([-plan.max_slots])[0]
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.lora_alpha = float(lora_alpha)

@@ -1,0 +1,165 @@
+"""A worker group with real processes: `up --devices 2` runs one trainer worker over two CPU
+ranks (gloo, loopback) on a tiny Qwen3-MoE whose experts are split between them, and a torch
+sampler process for the pool. Through the official SDK, tenants train there as they train on
+one device (the session's single-device cluster, same weights: adapters ≤ 1e-4 apart), a
+sampler checkpoint samples, and a SIGKILL of rank 1 mid-run stops the group as one: `up`
+restarts it, its models come back from their snapshots and the ops log, every future resolves
+and every adapter ends where an undisturbed run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import Cluster, saved_adapter, start_cluster, stop_cluster
+from tests.sdk_helpers import toy_batch, train_pipelined
+
+pytestmark = pytest.mark.e2e
+
+FAST_TAKEOVER = {"TWINKLE_LEASE_S": "3", "TWINKLE_SNAPSHOT_EVERY": "3"}
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def group_model(tmp_path_factory: pytest.TempPathFactory, tiny_model_moe: Path) -> Path:
+    """The session's tiny MoE model under another path: a pool of its own, the same weights."""
+    copy = tmp_path_factory.mktemp("group-models") / "tiny-qwen3_moe-group"
+    shutil.copytree(tiny_model_moe, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def group_cluster(tmp_path_factory: pytest.TempPathFactory, group_model: Path) -> Iterator[Cluster]:
+    running = start_cluster(
+        tmp_path_factory.mktemp("group") / "data",
+        [group_model],
+        "--devices",
+        "2",
+        env=FAST_TAKEOVER,
+    )
+    try:
+        yield running
+    finally:
+        stop_cluster(running)
+
+
+def _ranks(cluster: Cluster) -> list[int]:
+    """Pids of the group's ranks past rank 0 (children of the trainer worker)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = status.read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "workers.group.follower" in argv:
+            found.append(int(status.parent.name))
+    return found
+
+
+def _train(cluster: Cluster, base_model: Path, seed: int, rank: int, name: str) -> str:
+    service = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
+    client = service.create_lora_training_client(
+        base_model=str(base_model), rank=rank, seed=seed
+    ).result()
+    return train_pipelined(client, seed, STEPS, name, pause_s=0.0)
+
+
+def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
+
+
+def test_tenants_train_through_a_group_as_on_one_device(
+    group_cluster: Cluster, group_model: Path, cluster: Cluster, tiny_model_moe: Path
+) -> None:
+    """Two tenants of different ranks, concurrently (shared passes and fused steps over the
+    two ranks), against the same seeds and data on one device."""
+    tenants = {31: 4, 32: 8}
+    paths: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(seed: int) -> None:
+        try:
+            paths[seed] = _train(group_cluster, group_model, seed, tenants[seed], "group")
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in tenants]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    for seed, rank in tenants.items():
+        alone = _train(cluster, tiny_model_moe, seed, rank, "one-device")
+        _assert_same(saved_adapter(group_cluster, paths[seed]), saved_adapter(cluster, alone))
+
+    # a sampler checkpoint of the group samples (the pool's torch sampler process)
+    service = tinker.ServiceClient(base_url=group_cluster.base_url, api_key=group_cluster.api_key)
+    client = service.create_training_client_from_state(paths[31]).result()
+    sampler = client.save_weights_and_get_sampling_client("group-sampler").result()
+    prompt = types.ModelInput.from_ints(toy_batch(n=1, seed=31)[0].model_input.to_ints()[:5])
+    sampled = sampler.sample(
+        prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=6, seed=5)
+    ).result()
+    assert [len(s.tokens) for s in sampled.sequences] == [6, 6]
+
+
+def test_a_killed_rank_stops_its_group_and_loses_nothing(
+    group_cluster: Cluster, group_model: Path
+) -> None:
+    seeds = (41, 42, 43)
+    reference = {
+        seed: saved_adapter(group_cluster, _train(group_cluster, group_model, seed, 4, "ref"))
+        for seed in seeds
+    }
+    service = tinker.ServiceClient(base_url=group_cluster.base_url, api_key=group_cluster.api_key)
+    clients = {
+        seed: service.create_lora_training_client(
+            base_model=str(group_model), rank=4, seed=seed
+        ).result()
+        for seed in seeds
+    }
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+    progress: dict[int, int] = {}
+
+    def run(seed: int) -> None:
+        try:
+            results[seed] = train_pipelined(clients[seed], seed, STEPS, "after-kill", progress)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    [rank_1] = _ranks(group_cluster)
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    while min(progress.get(seed, 0) for seed in seeds) < STEPS // 2:
+        assert not errors, errors
+        time.sleep(0.05)
+    assert max(progress.values()) < STEPS - 1
+    os.kill(rank_1, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(not thread.is_alive() for thread in threads), "a training loop hung"
+    assert not errors, errors
+    for seed in seeds:
+        _assert_same(saved_adapter(group_cluster, results[seed]), reference[seed])
+    # `up` started the group again: a new rank 1
+    deadline = time.monotonic() + 60
+    while (restarted := _ranks(group_cluster)) in ([], [rank_1]):
+        assert time.monotonic() < deadline, "the group was not restarted"
+        time.sleep(0.5)
+    assert len(restarted) == 1

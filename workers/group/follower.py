@@ -1,0 +1,67 @@
+"""`python -m workers.group.follower`: rank 1 .. N-1 of a worker group (started by rank 0).
+
+Builds the same engine as rank 0 (`TWINKLE_GROUP_ENGINE`) on its own device with its share of
+the experts, joins the group (`TWINKLE_GROUP_RANK`, `_WORLD`, `_PORT`), then runs rank 0's calls
+until told to stop (`workers.group.mirror.follow`). It has no NATS connection. It exits with
+rank 0, and with a status other than 0 if the group broke.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+
+def main() -> int:
+    # A supervisor stops rank 0's whole process group: this rank leaves when rank 0 says so,
+    # after rank 0 has handed its shards over, or dies with it (its parent-death signal).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    options = json.loads(os.environ["TWINKLE_GROUP_ENGINE"])
+    logging.basicConfig(
+        level=str(options.get("log_level", "INFO")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import torch
+
+    from workers.engine.passes import tune_malloc
+    from workers.group.launch import PORT_ENV, RANK_ENV, WORLD_ENV
+    from workers.group.mirror import Channel, GroupBroken, follow
+    from workers.group.runtime import GroupSpec, join, leave
+    from workers.trainer.engine import Engine
+
+    log = logging.getLogger("workers.group.follower")
+    if options.get("threads"):
+        torch.set_num_threads(int(options["threads"]))
+    tune_malloc()
+    spec = GroupSpec(
+        rank=int(os.environ[RANK_ENV]),
+        world=int(os.environ[WORLD_ENV]),
+        port=int(os.environ[PORT_ENV]),
+    )
+    device = spec.device(options["device"])
+    collective = join(spec, device)
+    try:
+        engine = Engine(
+            options["base_model"],
+            max_slots=options["max_slots"],
+            max_rank=options["max_rank"],
+            max_parked=options["max_parked"],
+            device=str(device),
+            collective=collective,
+        )
+        log.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
+        follow(engine, Channel(collective.host_group))
+    except GroupBroken as broken:
+        log.error("rank %d leaves the group: %s", spec.rank, broken)
+        return 1
+    finally:
+        leave()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Starting a worker group: `twinkle-async worker --devices N` runs rank 0 and starts the rest.
+
+Rank 0 is the worker process itself, the group's only NATS client (leases, consumers,
+outcomes, heartbeat: to the cluster the group is one worker). It starts ranks 1 .. N-1 as child
+processes (`python -m workers.group.follower`), each told the engine to build and where the
+group meets, joins the process group with them, and builds its `GroupEngine`.
+
+One failure domain: a child that exits takes rank 0 down at once (a watcher thread), and the
+children die with rank 0 (a parent-death signal, and rank 0's exit closes the group). The
+supervisor (`up`, compose, systemd) then starts the whole group again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.group.runtime import GroupSpec, free_port, join, leave
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+ENGINE_ENV = "TWINKLE_GROUP_ENGINE"  # the engine every rank builds, as JSON
+RANK_ENV, WORLD_ENV, PORT_ENV = "TWINKLE_GROUP_RANK", "TWINKLE_GROUP_WORLD", "TWINKLE_GROUP_PORT"
+_CHILD_EXIT = 70  # rank 0's exit status when a rank of its group died
+
+
+def engine_options(settings: WorkerSettings) -> dict[str, Any]:
+    """What every rank needs to build the same engine (its device aside)."""
+    return {
+        "base_model": settings.base_model,
+        "max_slots": settings.max_slots,
+        "max_rank": settings.max_rank,
+        "max_parked": settings.max_parked,
+        "device": settings.device,
+        "threads": settings.threads,
+        "log_level": settings.log_level,
+    }
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent (rank 0) dies."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+@dataclass
+class Group:
+    """Rank 0's view of its group: the engine and the other ranks' processes."""
+
+    engine: Any  # `workers.group.mirror.GroupEngine`
+    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    stopping: bool = False
+
+    def watch(self) -> None:
+        """Exit rank 0 as soon as another rank exits (unless the group is stopping)."""
+
+        def run() -> None:
+            while not self.stopping:
+                for rank, child in enumerate(self.children, start=1):
+                    code = child.poll()
+                    if code is not None and not self.stopping:
+                        log.critical(
+                            "rank %d of the worker group exited (%s); the group stops", rank, code
+                        )
+                        os._exit(_CHILD_EXIT)
+                time.sleep(0.2)
+
+        threading.Thread(target=run, name="group-watch", daemon=True).start()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """A clean stop: the other ranks leave, then this one."""
+        self.stopping = True
+        self.engine.stop_group()
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+        leave()
+
+
+def start_group(settings: WorkerSettings) -> Group:
+    """Start ranks 1 .. N-1, join them, and build rank 0's engine (blocks until all joined)."""
+    from workers.group.mirror import Channel, GroupEngine
+
+    world = settings.devices
+    port = free_port()
+    env = {
+        **os.environ,
+        ENGINE_ENV: json.dumps(engine_options(settings)),
+        WORLD_ENV: str(world),
+        PORT_ENV: str(port),
+    }
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "workers.group.follower"],
+            env={**env, RANK_ENV: str(rank)},
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads run yet at this point)
+        )
+        for rank in range(1, world)
+    ]
+    group = Group(engine=None, children=children)
+    group.watch()
+    spec = GroupSpec(rank=0, world=world, port=port)
+    collective = join(spec, spec.device(settings.device))
+    group.engine = GroupEngine(
+        settings.base_model,
+        max_slots=settings.max_slots,
+        max_rank=settings.max_rank,
+        max_parked=settings.max_parked,
+        device=str(spec.device(settings.device)),
+        collective=collective,
+        channel=Channel(collective.host_group),
+    )
+    log.info("worker group of %d ranks on %s joined (port %d)", world, settings.device, port)
+    return group

@@ -57,3 +57,24 @@ def test_the_bench_prints_its_table_without_torch() -> None:
     for name in MODELS:
         assert name in out
     assert "14,450,688" in out and "16,281,600" in out and "6,842,880" in out
+
+
+@pytest.mark.parametrize("name", ["Qwen3-235B-A22B", "Qwen3.5-397B-A17B"])
+def test_sharded_memory_counts_the_base_model_transformers_builds(name: str) -> None:
+    """bench/sharded_memory.py's base-model count is the language model transformers builds
+    from the shipped config (on the meta device), and the total is the model's name."""
+    from bench.sharded_memory import base_params
+
+    config = load(CONFIGS / name)[1]
+    routed, text, tower = base_params(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIGS / name))
+    built = {"routed": 0, "other": 0}
+    for path, parameter in model.named_parameters():
+        if path.startswith(("model.visual", "visual")):
+            continue
+        routed_expert = ".experts." in path and "shared" not in path
+        built["routed" if routed_expert else "other"] += parameter.numel()
+    assert built == {"routed": routed, "other": text}
+    billions = int(name.split("-")[1].removesuffix("B"))
+    assert abs((routed + text + tower) / 1e9 - billions) / billions < 0.005

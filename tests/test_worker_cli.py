@@ -137,18 +137,25 @@ def test_bad_command_lines_are_usage_errors(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "trainer_sampler", "roles"),
+    ("backend", "devices", "trainer_sampler", "roles"),
     [
-        ("torch", "torch", ["trainer"]),
-        ("vllm", "", ["trainer", "sampler"]),
-        ("none", "", ["trainer"]),
+        ("torch", 1, "torch", ["trainer"]),
+        ("vllm", 1, "", ["trainer", "sampler"]),
+        ("none", 1, "", ["trainer"]),
+        ("torch", 2, "", ["trainer", "sampler"]),
+        ("vllm", 4, "", ["trainer", "sampler"]),
     ],
 )
 def test_every_flag_up_passes_parses(
-    monkeypatch: pytest.MonkeyPatch, backend: str, trainer_sampler: str, roles: list[str]
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+    devices: int,
+    trainer_sampler: str,
+    roles: list[str],
 ) -> None:
     """Also: only the sampler `up --sampler` names serves the pool's sample jobs (with a vLLM
-    sampler the trainer's torch sampler is off: two backends draw different tokens for one seed)."""
+    sampler the trainer's torch sampler is off: two backends draw different tokens for one seed),
+    and a trainer over several devices samples in a sampler process of its own backend."""
     seen: list[UpOptions] = []
 
     async def fake_run_up(options: UpOptions) -> None:
@@ -156,6 +163,7 @@ def test_every_flag_up_passes_parses(
 
     monkeypatch.setattr("twinkle_async.up.run_up", fake_run_up)
     argv = ["up", "--base-model", "m", "--max-parked", "5", "--threads", "2", "--sampler", backend]
+    argv += ["--devices", str(devices)]
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 0, result.output
     (options,) = seen
@@ -168,9 +176,9 @@ def test_every_flag_up_passes_parses(
         assert settings.base_model == "m"
         if role == "trainer":
             assert (settings.max_parked, settings.threads) == (5, 2)
-            assert settings.sampler == trainer_sampler
+            assert (settings.sampler, settings.devices) == (trainer_sampler, devices)
         else:
-            assert settings.sampler == "vllm"
+            assert settings.sampler == backend
 
 
 def test_up_refuses_an_unknown_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,3 +188,31 @@ def test_up_refuses_an_unknown_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("twinkle_async.up.run_up", fake_run_up)
     result = CliRunner().invoke(app, ["up", "--base-model", "m", "--sampler", "vlm"])
     assert result.exit_code == 2, result.output
+
+
+def test_devices_that_cannot_share_a_local_models_experts_are_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--devices` must divide a MoE model's experts (each rank holds as many): refused by `up`
+    and by the worker before anything starts, naming the counts that work."""
+
+    async def fake_run_up(options: UpOptions) -> None:
+        raise AssertionError("up ran")
+
+    monkeypatch.setattr("twinkle_async.up.run_up", fake_run_up)
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 8}')
+    result = CliRunner().invoke(app, ["up", "--base-model", str(model), "--devices", "3"])
+    assert result.exit_code == 2, result.output
+    assert "8 experts" in result.output and "1, 2, 4, 8" in result.output
+    with pytest.raises(typer.BadParameter, match="do not split evenly over 3 devices"):
+        worker_main.parse_args(["--base-model", str(model), "--devices", "3"])
+    for bad in ("0", "65", "x"):
+        with pytest.raises(typer.TyperException):
+            worker_main.parse_args(["--base-model", str(model), "--devices", bad])
+    assert worker_main.parse_args(["--base-model", str(model), "--devices", "4"]).devices == 4
+    # a dense model, or one named by hub id (checked when its engine loads it), takes any count
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    assert worker_main.parse_args(["--base-model", str(model), "--devices", "3"]).devices == 3
+    assert worker_main.parse_args(["--base-model", "org/model", "--devices", "3"]).devices == 3

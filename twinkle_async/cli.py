@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import typer
 
 from protocol import paths, topology
+from protocol.devices import check_devices
 from twinkle_async.settings import (
     BusSettings,
     GatewaySettings,
@@ -211,6 +212,13 @@ def up(
             f"--nats-replicas {nats_replicas} needs at least that many nodes"
             f" (--nats-cluster {nats_cluster})"
         )
+    for model in base_model:  # a local model whose experts the devices cannot share
+        config = Path(model) / "config.json"
+        if devices > 1 and config.is_file():
+            try:
+                check_devices(json.loads(config.read_text()), devices)
+            except ValueError as exc:
+                raise typer.BadParameter(f"{model}: {exc}") from exc
     if api_key is not None and not api_key.startswith("tml-"):
         raise typer.BadParameter(
             "the API key must start with 'tml-' (the tinker SDK refuses others)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
+from protocol.devices import check_devices
 from workers import settings as worker_settings
 from workers.settings import WorkerSettings
 
@@ -163,6 +165,12 @@ def worker_options(
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a trainer worker: a base model, its adapter slots, shared passes and fused steps."""
+    config = Path(base_model) / "config.json"
+    if devices > 1 and config.is_file():  # a hub model is checked when the engine loads it
+        try:
+            check_devices(json.loads(config.read_text()), devices)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
     lease = lease_s if lease_s is not None else worker_settings.default_lease_s(nats_replicas)
     settings = WorkerSettings(
         base_model=base_model,

@@ -56,6 +56,11 @@ class Collective:
         """Every rank's `tensor` (same shape on each) stacked `[world, ...]`, on the host."""
         return tensor.detach().to("cpu").unsqueeze(0)
 
+    def all_gather_into(self, out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's `part` (same shape on each), in rank order along dim 0 of `out`, on the
+        engine's device."""
+        return out.copy_(part)
+
     def agree(self, flags: list[bool]) -> list[bool]:
         """Per position, whether any rank's flag is set (the same answer on every rank)."""
         return [bool(v) for v in self.agree_max([int(f) for f in flags])]
@@ -90,6 +95,10 @@ class ProcessGroupCollective(Collective):
         parts = [torch.empty_like(host) for _ in range(self.world)]
         dist.all_gather(parts, host, group=self.host_group)
         return torch.stack(parts)
+
+    def all_gather_into(self, out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        dist.all_gather(list(out.chunk(self.world)), part.contiguous())
+        return out
 
     def agree_max(self, values: list[int]) -> list[int]:
         if not values:

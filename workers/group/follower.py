@@ -1,16 +1,16 @@
-"""`python -m workers.group.follower`: rank 1 .. N-1 of a worker group (started by rank 0).
+"""`python -m workers.group.follower RANK WORLD PORT ENGINE`: rank 1 .. N-1 of a worker group,
+started by rank 0 (`workers.group.launch`).
 
-Builds the same engine as rank 0 (`TWINKLE_GROUP_ENGINE`) on its own device with its share of
-the experts, joins the group (`TWINKLE_GROUP_RANK`, `_WORLD`, `_PORT`), then runs rank 0's calls
-until told to stop (`workers.group.mirror.follow`). It has no NATS connection. It exits with
-rank 0, and with a status other than 0 if the group broke.
+Builds the same engine as rank 0 (ENGINE: its options as JSON) on its own device with its
+share of the experts, joins the group of WORLD ranks at rank 0's PORT on loopback, then runs
+rank 0's calls until told to stop (`workers.group.mirror.follow`). It has no NATS connection.
+It exits with rank 0, and with a status other than 0 if the group broke.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 
@@ -20,7 +20,8 @@ def main() -> int:
     # after rank 0 has handed its shards over, or dies with it (its parent-death signal).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    options = json.loads(os.environ["TWINKLE_GROUP_ENGINE"])
+    rank, world, port, engine_json = sys.argv[1:5]
+    options = json.loads(engine_json)
     logging.basicConfig(
         level=str(options.get("log_level", "INFO")).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -28,7 +29,6 @@ def main() -> int:
     import torch
 
     from workers.engine.passes import tune_malloc
-    from workers.group.launch import PORT_ENV, RANK_ENV, WORLD_ENV
     from workers.group.mirror import Channel, GroupBroken, follow
     from workers.group.runtime import GroupSpec, join, leave
     from workers.trainer.engine import Engine
@@ -37,11 +37,7 @@ def main() -> int:
     if options.get("threads"):
         torch.set_num_threads(int(options["threads"]))
     tune_malloc()
-    spec = GroupSpec(
-        rank=int(os.environ[RANK_ENV]),
-        world=int(os.environ[WORLD_ENV]),
-        port=int(os.environ[PORT_ENV]),
-    )
+    spec = GroupSpec(rank=int(rank), world=int(world), port=int(port))
     device = spec.device(options["device"])
     collective = join(spec, device)
     try:

@@ -29,8 +29,6 @@ from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-ENGINE_ENV = "TWINKLE_GROUP_ENGINE"  # the engine every rank builds, as JSON
-RANK_ENV, WORLD_ENV, PORT_ENV = "TWINKLE_GROUP_RANK", "TWINKLE_GROUP_WORLD", "TWINKLE_GROUP_PORT"
 _CHILD_EXIT = 70  # rank 0's exit status when a rank of its group died
 
 
@@ -96,16 +94,18 @@ def start_group(settings: WorkerSettings) -> Group:
 
     world = settings.devices
     port = free_port()
-    env = {
-        **os.environ,
-        ENGINE_ENV: json.dumps(engine_options(settings)),
-        WORLD_ENV: str(world),
-        PORT_ENV: str(port),
-    }
+    engine = json.dumps(engine_options(settings))
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "workers.group.follower"],
-            env={**env, RANK_ENV: str(rank)},
+            [
+                sys.executable,
+                "-m",
+                "workers.group.follower",
+                str(rank),
+                str(world),
+                str(port),
+                engine,
+            ],
             preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads run yet at this point)
         )
         for rank in range(1, world)

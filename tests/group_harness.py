@@ -67,6 +67,9 @@ def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
         "meta.experts": torch.tensor(
             [layer.shape.num_experts for layer in engine.bank.expert_layers.values()] or [0]
         ),
+        "meta.base": torch.tensor(
+            [sum(p.numel() for n, p in engine.model.named_parameters() if "lora_" not in n)]
+        ),
     }
     vocab = engine.vocab_size
     rng = np.random.default_rng(0)

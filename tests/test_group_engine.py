@@ -1,5 +1,6 @@
 """The engine on a worker group of 2 and 4 CPU ranks (gloo, loopback) against one device: a
-Qwen3-MoE model's experts split over the ranks, a dense Qwen3 model whole on each, the same
+MoE model's experts split over the ranks (Qwen3-MoE, gpt-oss, Qwen3.5-MoE), a dense Qwen3
+model's frozen decoder linears split (gathered for each use), the same
 scenario (`tests.group_harness`) gives the same losses, log-probs, gradient norms, checkpoints,
 states and final adapters (≤ 1e-5, fp32), a failing tenant failing alone on every rank alike.
 """
@@ -83,11 +84,12 @@ def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path
     model = build_tiny_model(tmp_path / "model", arch)
     alone = run_alone(model, tmp_path / "alone")
     assert "bad.t1.error" in alone and "bad.t0.loss" in alone  # the failing tenant alone
-    for world in (2, 4) if arch == "qwen3_moe" else (2,):
+    for world in (2, 4) if arch in ("qwen3", "qwen3_moe") else (2,):
         group = run_group(model, world, tmp_path / f"group-{world}")
         if arch != "qwen3":  # each rank holds its share of the experts and their factors
             assert group["meta.experts"].tolist() == [n // world for n in alone["meta.experts"]]
             assert int(group["meta.row"]) < int(alone["meta.row"])
-        else:
+        else:  # the frozen decoder linears are split; the adapters are whole on every rank
             assert int(group["meta.row"]) == int(alone["meta.row"])
+        assert int(group["meta.base"]) < int(alone["meta.base"])
         assert_same(alone, group)

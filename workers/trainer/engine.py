@@ -48,6 +48,7 @@ from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.engine.collective import Collective
 from workers.engine.custom_loss import check_request as check_custom_request
 from workers.engine.expert_parallel import split_experts
+from workers.engine.frozen_shards import shard_frozen_linears
 from workers.engine.lora import LoraBank, SlotRouting, lay_out_slot
 from workers.engine.losses import check_inputs, get_loss, resolve_config
 from workers.engine.optimizer import SlotAdamW
@@ -97,6 +98,8 @@ class Engine:
         # A rank of a worker group keeps its share of the experts (`workers.engine.expert_parallel`)
         self.collective = collective or Collective()
         slices = split_experts(model, self.collective)
+        if not slices:  # a dense model: its frozen decoder linears are split instead
+            shard_frozen_linears(model, self.collective)
         if max_slots is None:
             # planned from what the device holds once the base model is on it
             plan = plan_slots(free_memory(self.device), lay_out_slot(model, max_rank, slices)[1])

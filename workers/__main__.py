@@ -81,6 +81,14 @@ def worker_options(
             help="devices (ranks) of one base model: a MoE model's experts are split over them",
         ),
     ] = 1,
+    group_timeout_s: Annotated[
+        float,
+        typer.Option(
+            envvar="TWINKLE_GROUP_TIMEOUT_S",
+            min=1.0,
+            help="with --devices: a rank waiting this long for the others stops the group",
+        ),
+    ] = 600.0,
     threads: Annotated[
         int, typer.Option(envvar="TWINKLE_TORCH_THREADS", min=0, help="torch threads (0: default)")
     ] = 0,
@@ -182,6 +190,7 @@ def worker_options(
         max_parked=max_parked,
         device=device,
         devices=devices,
+        group_timeout_s=group_timeout_s,
         threads=threads or None,
         token_budget=token_budget or None,
         gap_timeout_s=gap_timeout_s,

@@ -127,6 +127,7 @@ class WorkerSettings:
     max_parked: int | None = None  # adapters parked in host memory beyond the slots (None: any)
     device: str = "cpu"
     devices: int = 1  # ranks of one base model (a worker group: `workers.group`)
+    group_timeout_s: float = 600.0  # a group's collective waiting longer fails (the group stops)
     threads: int | None = None
     token_budget: int | None = (
         None  # tokens of one pass (None: measured, `workers.trainer.calibration`)

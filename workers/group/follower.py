@@ -1,8 +1,10 @@
-"""`python -m workers.group.follower RANK WORLD PORT ENGINE`: rank 1 .. N-1 of a worker group,
+"""`python -m workers.group.follower RANK WORLD PORT TIMEOUT_S ENGINE`: rank 1 .. N-1 of a
+worker group,
 started by rank 0 (`workers.group.launch`).
 
 Builds the same engine as rank 0 (ENGINE: its options as JSON) on its own device with its
-share of the experts, joins the group of WORLD ranks at rank 0's PORT on loopback, then runs
+share of the experts, joins the group of WORLD ranks at rank 0's PORT on loopback (a
+collective waiting longer than TIMEOUT_S fails), then runs
 rank 0's calls until told to stop (`workers.group.mirror.follow`). It has no NATS connection.
 It exits with rank 0, and with a status other than 0 if the group broke.
 """
@@ -20,7 +22,7 @@ def main() -> int:
     # after rank 0 has handed its shards over, or dies with it (its parent-death signal).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rank, world, port, engine_json = sys.argv[1:5]
+    rank, world, port, timeout_s, engine_json = sys.argv[1:6]
     options = json.loads(engine_json)
     logging.basicConfig(
         level=str(options.get("log_level", "INFO")).upper(),
@@ -30,14 +32,14 @@ def main() -> int:
 
     from workers.engine.passes import tune_malloc
     from workers.group.mirror import Channel, GroupBroken, follow
-    from workers.group.runtime import GroupSpec, join, leave
+    from workers.group.runtime import GroupSpec, join, leave, ready
     from workers.trainer.engine import Engine
 
     log = logging.getLogger("workers.group.follower")
     if options.get("threads"):
         torch.set_num_threads(int(options["threads"]))
     tune_malloc()
-    spec = GroupSpec(rank=int(rank), world=int(world), port=int(port))
+    spec = GroupSpec(rank=int(rank), world=int(world), port=int(port), timeout_s=float(timeout_s))
     device = spec.device(options["device"])
     collective = join(spec, device)
     try:
@@ -49,6 +51,7 @@ def main() -> int:
             device=str(device),
             collective=collective,
         )
+        ready(spec, collective)
         log.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
         follow(engine, Channel(collective.host_group))
     except GroupBroken as broken:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.group.runtime import GroupSpec, free_port, join, leave
+from workers.group.runtime import GroupSpec, free_port, join, leave, ready
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ def start_group(settings: WorkerSettings) -> Group:
                 str(rank),
                 str(world),
                 str(port),
+                str(settings.group_timeout_s),
                 engine,
             ],
             preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads run yet at this point)
@@ -112,7 +113,7 @@ def start_group(settings: WorkerSettings) -> Group:
     ]
     group = Group(engine=None, children=children)
     group.watch()
-    spec = GroupSpec(rank=0, world=world, port=port)
+    spec = GroupSpec(rank=0, world=world, port=port, timeout_s=settings.group_timeout_s)
     collective = join(spec, spec.device(settings.device))
     group.engine = GroupEngine(
         settings.base_model,
@@ -122,6 +123,8 @@ def start_group(settings: WorkerSettings) -> Group:
         device=str(spec.device(settings.device)),
         collective=collective,
         channel=Channel(collective.host_group),
+        keepalive_s=settings.group_timeout_s / 8,
     )
+    ready(spec, collective)
     log.info("worker group of %d ranks on %s joined (port %d)", world, settings.device, port)
     return group

@@ -16,8 +16,9 @@ One failure domain: after each call the ranks agree on whether it raised (a requ
 raises alike everywhere). If they disagree, or a rank is gone (the agreement itself fails), the
 call raises `GroupBroken`, which no request handler catches: rank 0 exits, the other ranks with
 it, and the supervisor starts the group again; its models come back from their snapshots and
-logs, and no client sees the fault. An idle rank 0 sends a keepalive every `KEEPALIVE_S`, so
-ranks waiting for work never reach the process group's timeout.
+logs, and no client sees the fault. An idle rank 0 sends a keepalive every `keepalive_s` (an
+eighth of the group's timeout), so ranks waiting for work never reach the process group's
+timeout.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from workers.trainer.parking import SlotState
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-KEEPALIVE_S = 30.0
 
 
 class GroupBroken(BaseException):  # noqa: N818 (a stop, not an error a handler may absorb)
@@ -84,8 +84,11 @@ def _agree(collective: ProcessGroupCollective, failed: bool) -> None:
 class GroupEngine(Engine):
     """Rank 0's engine: state-changing calls run on every rank of the group."""
 
-    def __init__(self, *args: Any, channel: Channel, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, channel: Channel, keepalive_s: float = 30.0, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.keepalive_s = keepalive_s  # 0: none (a group that times out when idle)
         assert isinstance(self.collective, ProcessGroupCollective)
         self.group_collective: ProcessGroupCollective = self.collective
         self.channel = channel
@@ -112,12 +115,14 @@ class GroupEngine(Engine):
             return result
 
     def _keepalive(self) -> None:
+        if self.keepalive_s <= 0:
+            return
         while not self._stopped:
-            time.sleep(KEEPALIVE_S / 4)
-            if time.monotonic() - self._last_sent < KEEPALIVE_S:
+            time.sleep(self.keepalive_s / 4)
+            if time.monotonic() - self._last_sent < self.keepalive_s:
                 continue
             with self._lock:
-                if self._stopped or time.monotonic() - self._last_sent < KEEPALIVE_S:
+                if self._stopped or time.monotonic() - self._last_sent < self.keepalive_s:
                     continue
                 try:
                     self.channel.send(wire.encode(wire.Keepalive()))

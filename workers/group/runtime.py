@@ -5,10 +5,11 @@ the engine its `ProcessGroupCollective`. The ranks meet at rank 0's address (loo
 ranks that one `twinkle-async worker --devices N` starts on one machine) and a free port that
 rank 0 chose; gloo carries host tensors, and the tensors of a pass on GPUs go through NCCL.
 
-Collectives wait for the slowest rank. A group between requests waits on rank 0's next message
-(`workers.group.mirror`), which rank 0 sends at least every `KEEPALIVE_S`, far inside the
-process group's timeout: an idle group never times out, and a group that stopped answering
-(a rank died or hangs) does, after `timeout_s`, and the group stops as one.
+Collectives wait for the slowest rank. While the ranks join and build their engines (loading the
+model) they wait up to `START_TIMEOUT_S`; once all are `ready`, up to `timeout_s`. A group
+between requests waits on rank 0's next message (`workers.group.mirror`), which rank 0 sends at
+least every eighth of `timeout_s`: an idle group never times out, and a group that stopped
+answering (a rank died or hangs) does, after `timeout_s`, and the group stops as one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch.distributed as dist
 from workers.engine.collective import ProcessGroupCollective
 
 DEFAULT_TIMEOUT_S = 600.0  # a collective waiting longer than this fails its rank (and the group)
+# Joining, and building each rank's engine (loading the model), may take longer than that.
+START_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,19 @@ def join(spec: GroupSpec, device: torch.device) -> ProcessGroupCollective:
         init_method=f"tcp://{spec.address}:{spec.port}",
         rank=spec.rank,
         world_size=spec.world,
-        timeout=timedelta(seconds=spec.timeout_s),
+        timeout=timedelta(seconds=max(spec.timeout_s, START_TIMEOUT_S)),
     )
     host = dist.new_group(backend="gloo") if backend != "gloo" else None
     return ProcessGroupCollective(device, host_group=host)
+
+
+def ready(spec: GroupSpec, collective: ProcessGroupCollective) -> None:
+    """Every rank has built its engine: from here on a collective waits at most `timeout_s`."""
+    dist.barrier()
+    timeout = timedelta(seconds=spec.timeout_s)
+    groups = [None] if collective.host_group is None else [None, collective.host_group]
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def leave() -> None:

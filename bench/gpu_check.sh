@@ -2,7 +2,8 @@
 # GPU check of the trainer's compute paths, in under 5 minutes, offline: reports the machine and
 # what is installed, then runs bench/gpu_bench.py (random Qwen3-4B, small Qwen3.5 and Qwen3-30B-A3B
 # MoE layer shapes (6 layers),
-# LoRA kinds loop / gather / grouped, N = 1, 4, 16 tenants) and prints its table.
+# LoRA kinds loop / gather / grouped, N = 1, 4, 16 tenants) and prints its table; on a machine
+# with two GPUs or more, bench/group_step.py then runs a worker group over two of them.
 #
 # Run from anywhere on a machine with the project checked out and a Python with a CUDA build
 # of torch:   bash bench/gpu_check.sh [gpu_bench.py options]
@@ -84,6 +85,18 @@ timeout --signal=INT --kill-after=15 "$TIMEOUT_S" "$PY" bench/gpu_bench.py "$@"
 status=$?
 if [ $status -eq 124 ] || [ $status -eq 130 ]; then
     echo "gpu_check: the benchmark ran past ${TIMEOUT_S}s; the rows above are what finished"
+fi
+# A worker group over two GPUs (expert parallelism for the MoE model, gathered frozen linears
+# for the dense one): tokens/s against one GPU and the collectives' share of a step.
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${GPUS:-0}" -ge 2 ] && [ "$GPU_CHECK_NEEDS_CUDA" = "1" ]; then
+    echo "== bench/group_step.py --device cuda --devices 1 2 (timeout ${TIMEOUT_S}s)"
+    timeout --signal=INT --kill-after=15 "$TIMEOUT_S" \
+        "$PY" bench/group_step.py --device cuda --devices 1 2
+    group_status=$?
+    [ $status -eq 0 ] && status=$group_status
+else
+    echo "== worker group: needs two GPUs (found ${GPUS:-0}); its figures wait for such a machine"
 fi
 echo "gpu_check: exit $status"
 exit $status

@@ -144,7 +144,7 @@ def _snapshotting(service: TrainerService, released: list[str]) -> None:
         pass_tokens=16384,
         has=lambda model_id: model_id not in released,
         release=released.append,
-        slots=SimpleNamespace(capture=lambda model_id: SimpleNamespace(step=1)),
+        capture=lambda model_id: SimpleNamespace(step=1),
     )
 
 

@@ -5,8 +5,9 @@ group of N ranks on loopback, builds the engine (its share of the experts) and r
 rank 0 writes what it observed to FILE (safetensors). `tests/test_group_engine.py` compares that
 with the same scenario on one device: tenants of different ranks sharing passes (one of them
 MLP-only, one failing alone on a non-finite loss), fused optimizer steps with and without
-clipping, a checkpoint saved then loaded into a new tenant, a state captured then adopted, and
-every adapter saved at the end.
+clipping, a checkpoint saved then loaded into a new tenant, a state captured then adopted,
+every adapter saved at the end, and the torch sampler drawing seeded tokens from the base model
+and from a sampler checkpoint.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import TwinkleError
+from protocol.sampling import SampleSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine.collective import Collective
 from workers.group.runtime import GroupSpec, join, leave
+from workers.sampler.torch_sampler import TorchSampler
 from workers.trainer.engine import Engine
 
 # Adam divides by the gradient's own scale: a gradient entry near 0, whose rounding differs
@@ -121,6 +124,20 @@ def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
             )
             for key, tensor in files.items():
                 out[f"final.{model_id}.{key}"] = tensor
+    # the torch sampler, seeded, from the base model and from a sampler checkpoint
+    engine.save("t3", workdir / "sampler-t3", kind="sampler_weights", meta={})
+    _barrier(engine)
+    sampler = TorchSampler(engine)
+    sampler.load_adapter("snap", workdir / "sampler-t3")
+    prompt = tuple(int(t) for t in rng.integers(0, vocab, 5))
+    specs = [
+        (SampleSpec(prompt=prompt, num_samples=2, max_tokens=6, seed=5), None),
+        (SampleSpec(prompt=prompt, num_samples=2, max_tokens=6, seed=6), "snap"),
+    ]
+    for index, output in enumerate(sampler.sample(specs)):
+        for n, sequence in enumerate(output.sequences):
+            out[f"sample.{index}.{n}.tokens"] = torch.tensor(sequence.tokens, dtype=torch.float64)
+            out[f"sample.{index}.{n}.logprobs"] = torch.tensor(sequence.logprobs)
     return out
 
 

@@ -1,8 +1,9 @@
 """A worker group with real processes: `up --devices 2` runs one trainer worker over two CPU
-ranks (gloo, loopback) on a tiny Qwen3-MoE whose experts are split between them, and a torch
-sampler process for the pool. Through the official SDK, tenants train there as they train on
-one device (the session's single-device cluster, same weights: adapters ≤ 1e-4 apart), a
-sampler checkpoint samples, and a SIGKILL of rank 1 mid-run stops the group as one: `up`
+ranks (gloo, loopback) on a tiny Qwen3-MoE whose experts are split between them. Through the
+official SDK, tenants train there as they train on one device (the session's single-device
+cluster, same weights: adapters ≤ 1e-4 apart), the group's torch sampler draws the tokens one
+device draws for a seeded request, a sampler checkpoint samples, and a SIGKILL of rank 1
+mid-run stops the group as one: `up`
 restarts it, its models come back from their snapshots and the ops log, every future resolves
 and every adapter ends where an undisturbed run ends.
 """
@@ -106,14 +107,22 @@ def test_tenants_train_through_a_group_as_on_one_device(
         alone = _train(cluster, tiny_model_moe, seed, rank, "one-device")
         _assert_same(saved_adapter(group_cluster, paths[seed]), saved_adapter(cluster, alone))
 
-    # a sampler checkpoint of the group samples (the pool's torch sampler process)
+    # the group samples with its own model (its torch sampler steps on both ranks): a seeded
+    # request draws the tokens one device draws, and a sampler checkpoint samples
+    prompt = types.ModelInput.from_ints(toy_batch(n=1, seed=31)[0].model_input.to_ints()[:5])
+    params = types.SamplingParams(max_tokens=6, seed=5)
+
+    def base_tokens(on: Cluster, model: Path) -> list[list[int]]:
+        service = tinker.ServiceClient(base_url=on.base_url, api_key=on.api_key)
+        client = service.create_sampling_client(base_model=str(model)).result()
+        sampled = client.sample(prompt, num_samples=2, sampling_params=params).result()
+        return [list(s.tokens) for s in sampled.sequences]
+
+    assert base_tokens(group_cluster, group_model) == base_tokens(cluster, tiny_model_moe)
     service = tinker.ServiceClient(base_url=group_cluster.base_url, api_key=group_cluster.api_key)
     client = service.create_training_client_from_state(paths[31]).result()
     sampler = client.save_weights_and_get_sampling_client("group-sampler").result()
-    prompt = types.ModelInput.from_ints(toy_batch(n=1, seed=31)[0].model_input.to_ints()[:5])
-    sampled = sampler.sample(
-        prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=6, seed=5)
-    ).result()
+    sampled = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
     assert [len(s.tokens) for s in sampled.sequences] == [6, 6]
 
 

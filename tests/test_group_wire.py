@@ -11,6 +11,7 @@ import torch
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.custom_loss import CustomLoss, LossInput, LossNode
+from protocol.sampling import SampleSpec, TargetIds
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.group import wire
 from workers.trainer.checkpoints import AdapterCheckpoint
@@ -73,6 +74,21 @@ def test_a_forward_backward_comes_back_whole() -> None:
         wire.Save("m", "sampler_weights"),
         wire.Slot("m"),
         wire.Capture("m"),
+        wire.SampleStep(
+            [3],
+            [
+                (
+                    SampleSpec(prompt=(1, 2, 3), num_samples=2, seed=7, stop_token_ids=(9,)),
+                    "k",
+                    "/d",
+                ),
+                (
+                    SampleSpec(prompt=(4,), target_prompt_logprobs=TargetIds(1, 2, (5, -1))),
+                    None,
+                    None,
+                ),
+            ],
+        ),
         wire.Keepalive(),
         wire.Stop(),
     ],

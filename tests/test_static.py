@@ -122,7 +122,7 @@ FORBIDDEN_ROOMS: dict[str, set[str]] = {
     "engine": {"trainer", "sampler", "group"},
     "trainer": {"sampler", "group"},
     "sampler": {"group"},
-    "group": {"sampler"},  # a group runs the trainer's engine on several devices
+    "group": set(),  # a group runs the trainer's engine, and its torch sampler, on N devices
 }
 
 

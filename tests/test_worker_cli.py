@@ -142,7 +142,7 @@ def test_bad_command_lines_are_usage_errors(argv: list[str]) -> None:
         ("torch", 1, "torch", ["trainer"]),
         ("vllm", 1, "", ["trainer", "sampler"]),
         ("none", 1, "", ["trainer"]),
-        ("torch", 2, "", ["trainer", "sampler"]),
+        ("torch", 2, "torch", ["trainer"]),
         ("vllm", 4, "", ["trainer", "sampler"]),
     ],
 )
@@ -155,7 +155,7 @@ def test_every_flag_up_passes_parses(
 ) -> None:
     """Also: only the sampler `up --sampler` names serves the pool's sample jobs (with a vLLM
     sampler the trainer's torch sampler is off: two backends draw different tokens for one seed),
-    and a trainer over several devices samples in a sampler process of its own backend."""
+    with one device per trainer or several."""
     seen: list[UpOptions] = []
 
     async def fake_run_up(options: UpOptions) -> None:

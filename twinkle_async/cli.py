@@ -158,8 +158,7 @@ def up(
         typer.Option(
             min=1,
             max=64,
-            help="devices (ranks) per trainer worker: a MoE model's experts split over them;"
-            " sampling then runs in a sampler process",
+            help="devices (ranks) per trainer worker: a MoE model's experts split over them",
         ),
     ] = 1,
     nats_url: Annotated[
@@ -233,9 +232,7 @@ def up(
     sampler_backend: str | None = "vllm" if sampler == "vllm" else None
     if devices > 1:
         worker_args += ["--devices", str(devices)]
-        # a group does not sample with its own model: a torch sampler process does
-        sampler_backend = "vllm" if sampler == "vllm" else ("torch" if sampler == "torch" else None)
-    if sampler != "torch" or devices > 1:
+    if sampler != "torch":
         # Only the sampler asked for serves the pool: a trainer that also took sample jobs
         # would answer some of them with the other backend (another RNG: a seeded request's
         # tokens would depend on which process took it; adapters vLLM refuses would pass).

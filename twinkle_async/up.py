@@ -67,8 +67,7 @@ class UpOptions:
     fwdbwd_max_chunk_len: int = 1024
     worker_ready_timeout_s: float = 300.0
     gateway_ready_timeout_s: float = 90.0
-    # a sampler process per base model with this backend ("vllm", or "torch" beside trainers
-    # over several devices, which do not sample); None: the trainers sample themselves
+    # a sampler process per base model with this backend ("vllm"); None: the trainers sample
     sampler_backend: str | None = None
     sampler_args: list[str] = field(default_factory=list)
     checkpoint_sweep_s: float | None = 60.0  # None: expired checkpoints are never swept
@@ -86,7 +85,7 @@ class UpOptions:
 
 def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[str, list[str]]]:
     """(role, argv) of each process a base model needs: `--workers` trainers, and a sampler
-    process if asked (vLLM; torch beside trainers over several devices)."""
+    process if asked (vLLM)."""
     pool = subjects.pool_of(base_model)
 
     def common(role: str) -> list[str]:

@@ -233,14 +233,6 @@ async def serve(settings: WorkerSettings) -> None:
 
     tune_malloc()
     group = None
-    if settings.devices > 1 and settings.sampler:
-        log.warning(
-            "a worker over %d devices does not sample with its own model: --sampler %s is off;"
-            " start a sampler process for the pool (`up --devices` does)",
-            settings.devices,
-            settings.sampler,
-        )
-        settings = dataclasses.replace(settings, sampler="")
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
     try:
@@ -295,7 +287,9 @@ async def serve(settings: WorkerSettings) -> None:
             from workers.sampler.service import SamplerService
             from workers.sampler.torch_sampler import TorchSampler
 
-            backend = TorchBackend(TorchSampler(engine), engine, service.executor)
+            # a group's sampler steps run on every rank (the model is split between them)
+            steps = group.engine.sample_step if group is not None else None
+            backend = TorchBackend(TorchSampler(engine), engine, service.executor, steps)
             sampler = SamplerService(
                 bus,
                 backend,

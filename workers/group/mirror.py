@@ -2,7 +2,7 @@
 every rank, in the same order, with the same arguments.
 
 Job: `GroupEngine` is rank 0's engine. Each state-changing call (create, release, a shared pass,
-a fused step, save, load, capture, adopt, restoring a parked adapter) is first sent to the
+a fused step, save, load, capture, adopt, restoring a parked adapter, a torch sampler step) is first sent to the
 other ranks (`workers.group.wire`, over gloo on the host), then run here while they run it
 too: the collectives inside (expert parallelism, gathered checkpoints) meet. `follow` is the
 loop of every other rank: receive a call, run it on its own engine, repeat. Reads (`has`,
@@ -28,6 +28,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -40,6 +41,8 @@ from protocol.errors import ServerError, TwinkleError
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
 from workers.engine.collective import ProcessGroupCollective
 from workers.group import wire
+from workers.sampler.backends import Stepped, Submit, run_step
+from workers.sampler.torch_sampler import TorchSampler
 from workers.trainer.engine import Engine
 from workers.trainer.parking import SlotState
 
@@ -95,9 +98,12 @@ class GroupEngine(Engine):
         self._lock = threading.Lock()  # the engine thread against the keepalive
         self._last_sent = time.monotonic()
         self._stopped = False
+        self._inside = False  # a mirrored call is running (on the engine thread)
         threading.Thread(target=self._keepalive, name="group-keepalive", daemon=True).start()
 
     def _mirror(self, call: wire.Call, run: Callable[[], T]) -> T:
+        if self._inside:  # made by a call every rank runs: every rank makes it too
+            return run()
         with self._lock:
             if self._stopped:
                 raise GroupBroken("the group has stopped")
@@ -106,11 +112,14 @@ class GroupEngine(Engine):
             except Exception as error:
                 raise GroupBroken(f"a rank of the group is gone ({error})") from None
             self._last_sent = time.monotonic()
+            self._inside = True
             try:
                 result = run()
             except BaseException:
                 _agree(self.group_collective, failed=True)
                 raise
+            finally:
+                self._inside = False
             _agree(self.group_collective, failed=False)
             return result
 
@@ -186,10 +195,31 @@ class GroupEngine(Engine):
         )
 
     def load_snapshot(self, key: str, directory: Path) -> None:
-        raise ServerError(_NO_SAMPLING)
+        self._sampling()
+        Engine.load_snapshot(self, key, directory)  # every rank reads the files (one host)
 
     def snapshot_slot(self, key: str) -> int:
-        raise ServerError(_NO_SAMPLING)
+        self._sampling()
+        return Engine.snapshot_slot(self, key)
+
+    def _sampling(self) -> None:
+        """Snapshots move only inside a sampler step, which every rank runs."""
+        if not self._inside:
+            raise ServerError("a worker group moves sampler snapshots only in a sampler step")
+
+    def sample_step(self, sampler: Any, submits: list[Submit], cancels: list[int]) -> Stepped:
+        """One torch sampler step on every rank: the same requests, seeds fixed here first (a
+        request without one would draw other tokens on each rank), the same snapshots loaded
+        from the same files, the same tokens drawn from the same summed logits."""
+        fixed = [
+            (spec if spec.seed is not None else replace(spec, seed=secrets.randbits(63)), key, path)
+            for spec, key, path in submits
+        ]
+        call = wire.SampleStep(
+            list(cancels),
+            [(spec, key, None if path is None else str(path)) for spec, key, path in fixed],
+        )
+        return self._mirror(call, lambda: run_step(sampler, fixed, cancels))
 
     def slot(self, model_id: str) -> int:
         return self._mirror(wire.Slot(model_id), lambda: Engine.slot(self, model_id))
@@ -204,13 +234,6 @@ class GroupEngine(Engine):
         )
 
 
-# The torch sampler drives the model step by step; a group's ranks would each need every step.
-_NO_SAMPLING = (
-    "a multi-device worker does not sample with its own model; sampling runs on a sampler"
-    " process (twinkle-async sampler)"
-)
-
-
 def _with_seed(spec: LoraConfig, seed: int) -> LoraConfig:
     return msgspec.structs.replace(spec, seed=seed)
 
@@ -219,6 +242,7 @@ def follow(engine: Engine, channel: Channel) -> None:
     """Run rank 0's calls on this rank's engine until it says stop (or is gone)."""
     collective = engine.collective
     assert isinstance(collective, ProcessGroupCollective)
+    samplers: list[TorchSampler] = []  # this rank's, made at the first sampler step
     while True:
         try:
             call = wire.decode(channel.receive())
@@ -229,7 +253,16 @@ def follow(engine: Engine, channel: Channel) -> None:
         if isinstance(call, wire.Keepalive):
             continue
         try:
-            _apply(engine, call)
+            if isinstance(call, wire.SampleStep):
+                if not samplers:
+                    samplers.append(TorchSampler(engine))
+                submits = [
+                    (spec, key, None if path is None else Path(path))
+                    for spec, key, path in call.submits
+                ]
+                run_step(samplers[0], submits, call.cancels)
+            else:
+                _apply(engine, call)
         except BaseException as error:
             if isinstance(error, GroupBroken | KeyboardInterrupt | SystemExit):
                 raise

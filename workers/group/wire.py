@@ -20,6 +20,7 @@ import torch
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.custom_loss import CustomLoss
+from protocol.sampling import SampleSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine.lora import LayerGroup
 from workers.trainer.checkpoints import AdapterCheckpoint
@@ -238,6 +239,14 @@ class Adopt(Call, frozen=True):
     state: State
 
 
+class SampleStep(Call, frozen=True):
+    """One step of the torch sampler: requests dropped, requests joining (each with its seed
+    fixed, its adapter's key and checkpoint directory), then the step."""
+
+    cancels: list[int]
+    submits: list[tuple[SampleSpec, str | None, str | None]]
+
+
 class Keepalive(Call, frozen=True):
     """Nothing to run: rank 0 is alive and idle."""
 
@@ -256,6 +265,7 @@ AnyCall = (
     | Slot
     | Capture
     | Adopt
+    | SampleStep
     | Keepalive
     | Stop
 )

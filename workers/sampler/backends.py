@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,9 +76,13 @@ class TorchBackend:
     name = "torch"
     concurrent = True
 
-    def __init__(self, sampler: Any, engine: Any, executor: Executor) -> None:
+    def __init__(
+        self, sampler: Any, engine: Any, executor: Executor, steps: StepRunner | None = None
+    ) -> None:
         self.sampler = sampler
         self.executor = executor
+        # how one step runs: here, or on every rank of a worker group (`workers.group.mirror`)
+        self.steps: StepRunner = steps or run_step
         self.vocab_size = int(engine.vocab_size)
         self.max_context = int(engine.max_context)
         self._queued: list[tuple[Prepared, Answer]] = []
@@ -182,22 +186,33 @@ class TorchBackend:
                 if not answer.done():
                     answer.set_result(ServerError(FAILED))
 
-    def _step(self, items: list[Prepared], cancels: list[int]) -> _Stepped:
+    def _step(self, items: list[Prepared], cancels: list[int]) -> Stepped:
         """On the engine thread: drop `cancels`, submit `items`, then take one step."""
-        cancelled = [(ticket, self.sampler.cancel(ticket) or 0) for ticket in cancels]
-        tickets = [
-            self.sampler.submit(item.spec, item.adapter_key, item.adapter_dir) for item in items
-        ]
-        try:
-            return _Stepped(tickets, self.sampler.step(), self.sampler.busy, cancelled=cancelled)
-        except Exception:
-            log.exception("a sampling step failed")
-            self.sampler.abort()
-            return _Stepped(tickets, [], busy=False, failed=True, cancelled=cancelled)
+        submits = [(item.spec, item.adapter_key, item.adapter_dir) for item in items]
+        return self.steps(self.sampler, submits, cancels)
+
+
+Submit = tuple[SampleSpec, str | None, Path | None]  # a request, its adapter key and directory
+
+
+def run_step(sampler: Any, submits: list[Submit], cancels: list[int]) -> Stepped:
+    """Drop `cancels`, submit `submits`, then take one step of the torch sampler: what the
+    driver needs back. A step that raises drops everything the sampler held."""
+    cancelled = [(ticket, sampler.cancel(ticket) or 0) for ticket in cancels]
+    tickets = [sampler.submit(spec, key, directory) for spec, key, directory in submits]
+    try:
+        return Stepped(tickets, sampler.step(), sampler.busy, cancelled=cancelled)
+    except Exception:
+        log.exception("a sampling step failed")
+        sampler.abort()
+        return Stepped(tickets, [], busy=False, failed=True, cancelled=cancelled)
+
+
+StepRunner = Callable[[Any, list[Submit], list[int]], "Stepped"]
 
 
 @dataclass
-class _Stepped:
+class Stepped:
     """What one step on the engine thread gives back to the driver."""
 
     tickets: list[int]  # for the items it submitted, in order

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -160,11 +161,25 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--turns", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     spec = GroupSpec(rank=args.rank, world=args.world, port=args.port, timeout_s=300)
     collective = join(spec, torch.device("cpu"))
+    if args.turns is not None:  # when each rank's turn began and ended, appended to a file
+        try:
+
+            def turn() -> None:
+                began = time.time()
+                time.sleep(0.3)
+                with args.turns.open("a") as out:
+                    out.write(f"{args.rank} {began} {time.time()}\n")
+
+            collective.in_turns(turn)
+        finally:
+            leave()
+        return
     try:
         engine = Engine(str(args.model), max_slots=4, max_rank=16, collective=collective)
         out = scenario(engine, args.workdir)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5
 
 
-def run_group(model: Path, world: int, workdir: Path) -> dict[str, torch.Tensor]:
+def run_group(model: Path, world: int, workdir: Path, *extra: str) -> dict[str, torch.Tensor]:
     """The scenario on a group of `world` ranks (one process each); rank 0's observations."""
     workdir.mkdir(parents=True)
     port, out = free_port(), workdir / "rank0.safetensors"
@@ -49,6 +49,7 @@ def run_group(model: Path, world: int, workdir: Path) -> dict[str, torch.Tensor]
                 str(workdir),
                 "--out",
                 str(out),
+                *extra,
             ],
             cwd=ROOT,
             env=env,
@@ -61,7 +62,7 @@ def run_group(model: Path, world: int, workdir: Path) -> dict[str, torch.Tensor]
         for rank in ranks:
             rank.kill()
     assert codes == [0] * world, codes
-    return safetensors.torch.load_file(str(out))
+    return safetensors.torch.load_file(str(out)) if out.exists() else {}
 
 
 def assert_same(alone: dict[str, torch.Tensor], group: dict[str, torch.Tensor]) -> None:
@@ -93,3 +94,19 @@ def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path
             assert int(group["meta.row"]) == int(alone["meta.row"])
         assert int(group["meta.base"]) < int(alone["meta.base"])
         assert_same(alone, group)
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_load_one_after_the_other(tmp_path: Path) -> None:
+    """Each rank loads the whole checkpoint on the host and keeps its share; the ranks take
+    turns (`Collective.in_turns`, which the engine loads through), so the host holds one
+    whole model at a time."""
+    turns = tmp_path / "turns.txt"
+    run_group(tmp_path / "no-model", 4, tmp_path / "group", "--turns", str(turns))
+    spans = sorted(
+        (float(began), float(ended), int(rank))
+        for rank, began, ended in (line.split() for line in turns.read_text().splitlines())
+    )
+    assert [rank for _, _, rank in spans] == [0, 1, 2, 3]
+    for (_, ended, _), (began, _, _) in zip(spans, spans[1:], strict=False):
+        assert began >= ended

@@ -28,10 +28,13 @@ never drift apart.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 class Collective:
@@ -60,6 +63,11 @@ class Collective:
         """Every rank's `part` (same shape on each), in rank order along dim 0 of `out`, on the
         engine's device."""
         return out.copy_(part)
+
+    def in_turns(self, work: Callable[[], T]) -> T:
+        """`work()` on each rank, one rank after the other in rank order (each waits for the one
+        before it): what every rank loads, loaded one at a time."""
+        return work()
 
     def agree(self, flags: list[bool]) -> list[bool]:
         """Per position, whether any rank's flag is set (the same answer on every rank)."""
@@ -99,6 +107,14 @@ class ProcessGroupCollective(Collective):
     def all_gather_into(self, out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         dist.all_gather(list(out.chunk(self.world)), part.contiguous())
         return out
+
+    def in_turns(self, work: Callable[[], T]) -> T:
+        done: list[T] = []
+        for turn in range(self.world):
+            if turn == self.rank:
+                done.append(work())
+            dist.barrier(group=self.host_group)
+        return done[0]
 
     def agree_max(self, values: list[int]) -> list[int]:
         if not values:

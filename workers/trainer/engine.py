@@ -34,12 +34,13 @@ changes no state; a snapshot slot is never trained, stepped or saved.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
@@ -49,7 +50,7 @@ from workers.engine.collective import Collective
 from workers.engine.custom_loss import check_request as check_custom_request
 from workers.engine.expert_parallel import split_experts
 from workers.engine.frozen_shards import shard_frozen_linears
-from workers.engine.lora import LoraBank, SlotRouting, lay_out_slot
+from workers.engine.lora import ExpertSlice, LoraBank, SlotRouting, lay_out_slot
 from workers.engine.losses import check_inputs, get_loss, resolve_config
 from workers.engine.optimizer import SlotAdamW
 from workers.engine.passes import CUSTOM, PassResults, PassRunner, not_finite
@@ -60,6 +61,24 @@ from workers.trainer.residency import Residency
 from workers.trainer.slot_checkpoints import SlotCheckpoints
 
 log = logging.getLogger(__name__)
+
+
+def _load(
+    base_model: str, dtype: torch.dtype, device: torch.device, collective: Collective
+) -> tuple[PreTrainedModel, dict[str, ExpertSlice]]:
+    """The frozen base model on `device`, with this rank's share of it: a MoE model's experts
+    (`workers.engine.expert_parallel`), else a dense model's decoder linears
+    (`workers.engine.frozen_shards`); the whole model on one device. Loaded on the host and cut
+    there, so a device never holds more than its share."""
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    model.requires_grad_(False)
+    model.eval()  # type: ignore[no-untyped-call]
+    slices = split_experts(model, collective)
+    if not slices:  # a dense model: its frozen decoder linears are split instead
+        shard_frozen_linears(model, collective)
+    model.to(device)  # type: ignore[arg-type]  # transformers types `to` as a decorator
+    gc.collect()  # the parts of the model other ranks hold, before the next rank loads
+    return model, slices
 
 
 class Engine:
@@ -86,20 +105,17 @@ class Engine:
         self.device = torch.device(device)
         # bf16 where it is fast; fp32 on the CPU, where results must match references exactly.
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=self.dtype)
-        model.to(self.device)  # type: ignore[arg-type]  # transformers types `to` as a decorator
-        model.requires_grad_(False)
-        model.eval()  # type: ignore[no-untyped-call]
+        # A rank of a worker group keeps its share of the model; the ranks load in turns, so
+        # the host holds one whole model at a time (`_load`).
+        self.collective = collective or Collective()
+        model, slices = self.collective.in_turns(
+            lambda: _load(base_model, self.dtype, self.device, self.collective)
+        )
         text_config = model.config.get_text_config()
         self.base_model = base_model
         self.vocab_size = int(text_config.vocab_size)
         self.max_context = int(text_config.max_position_embeddings)
         self.arch = str(model.config.model_type)
-        # A rank of a worker group keeps its share of the experts (`workers.engine.expert_parallel`)
-        self.collective = collective or Collective()
-        slices = split_experts(model, self.collective)
-        if not slices:  # a dense model: its frozen decoder linears are split instead
-            shard_frozen_linears(model, self.collective)
         if max_slots is None:
             # planned from what the device holds once the base model is on it
             plan = plan_slots(free_memory(self.device), lay_out_slot(model, max_rank, slices)[1])

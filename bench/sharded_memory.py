@@ -1,9 +1,10 @@
 """Memory per rank of a worker group whose MoE experts are split over its ranks.
 
 Measured: a random Qwen3-MoE on the CPU (hidden 256, 4 layers, 16 experts top-4,
-moe_intermediate 512, vocab 4096), 8 slots of max rank 16, as groups of N = 1, 2 and 4 ranks
-(gloo, loopback). Each rank reports the bytes of its frozen base model, of its adapter bank
-(weights, gradients, Adam's two moments, fp32) and its resident set.
+moe_intermediate 512, vocab 4096; its experts split) and a random dense Qwen3 (hidden 512,
+4 layers, intermediate 1536, vocab 4096; its decoder linears split), 8 slots of max rank 16, as
+groups of N = 1, 2 and 4 ranks (gloo, loopback). Each rank reports the bytes of its frozen base
+model, of its adapter bank (weights, gradients, Adam's two moments, fp32) and its resident set.
 
 Planned: the bytes per rank of Qwen3-235B-A22B and Qwen3.5-397B-A17B over 8 GPUs, counted from
 their `config.json` (tests/data/moe_configs, shipped; nothing downloaded): the base model in
@@ -79,10 +80,24 @@ def rank_main(args: argparse.Namespace) -> None:
         leave()
 
 
-def build_model(directory: Path) -> Path:
+def build_model(directory: Path, kind: str) -> Path:
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    torch.manual_seed(0)
+    if kind == "dense":
+        dense = Qwen3Config(
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            tie_word_embeddings=True,
+        )
+        Qwen3ForCausalLM(dense).save_pretrained(directory)
+        return directory
     config = Qwen3MoeConfig(
         vocab_size=4096,
         hidden_size=256,
@@ -98,7 +113,6 @@ def build_model(directory: Path) -> Path:
         mlp_only_layers=[],
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(directory)
     return directory
 
@@ -242,15 +256,16 @@ def main() -> None:
         rank_main(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp))
-        print(f"{'N':>3}{'rank':>6}{'base MiB':>10}{'bank MiB':>10}{'RSS MiB':>9}")
-        for world in (1, 2, 4):
-            for report in measure(model, world):
-                print(
-                    f"{world:>3}{report['rank']:>6}{report['base'] / MiB:>10.1f}"
-                    f"{report['bank'] / MiB:>10.1f}{report['rss'] / MiB:>9.0f}",
-                    flush=True,
-                )
+        print(f"{'model':<7}{'N':>3}{'rank':>6}{'base MiB':>10}{'bank MiB':>10}{'RSS MiB':>9}")
+        for kind in ("moe", "dense"):
+            model = build_model(Path(tmp) / kind, kind)
+            for world in (1, 2, 4):
+                for report in measure(model, world):
+                    print(
+                        f"{kind:<7}{world:>3}{report['rank']:>6}{report['base'] / MiB:>10.1f}"
+                        f"{report['bank'] / MiB:>10.1f}{report['rss'] / MiB:>9.0f}",
+                        flush=True,
+                    )
     print()
     print(planned())
 

@@ -63,8 +63,9 @@ def _record(out: dict[str, torch.Tensor], key: str, result: object) -> None:
     out[f"{key}.loss"] = torch.tensor([result.metrics["loss:sum"]])  # type: ignore[attr-defined]
 
 
-def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
-    """The same calls on every rank; what rank 0 saw, by name."""
+def scenario(engine: Engine, workdir: Path, foreign: Path | None = None) -> dict[str, torch.Tensor]:
+    """The same calls on every rank; what rank 0 saw, by name. `foreign`: a checkpoint saved
+    by another group size, loaded at the end (else this run's own)."""
     out: dict[str, torch.Tensor] = {
         # what this rank holds: a slot's row length and each experts block's experts
         "meta.row": torch.tensor([engine.bank.weights.shape[1]]),
@@ -139,6 +140,23 @@ def scenario(engine: Engine, workdir: Path) -> dict[str, torch.Tensor]:
         for n, sequence in enumerate(output.sequences):
             out[f"sample.{index}.{n}.tokens"] = torch.tensor(sequence.tokens, dtype=torch.float64)
             out[f"sample.{index}.{n}.logprobs"] = torch.tensor(sequence.logprobs)
+    # a checkpoint written with another number of ranks loads and trains on
+    out.update(cross_check(engine, foreign or workdir / "final-t3"))
+    return out
+
+
+def cross_check(engine: Engine, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Load `checkpoint` (with its optimizer) as a new tenant, then one pass and one step."""
+    out: dict[str, torch.Tensor] = {}
+    rng = np.random.default_rng(99)
+    engine.load("tx", checkpoint, with_optimizer=True)
+    [result] = engine.forward_backward([("tx", _request("tx", [6], rng, engine.vocab_size))])
+    _record(out, "cross.tx", result)
+    [metrics] = engine.optim_step(
+        [("tx", AdamParams(learning_rate=LR, eps=EPS, grad_clip_norm=1.0))]
+    )
+    assert isinstance(metrics, dict), metrics
+    out["cross.tx.norm"] = torch.tensor([metrics["unclipped_grad_l2:mean"]])
     return out
 
 
@@ -162,6 +180,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--turns", type=Path)
+    parser.add_argument("--foreign", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -182,7 +201,7 @@ def main() -> None:
         return
     try:
         engine = Engine(str(args.model), max_slots=4, max_rank=16, collective=collective)
-        out = scenario(engine, args.workdir)
+        out = scenario(engine, args.workdir, args.foreign)
         if args.rank == 0:
             safetensors.torch.save_file({k: v.contiguous() for k, v in out.items()}, str(args.out))
     finally:

@@ -16,9 +16,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.group_harness import run_alone
+from tests.group_harness import cross_check, run_alone
 from workers.group.runtime import free_port
 from workers.tiny_model import build_tiny_model
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -86,7 +87,9 @@ def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path
     alone = run_alone(model, tmp_path / "alone")
     assert "bad.t1.error" in alone and "bad.t0.loss" in alone  # the failing tenant alone
     for world in (2, 4) if arch in ("qwen3", "qwen3_moe") else (2,):
-        group = run_group(model, world, tmp_path / f"group-{world}")
+        # the group loads, at its end, the checkpoint one device saved
+        foreign = tmp_path / "alone" / "final-t3"
+        group = run_group(model, world, tmp_path / f"group-{world}", "--foreign", str(foreign))
         if arch != "qwen3":  # each rank holds its share of the experts and their factors
             assert group["meta.experts"].tolist() == [n // world for n in alone["meta.experts"]]
             assert int(group["meta.row"]) < int(alone["meta.row"])
@@ -94,6 +97,10 @@ def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path
             assert int(group["meta.row"]) == int(alone["meta.row"])
         assert int(group["meta.base"]) < int(alone["meta.base"])
         assert_same(alone, group)
+        # and one device loads what the group saved
+        engine = Engine(str(model), max_slots=4, max_rank=16)
+        again = cross_check(engine, tmp_path / f"group-{world}" / "final-t3")
+        assert_same({k: v for k, v in alone.items() if k.startswith("cross.")}, again)
 
 
 @pytest.mark.timeout(120)

@@ -5,14 +5,18 @@ cluster, same weights: adapters ≤ 1e-4 apart), the group's torch sampler draws
 device draws for a seeded request, a sampler checkpoint samples, and a SIGKILL of rank 1
 mid-run stops the group as one: `up`
 restarts it, its models come back from their snapshots and the ops log, every future resolves
-and every adapter ends where an undisturbed run ends.
+and every adapter ends where an undisturbed run ends. Models move between the group and a
+one-device worker of the same pool both ways, through snapshots in one device's layout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +27,8 @@ import pytest
 import tinker
 from tinker import types
 
+from protocol import subjects
+from tests.cluster_helpers import shard_owners
 from tests.conftest import Cluster, saved_adapter, start_cluster, stop_cluster
 from tests.sdk_helpers import toy_batch, train_pipelined
 
@@ -30,6 +36,7 @@ pytestmark = pytest.mark.e2e
 
 FAST_TAKEOVER = {"TWINKLE_LEASE_S": "3", "TWINKLE_SNAPSHOT_EVERY": "3"}
 STEPS = 10
+AGAIN = 2  # steps after the group is back
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +83,12 @@ def _train(cluster: Cluster, base_model: Path, seed: int, rank: int, name: str) 
     return train_pipelined(client, seed, STEPS, name, pause_s=0.0)
 
 
-def _assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+def _assert_same(
+    got: dict[str, np.ndarray], want: dict[str, np.ndarray], atol: float = 1e-4
+) -> None:
     assert got.keys() == want.keys()
     for key in want:
-        np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
+        np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
 
 
 def test_tenants_train_through_a_group_as_on_one_device(
@@ -172,3 +181,110 @@ def test_a_killed_rank_stops_its_group_and_loses_nothing(
         assert time.monotonic() < deadline, "the group was not restarted"
         time.sleep(0.5)
     assert len(restarted) == 1
+
+
+def test_models_move_between_a_group_and_a_single_device_worker(
+    group_cluster: Cluster, group_model: Path, tmp_path: Path
+) -> None:
+    """A one-device worker joins the group's pool and takes half its shards. When the group
+    dies (rank 1 SIGKILLed) the one-device worker takes its models over from the snapshots the
+    group wrote, and when `up` has started the group again it takes shards back, with models the
+    one-device worker snapshotted: the snapshots hold one device's layout either way. Every
+    future resolves, every adapter ends where an undisturbed run ends."""
+    pool = subjects.pool_of(str(group_model))
+    log_file = tmp_path / "single.log"
+    single = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "workers", "--base-model", str(group_model)),
+            *("--nats-url", group_cluster.nats_url, "--data-dir", str(group_cluster.data_dir)),
+            *("--max-slots", "48", "--max-rank", "16", "--threads", "1", "--sampler", "none"),
+            *("--worker-id", "single-device", "--token-budget", "4096"),
+        ],
+        stdout=log_file.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **FAST_TAKEOVER},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (
+            "single-device" not in asyncio.run(shard_owners(group_cluster.nats_url, pool)).values()
+        ):
+            assert single.poll() is None, log_file.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the one-device worker never took a shard"
+            time.sleep(0.5)
+        owners = asyncio.run(shard_owners(group_cluster.nats_url, pool))
+        service = tinker.ServiceClient(
+            base_url=group_cluster.base_url, api_key=group_cluster.api_key
+        )
+        clients: dict[int, tinker.TrainingClient] = {}
+        for seed in range(51, 90):  # two tenants on each worker
+            client = service.create_lora_training_client(
+                base_model=str(group_model), rank=4, seed=seed
+            ).result()
+            owner = owners.get(subjects.shard_of(client.model_id))
+            if (
+                sum(owners.get(subjects.shard_of(c.model_id)) == owner for c in clients.values())
+                < 2
+            ):
+                clients[seed] = client
+            if len(clients) == 4:
+                break
+        assert len(clients) == 4
+        reference = {}
+        for seed in clients:  # the same two rounds, undisturbed
+            client = service.create_lora_training_client(
+                base_model=str(group_model), rank=4, seed=seed
+            ).result()
+            train_pipelined(client, seed, STEPS, f"ref-a-{seed}", pause_s=0.0)
+            path = train_pipelined(client, seed, AGAIN, f"ref-b-{seed}", pause_s=0.0)
+            reference[seed] = saved_adapter(group_cluster, path)
+        group_id = next(owner for owner in owners.values() if owner != "single-device")
+        results: dict[int, str] = {}
+        errors: list[BaseException] = []
+        progress: dict[int, int] = {}
+
+        def run(seed: int) -> None:
+            try:
+                results[seed] = train_pipelined(clients[seed], seed, STEPS, "moved", progress)
+            except BaseException as error:  # reported below
+                errors.append(error)
+
+        [rank_1] = _ranks(group_cluster)
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in clients]
+        for thread in threads:
+            thread.start()
+        while min(progress.get(seed, 0) for seed in clients) < STEPS // 2:
+            assert not errors, errors
+            time.sleep(0.05)
+        os.kill(rank_1, signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=300)
+        assert all(not thread.is_alive() for thread in threads), "a training loop hung"
+        assert not errors, errors
+        # round two once the restarted group holds shards again
+        deadline = time.monotonic() + 180
+        while group_id not in asyncio.run(shard_owners(group_cluster.nats_url, pool)).values():
+            assert time.monotonic() < deadline, "the restarted group took no shard back"
+            time.sleep(0.5)
+        for seed in clients:
+            results[seed] = train_pipelined(clients[seed], seed, AGAIN, "again", pause_s=0.0)
+        for seed in clients:
+            # A model trained partly on each layout rounds differently from one trained on
+            # one (on this model: 7e-5 apart after 10 steps, 2e-3 after 20, measured), so
+            # the bound is looser than 1e-4; a lost moment or step count would put it about
+            # one learning rate (2e-2) off.
+            _assert_same(saved_adapter(group_cluster, results[seed]), reference[seed], 1e-3)
+        # the one-device worker took the group's models over, and the restarted group took
+        # some back from the one-device worker's snapshots
+        assert "took model" in log_file.read_text()
+        group_log = (
+            group_cluster.data_dir.parent / f"{group_cluster.data_dir.name}.log"
+        ).read_text()
+        restarted = group_log.split("rank 1 of the worker group exited")[-1]
+        assert "took model" in restarted
+    finally:
+        single.send_signal(signal.SIGTERM)
+        try:
+            single.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            single.kill()

@@ -113,8 +113,8 @@ class TombstoneJob(JobBase, frozen=True, tag="tombstone"):
 class ImportAdapterJob(JobBase, frozen=True, tag="import_adapter"):
     """Make an uploaded PEFT adapter the training checkpoint `tinker://<model_id>/weights/<name>`.
 
-    The gateway staged the upload's two files in `<checkpoint root>/.imports/<staging_id>/`;
-    the worker checks them against its model (shapes, rank cap, finite values), writes the
+    The gateway staged the upload's two files in `<checkpoint root>/.imports/<staging_id>/`
+    (with an artifact store: under `import_staging_key`, with a manifest); the worker checks them against its model (shapes, rank cap, finite values), writes the
     checkpoint with fresh optimizer state and answers its record. Seq 0 of a run that is never
     trained: the tenant loads the checkpoint into a new training client.
     """
@@ -135,7 +135,8 @@ ADAPTER_LAYOUTS: tuple[AdapterLayout, ...] = ("peft", "per-expert", "tinker")
 class ExportMergedJob(JobBase, frozen=True, tag="export_merged"):
     """Merge a checkpoint's adapter into the base model and write the whole model
     (safetensors, config, tokenizer) to `<checkpoint root>/.exports/<export_id>/`; with a
-    `layout`, write the adapter folder in that layout there instead.
+    `layout`, write the adapter folder in that layout there instead. With an artifact store,
+    the checkpoint is read from it and the files go to it, under `merged_export_key`.
 
     `model_id` is a one-off id of the export, not a run: the job is its only op.
     """
@@ -143,6 +144,7 @@ class ExportMergedJob(JobBase, frozen=True, tag="export_merged"):
     path: str = ""  # the checkpoint, tinker://...
     export_id: str = ""
     layout: AdapterLayout | None = None  # None: the merged model
+    content_id: str = ""  # the checkpoint's content, for one in the artifact store
 
 
 Job = (
@@ -243,6 +245,16 @@ def import_staging_dir(root: Path, staging_id: str) -> Path:
 def merged_export_dir(root: Path, export_id: str) -> Path:
     """Where a worker writes the merged model of `ExportMergedJob`."""
     return root / EXPORTS_DIR / export_id
+
+
+def import_staging_key(staging_id: str) -> str:
+    """`import_staging_dir`'s prefix in an artifact store."""
+    return f"{IMPORTS_DIR}/{staging_id}"
+
+
+def merged_export_key(export_id: str) -> str:
+    """`merged_export_dir`'s prefix in an artifact store."""
+    return f"{EXPORTS_DIR}/{export_id}"
 
 
 _JOB_ENCODER = msgspec.msgpack.Encoder()

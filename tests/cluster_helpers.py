@@ -124,6 +124,19 @@ def stored_adapter(
     return safetensors.numpy.load_file(str(directory / "adapter_model.safetensors"))
 
 
+def in_store(store_url: str, env: dict[str, str], cluster: Cluster, prefix: str) -> bool:
+    """Whether any object of the artifact store lies under `prefix/`."""
+    from workers.artifacts import ArtifactStore
+
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        return ArtifactStore(store_url, cluster.data_dir / "test-cache").exists(prefix)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @dataclass
 class Gateway:
     base_url: str

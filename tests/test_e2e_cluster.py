@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import signal
 import tarfile
@@ -20,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -33,6 +35,7 @@ from protocol import subjects
 from tests.cluster_helpers import (
     Gateway,
     checkpoint_record,
+    in_store,
     node_pid,
     ops_stream,
     shard_owners,
@@ -142,6 +145,37 @@ def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
     assert got.keys() == want.keys()
     for key in want:
         np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
+
+
+def _transfer(admin: httpx.Client, answer: httpx.Response) -> dict[str, Any]:
+    """An admin transfer's answer once its worker is done."""
+    assert answer.status_code == 200, answer.text
+    body: dict[str, Any] = answer.json()
+    deadline = time.monotonic() + 300
+    while body["state"] == "pending":
+        assert time.monotonic() < deadline, body
+        polled = admin.get(f"/admin/v1/transfers/{body['request_id']}")
+        assert polled.status_code == 200, polled.text
+        body = polled.json()
+    return body
+
+
+def _assert_merged(
+    merged: dict[str, np.ndarray], base: Path, adapter: dict[str, np.ndarray], config: bytes
+) -> None:
+    """Every adapted linear of the merged model is `W + alpha/r · B·A` of the base weight."""
+    scale = json.loads(config)["lora_alpha"] / json.loads(config)["r"]
+    original = safetensors.numpy.load_file(str(base / "model.safetensors"))
+    checked = 0
+    for key, a in adapter.items():
+        if not key.endswith(".lora_A.weight") or "lm_head" in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        b = adapter[key.replace("lora_A", "lora_B")]
+        want = original[name] + scale * (b @ a)
+        np.testing.assert_allclose(merged[name], want, atol=1e-5, rtol=0, err_msg=name)
+        checked += 1
+    assert checked
 
 
 def _wait_for(
@@ -314,10 +348,11 @@ def test_both_gateways_serve_downloads_copies_and_deletes_from_the_store(
                     assert member is not None
                     _close(safetensors.numpy.load(member.read()), saved)
 
-        # an operator's adapter export: presigned URLs of the store; what needs a worker's
-        # disk (a merged export, an import) answers that it is not there yet
+        # an operator's adapter export: presigned URLs of the store; what needs a worker (a
+        # merged export, an import) goes through the store too: the worker reads the
+        # checkpoint from it and puts its files there, and the gateway presigns them
         with httpx.Client(
-            base_url=cluster.base_url, headers={"X-Admin-Key": ADMIN_KEY}, timeout=30
+            base_url=cluster.base_url, headers={"X-Admin-Key": ADMIN_KEY}, timeout=60
         ) as admin:
             exported = admin.post("/admin/v1/checkpoints/export", json={"path": path}).json()
             assert exported["state"] == "done", exported
@@ -325,14 +360,67 @@ def test_both_gateways_serve_downloads_copies_and_deletes_from_the_store(
             fetched = httpx.get(by_name["adapter_model.safetensors"]["url"]).content
             assert by_name["adapter_model.safetensors"]["size"] == len(fetched)
             _close(safetensors.numpy.load(fetched), saved)
-            merged = admin.post("/admin/v1/checkpoints/export", json={"path": path, "merged": True})
-            assert merged.status_code == 501 and "artifact store" in merged.text
-            imported = admin.post(
-                "/admin/v1/checkpoints/import",
-                params={"tenant": "tenant-41", "name": "imported"},
-                files={"adapter_config.json": b"{}"},
+            adapter_config = httpx.get(by_name["adapter_config.json"]["url"]).content
+
+            merged = _transfer(
+                admin,
+                admin.post("/admin/v1/checkpoints/export", json={"path": path, "merged": True}),
             )
-            assert imported.status_code == 501 and "artifact store" in imported.text
+            assert merged["kind"] == "merged", merged
+            files = {f["name"]: f for f in merged["files"]}
+            assert {"config.json", "model.safetensors"} <= set(files)
+            assert all(f["url"].startswith(env["AWS_ENDPOINT_URL"]) for f in files.values())
+            weights = httpx.get(files["model.safetensors"]["url"]).content
+            assert len(weights) == files["model.safetensors"]["size"]
+            _assert_merged(safetensors.numpy.load(weights), tiny_model, saved, adapter_config)
+            assert in_store(STORE, env, cluster, f".exports/{merged['export_id']}")
+            assert admin.delete(f"/admin/v1/exports/{merged['export_id']}").status_code == 200
+            assert not in_store(STORE, env, cluster, f".exports/{merged['export_id']}")
+            assert admin.delete(f"/admin/v1/exports/{merged['export_id']}").status_code == 404
+
+            imported = _transfer(
+                admin,
+                admin.post(
+                    "/admin/v1/checkpoints/import",
+                    params={"tenant": "tenant-41", "name": "imported"},
+                    files={
+                        "adapter_config.json": adapter_config,
+                        "adapter_model.safetensors": fetched,
+                    },
+                ),
+            )
+            assert imported["kind"] == "import", imported
+            _close(stored_adapter(STORE, env, cluster, imported["path"]), saved)
+            assert not in_store(STORE, env, cluster, ".imports")  # the staged upload is gone
+
+            # an upload the worker refuses, and one over the tenant's room, leave nothing
+            # staged in the store
+            def upload(name: str, weights: bytes) -> httpx.Response:
+                return admin.post(
+                    "/admin/v1/checkpoints/import",
+                    params={"tenant": "tenant-41", "name": name},
+                    files={
+                        "adapter_config.json": adapter_config,
+                        "adapter_model.safetensors": weights,
+                    },
+                )
+
+            corrupt = upload("corrupt", b"\x10\x00\x00\x00not safetensors")
+            if corrupt.status_code == 200:  # still pending at the first answer
+                corrupt = admin.get(f"/admin/v1/transfers/{corrupt.json()['request_id']}")
+            assert corrupt.status_code == 400 and "adapter_model" in corrupt.text, corrupt.text
+            usage = admin.get("/admin/v1/usage", params={"tenant": "tenant-41"}).json()
+            room = usage["usage"][0]["checkpoint_bytes"] + 1000
+            quota = {"max_checkpoint_bytes": room}
+            assert admin.put("/admin/v1/quotas/tenant-41", json=quota).status_code == 200
+            too_big = upload("too-big", fetched)
+            assert too_big.status_code == 413 and "over 1000 bytes" in too_big.text, too_big.text
+            quota = {"max_checkpoint_bytes": None}
+            assert admin.put("/admin/v1/quotas/tenant-41", json=quota).status_code == 200
+            assert not in_store(STORE, env, cluster, ".imports")
+        # the imported checkpoint trains on, wherever its run lands
+        from_import = service.create_training_client_from_state(imported["path"]).result()
+        from_import.forward_backward(batch, "cross_entropy").result()
 
         # a copy is a server-side copy in the store, under a key of its own
         rest = tinker.RestClient(base_url=other.base_url, api_key=key)

@@ -9,11 +9,13 @@ checkpoint); `twinkle-admin checkpoints export|import` wraps these routes over H
    asked for (always, for an adapter without fused MoE experts). A merged export, or a MoE
    adapter in another layout (`protocol.jobs.AdapterLayout`), needs torch, so it is an
    `ExportMergedJob` for a worker of the base model, which writes the whole model or the
-   adapter folder under `<root>/.exports/<export_id>/`; the answer is
-   `{"state": "pending", "request_id"}` until it is done, then the files' signed URLs
-   (`GET /files/v1/exports/<id>/<file>`).
+   adapter folder under `<root>/.exports/<export_id>/` (with an artifact store: under
+   `.exports/<export_id>/` in the store); the answer is `{"state": "pending", "request_id"}`
+   until it is done, then the files' signed URLs (`GET /files/v1/exports/<id>/<file>`, or
+   presigned URLs of the store).
 2. `POST /admin/v1/checkpoints/import?tenant=&name=[&base_model=]`, multipart with the parts
    `adapter_config.json` and `adapter_model.safetensors`: streamed to `<root>/.imports/<id>/`
+   (with an artifact store: to `.imports/<id>/` in the store, a manifest last)
    within `MAX_UPLOAD_BYTES` (and the tenant's `max_checkpoint_bytes`), checked here as far as
    JSON allows (peft type, rank against the worker's cap and the tenant's quota, base model),
    then an `ImportAdapterJob` on a new, never-trained run of the tenant checks the tensors
@@ -28,13 +30,16 @@ nothing in memory beyond one chunk; a refused import leaves no run, file or reco
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import hashlib
 import json
 import re
 import shutil
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import BodyPartReader, web
@@ -50,7 +55,9 @@ from protocol.jobs import (
     Job,
     Outcome,
     import_staging_dir,
+    import_staging_key,
     merged_export_dir,
+    merged_export_key,
 )
 from protocol.records import CheckpointRecord, RunRecord
 from twinkle_async.futures import new_request_id
@@ -60,6 +67,7 @@ from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.checkpoint_files import downloadable_files
 from twinkle_async.gateway.checkpoint_routes import artifact_store, base_url, checkpoint_root
 from twinkle_async.gateway.state import ARTIFACTS, BUS, FUTURES, QUOTAS, REGISTRY, SETTINGS
+from twinkle_async.gateway.store_files import StoreFiles
 from twinkle_async.quotas import check_limit, check_room
 
 routes = web.RouteTableDef()
@@ -100,36 +108,21 @@ async def export_checkpoint(request: web.Request) -> web.Response:
     if body.merged and body.layout != "peft":
         raise UserError("layout: a merged export is a whole model, not an adapter in a layout")
     if ckpt.store_key:
-        return await _export_stored(request, ckpt, body)
-    root = checkpoint_root(request)
-    directory = paths.checkpoint_dir(root, path)
-    stored = None if body.merged else await asyncio.to_thread(_stored_layout, directory)
-    if not body.merged and stored in (None, body.layout):
-        found = await asyncio.to_thread(downloadable_files, directory)
-        files = [f for f in found if f.name in ADAPTER_FILES]
-        if len(files) != len(ADAPTER_FILES):
-            raise NotFound(f"checkpoint {body.path!r} has no PEFT adapter files in the store")
-        settings = request.app[SETTINGS]
-        expires = int(time.time()) + URL_TTL_S
-        listed = [
-            {
-                "name": f.name,
-                "size": f.stat().st_size,
-                "url": signed_urls.file_url(
-                    base_url(request),
-                    settings.download_secret,
-                    path,
-                    f.name,
-                    ckpt.content_id,
-                    expires,
-                ),
-            }
-            for f in files
-        ]
-        return _adapter_answer(body, ckpt, listed)
-    _no_store(request, "a merged or re-laid-out export")
+        store = artifact_store(request, ckpt)
+        if not body.merged:
+            config = await store.read_small(ckpt.store_key, ADAPTER_CONFIG, MAX_CONFIG_BYTES)
+            if _layout_of(config) in (None, body.layout):
+                return await _export_stored(store, ckpt, body)
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=EXPORT_KEEP_S)
+        await store.delete_older(EXPORTS_DIR, cutoff)
+    else:
+        root = checkpoint_root(request)
+        directory = paths.checkpoint_dir(root, path)
+        stored = None if body.merged else await asyncio.to_thread(_stored_layout, directory)
+        if not body.merged and stored in (None, body.layout):
+            return await _export_local(request, body, ckpt, path, directory)
+        await asyncio.to_thread(_sweep_exports, root, time.time())
     registry.check_base_model(ckpt.base_model)
-    await asyncio.to_thread(_sweep_exports, root, time.time())
     export_id = uuid.uuid4().hex
     job = ExportMergedJob(
         request_id=new_request_id("export_merged"),
@@ -140,34 +133,51 @@ async def export_checkpoint(request: web.Request) -> web.Response:
         path=ckpt.path,
         export_id=export_id,
         layout=None if body.merged else body.layout,
+        content_id=ckpt.content_id if ckpt.store_key else "",
     )
     await _submit(request, ckpt.base_model, job, "export_merged")
     return await _answer(request, job.request_id)
 
 
-def _no_store(request: web.Request, what: str) -> None:
-    """Workers on other hosts write merged exports and read imports on their own disks: with
-    an artifact store, those need a transfer through it, which is not there yet."""
-    if request.app[ARTIFACTS] is not None:
-        raise ServerError(
-            f"{what} is not available with an artifact store yet; export the adapter"
-            " (merged=false, its stored layout) instead",
-            code="not_with_artifact_store",
-            status=501,
-        )
+async def _export_local(
+    request: web.Request,
+    body: ExportRequest,
+    ckpt: CheckpointRecord,
+    path: paths.TinkerPath,
+    directory: Path,
+) -> web.Response:
+    """An adapter export of a checkpoint on this gateway's disk: its files' signed URLs."""
+    found = await asyncio.to_thread(downloadable_files, directory)
+    files = [f for f in found if f.name in ADAPTER_FILES]
+    if len(files) != len(ADAPTER_FILES):
+        raise NotFound(f"checkpoint {body.path!r} has no PEFT adapter files in the store")
+    settings = request.app[SETTINGS]
+    expires = int(time.time()) + URL_TTL_S
+    listed = [
+        {
+            "name": f.name,
+            "size": f.stat().st_size,
+            "url": signed_urls.file_url(
+                base_url(request),
+                settings.download_secret,
+                path,
+                f.name,
+                ckpt.content_id,
+                expires,
+            ),
+        }
+        for f in files
+    ]
+    return _adapter_answer(body, ckpt, listed)
 
 
 async def _export_stored(
-    request: web.Request, ckpt: CheckpointRecord, body: ExportRequest
+    store: StoreFiles, ckpt: CheckpointRecord, body: ExportRequest
 ) -> web.Response:
     """An adapter export of a checkpoint in the artifact store: presigned URLs of its files."""
-    store = artifact_store(request, ckpt)
     files = [f for f in await store.files(ckpt.store_key) if f.name in ADAPTER_FILES]
     if len(files) != len(ADAPTER_FILES):
         raise NotFound(f"checkpoint {body.path!r} has no PEFT adapter files in the store")
-    config = await store.read_small(ckpt.store_key, ADAPTER_CONFIG, MAX_CONFIG_BYTES)
-    if body.merged or _layout_of(config) not in (None, body.layout):
-        _no_store(request, "a merged or re-laid-out export")
     listed = [
         {"name": f.name, "size": f.size, "url": await store.sign(ckpt.store_key, f.name, URL_TTL_S)}
         for f in files
@@ -252,12 +262,19 @@ async def download_export_file(request: web.Request) -> web.StreamResponse:
 
 @routes.delete("/admin/v1/exports/{export_id}")
 async def delete_export(request: web.Request) -> web.Response:
-    """Remove a merged export once its files are fetched."""
+    """Remove a merged export once its files are fetched (from the store, or this disk)."""
     export_id = rules.check_id("export_id", request.match_info["export_id"])
-    directory = merged_export_dir(checkpoint_root(request), export_id)
-    if not directory.is_dir():
+    store = request.app[ARTIFACTS]
+    found = False
+    if store is not None and await store.files(merged_export_key(export_id)):
+        await store.delete_tree(merged_export_key(export_id))
+        found = True
+    root = request.app[SETTINGS].checkpoint_root if store is not None else checkpoint_root(request)
+    if root is not None and merged_export_dir(root, export_id).is_dir():
+        await asyncio.to_thread(shutil.rmtree, merged_export_dir(root, export_id), True)
+        found = True
+    if not found:
         raise NotFound(f"export {export_id!r} not found")
-    await asyncio.to_thread(shutil.rmtree, directory, True)
     return json_response({"deleted": export_id})
 
 
@@ -266,7 +283,6 @@ async def delete_export(request: web.Request) -> web.Response:
 
 @routes.post("/admin/v1/checkpoints/import")
 async def import_checkpoint(request: web.Request) -> web.Response:
-    _no_store(request, "an adapter import")
     tenant = await _known_tenant(request, request.query.get("tenant", ""))
     name = rules.check_checkpoint_name("name", request.query.get("name", ""))
     limits = await request.app[QUOTAS].limits(tenant)
@@ -275,13 +291,19 @@ async def import_checkpoint(request: web.Request) -> web.Response:
     room = None if limits.max_checkpoint_bytes is None else limits.max_checkpoint_bytes - stored
     max_bytes = min(MAX_UPLOAD_BYTES, room) if room is not None else MAX_UPLOAD_BYTES
     staging_id = uuid.uuid4().hex
-    staging = import_staging_dir(checkpoint_root(request), staging_id)
+    store = request.app[ARTIFACTS]
+    staging: _Staging = (
+        _LocalStaging(import_staging_dir(checkpoint_root(request), staging_id))
+        if store is None
+        else _StoreStaging(store, import_staging_key(staging_id))
+    )
     registry = request.app[REGISTRY]
     run: RunRecord | None = None
     try:
         config = await _receive(request, staging, max_bytes)
         base_model, rank = _check_config(request, config, request.query.get("base_model"))
         check_limit("max_rank", rank, limits.max_rank)
+        await staging.commit()
         now = time.time()
         run = RunRecord(
             model_id=f"import-{staging_id[:20]}",
@@ -310,21 +332,100 @@ async def import_checkpoint(request: web.Request) -> web.Response:
         )
         await _submit(request, base_model, job, "import_adapter")
     except BaseException:
-        await asyncio.to_thread(shutil.rmtree, staging, True)
+        await staging.discard()
         if run is not None:
             await registry.delete_run(run.model_id)
         raise
     return await _answer(request, job.request_id)
 
 
-async def _receive(request: web.Request, staging: Path, max_bytes: int) -> dict[str, Any]:
+class _Staging(Protocol):
+    """Where an upload's two files wait for the worker: this gateway's disk or the store."""
+
+    async def open(self) -> None: ...
+    async def write(self, name: str, data: bytes) -> None: ...
+    async def stream(self, name: str, chunks: AsyncIterator[bytes]) -> None: ...
+    async def commit(self) -> None: ...
+    async def discard(self) -> None: ...
+
+
+class _LocalStaging:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self.directory.mkdir, parents=True)
+
+    async def write(self, name: str, data: bytes) -> None:
+        await asyncio.to_thread((self.directory / name).write_bytes, data)
+
+    async def stream(self, name: str, chunks: AsyncIterator[bytes]) -> None:
+        handle = await asyncio.to_thread(open, self.directory / name, "wb")
+        try:
+            async for chunk in chunks:
+                await asyncio.to_thread(handle.write, chunk)
+        finally:
+            await asyncio.to_thread(handle.close)
+
+    async def commit(self) -> None:
+        return None
+
+    async def discard(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.directory, True)
+
+
+class _StoreStaging:
+    """In the artifact store under `key`, each file's size and sha256 kept for the manifest
+    that `commit` writes last (the worker checks the files against it)."""
+
+    def __init__(self, store: StoreFiles, key: str) -> None:
+        self.store = store
+        self.key = key
+        self.files: dict[str, tuple[int, str]] = {}
+
+    async def open(self) -> None:
+        return None
+
+    async def write(self, name: str, data: bytes) -> None:
+        await self.store.put(self.key, name, data)
+        self.files[name] = (len(data), hashlib.sha256(data).hexdigest())
+
+    async def stream(self, name: str, chunks: AsyncIterator[bytes]) -> None:
+        digest, size = hashlib.sha256(), 0
+        failed: list[Exception] = []
+
+        async def counted() -> AsyncIterator[bytes]:
+            # what the source raises (over the limit) is raised below, not as the store
+            # client's own error for an upload whose body failed
+            nonlocal size
+            try:
+                async for chunk in chunks:
+                    digest.update(chunk)
+                    size += len(chunk)
+                    yield chunk
+            except Exception as error:
+                failed.append(error)
+
+        await self.store.put(self.key, name, counted())
+        if failed:
+            raise failed[0]
+        self.files[name] = (size, digest.hexdigest())
+
+    async def commit(self) -> None:
+        await self.store.put_manifest(self.key, self.files)
+
+    async def discard(self) -> None:
+        await self.store.delete_tree(self.key)
+
+
+async def _receive(request: web.Request, staging: _Staging, max_bytes: int) -> dict[str, Any]:
     """Stream the two parts of the upload into `staging`; the adapter config, decoded."""
     if not request.content_type.startswith("multipart/"):
         raise UserError(
             f"upload: expected multipart/form-data with {' and '.join(ADAPTER_FILES)},"
             f" got {request.content_type or 'no content type'}"
         )
-    await asyncio.to_thread(staging.mkdir, parents=True)
+    await staging.open()
     reader = await request.multipart()
     config_bytes: bytes | None = None
     weights = False
@@ -334,9 +435,9 @@ async def _receive(request: web.Request, staging: Path, max_bytes: int) -> dict[
             raise UserError(f"upload: unexpected part {str(shown)[:60]!r} (only {ADAPTER_FILES})")
         if part.name == ADAPTER_CONFIG and config_bytes is None:
             config_bytes = await _read_part(part, MAX_CONFIG_BYTES)
-            await asyncio.to_thread((staging / ADAPTER_CONFIG).write_bytes, config_bytes)
+            await staging.write(ADAPTER_CONFIG, config_bytes)
         elif part.name == ADAPTER_WEIGHTS and not weights:
-            await _store_part(part, staging / ADAPTER_WEIGHTS, max_bytes)
+            await staging.stream(ADAPTER_WEIGHTS, _limited(part, max_bytes))
             weights = True
         else:
             raise UserError(f"upload: {part.name} given twice")
@@ -364,20 +465,17 @@ async def _read_part(part: BodyPartReader, limit: int) -> bytes:
     return bytes(data)
 
 
-async def _store_part(part: BodyPartReader, target: Path, limit: int) -> None:
+async def _limited(part: BodyPartReader, limit: int) -> AsyncIterator[bytes]:
+    """The part's chunks, refused once they pass `limit` bytes (nothing past it is read)."""
     written = 0
-    handle = await asyncio.to_thread(open, target, "wb")
-    try:
-        while chunk := await part.read_chunk(_CHUNK_BYTES):
-            written += len(chunk)
-            if written > limit:
-                raise PayloadTooLarge(
-                    f"{part.name}: over {limit} bytes (the upload limit, or the tenant's room"
-                    " under max_checkpoint_bytes)"
-                )
-            await asyncio.to_thread(handle.write, chunk)
-    finally:
-        await asyncio.to_thread(handle.close)
+    while chunk := await part.read_chunk(_CHUNK_BYTES):
+        written += len(chunk)
+        if written > limit:
+            raise PayloadTooLarge(
+                f"{part.name}: over {limit} bytes (the upload limit, or the tenant's room"
+                " under max_checkpoint_bytes)"
+            )
+        yield chunk
 
 
 def _check_config(
@@ -439,6 +537,22 @@ async def _answer(request: web.Request, request_id: str) -> web.Response:
         _raise(outcome)
     done = json.loads(outcome.payload)
     export_id = str(done["export_id"])
+    kind = "merged" if done.get("layout") is None else "adapter"
+    store_key = done.pop("store_key", None)
+    if store_key is not None:  # written to the artifact store: presigned URLs of it
+        store = request.app[ARTIFACTS]
+        if store is None:
+            raise ServerError(
+                f"export {export_id} is in an artifact store this gateway has not been given"
+                " (start it with --artifact-store)",
+                code="no_checkpoint_store",
+                status=501,
+            )
+        if store_key != merged_export_key(export_id):
+            raise ServerError(f"export {export_id}: unexpected store key {store_key!r}")
+        for entry in done["files"]:
+            entry["url"] = await store.sign(store_key, str(entry["name"]), URL_TTL_S)
+        return json_response({"state": "done", "kind": kind, **done})
     secret = request.app[SETTINGS].download_secret
     expires = int(time.time()) + URL_TTL_S
     prefix = f"{base_url(request)}{signed_urls.FILES_PREFIX}/exports/{export_id}"
@@ -447,7 +561,6 @@ async def _answer(request: web.Request, request_id: str) -> web.Response:
             secret, _export_resource(export_id, entry["name"]), export_id, expires
         )
         entry["url"] = f"{prefix}/{entry['name']}?expires={expires}&sig={sig}"
-    kind = "merged" if done.get("layout") is None else "adapter"
     return json_response({"state": "done", "kind": kind, **done})
 
 

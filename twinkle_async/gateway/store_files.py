@@ -9,7 +9,9 @@ The workers upload a checkpoint's content under `paths.checkpoint_key` (`<run>/<
   (`--artifact-public-url` where it differs from the one the gateway uses);
 - `chunks` streams one file (signed gateway downloads and `/archive` tars are served from it);
 - `copy` is a server-side copy of every file of a content into another prefix (`copy_weights`);
-- `delete_tree` removes every object under a prefix (a checkpoint name with all its contents).
+- `delete_tree` removes every object under a prefix (a checkpoint name with all its contents);
+- `put` streams an uploaded file in (an admin import is staged in the store for the worker),
+  `put_manifest` commits such an upload, and `delete_older` sweeps what nobody fetched.
 
 Keys come from a parsed `TinkerPath` or a record the workers wrote, never from a client's
 string, and file names from a manifest are checked before use. Calls are obstore's async API.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 import obstore
@@ -30,6 +32,7 @@ from protocol.errors import ServerError
 from protocol.paths import CONTENT_ID_FILE, STORE_MANIFEST, parse_store_url
 
 _CHUNK_BYTES = 1 << 20
+_PART_BYTES = 8 << 20  # multipart part size of an upload
 _MAX_MANIFEST_BYTES = 1 << 20  # a checkpoint holds a handful of files
 _MAX_SIGN_S = 7 * 24 * 3600  # S3's limit on a presigned URL's lifetime
 
@@ -133,3 +136,26 @@ class StoreFiles:
         ]
         if keys:
             await obstore.delete_async(self.store, keys)
+
+    async def put(self, prefix: str, name: str, data: bytes | AsyncIterable[bytes]) -> None:
+        """One file under `prefix/` (an async iterable goes up in parts as it comes)."""
+        await obstore.put_async(self.store, f"{prefix}/{name}", data, chunk_size=_PART_BYTES)
+
+    async def put_manifest(self, prefix: str, files: dict[str, tuple[int, str]]) -> None:
+        """The manifest of the files `put` under `prefix/` (name: size, sha256), last: a
+        reader (`workers.artifacts`) checks every file against it."""
+        entries = {name: {"size": size, "sha256": sha} for name, (size, sha) in files.items()}
+        manifest = json.dumps({"files": entries}, sort_keys=True).encode()
+        await obstore.put_async(self.store, f"{prefix}/{STORE_MANIFEST}", manifest)
+
+    async def delete_older(self, prefix: str, cutoff: dt.datetime) -> int:
+        """Remove every object under `prefix/` last written before `cutoff`; how many."""
+        keys = [
+            meta["path"]
+            async for batch in obstore.list(self.store, f"{prefix}/")
+            for meta in batch
+            if meta["last_modified"] < cutoff
+        ]
+        if keys:
+            await obstore.delete_async(self.store, keys)
+        return len(keys)

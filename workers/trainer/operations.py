@@ -222,13 +222,13 @@ class EngineOps:
             if isinstance(job, UnloadModelJob):
                 return [self._unload(job)]
             root = self.settings.checkpoint_root
+            data_dir = self.settings.data_dir
             if isinstance(job, ImportAdapterJob):
-                answer, record = import_adapter(self.engine, root, job)
+                answer, record = import_adapter(self.engine, root, job, self.store, data_dir)
                 return [(done_outcome(job, api.encode(answer)), record)]
             if isinstance(job, ExportMergedJob):
-                return [
-                    (done_outcome(job, api.encode(export_merged(self.engine, root, job))), None)
-                ]
+                exported = export_merged(self.engine, root, job, self.store, data_dir)
+                return [(done_outcome(job, api.encode(exported)), None)]
             raise ServerError(f"op {type(job).__name__} cannot run here")
         except TwinkleError as err:
             return [(failed_outcome(job, err), None)]

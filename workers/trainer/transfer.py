@@ -22,6 +22,10 @@ Invariants:
   upload is removed either way, and nothing is left in the checkpoint store.
 - Both write under a temporary name and rename into place; a retried job rewrites the same
   result (the names are fixed by the job).
+- With an artifact store (`workers.artifacts`) nothing is on a shared disk: the upload is
+  staged in the store (`import_staging_key`), the imported checkpoint goes up as a content of
+  its own (`checkpoint_key`), and an export reads the checkpoint's content from the store and
+  puts its files under `merged_export_key`, where the gateway presigns them.
 """
 
 from __future__ import annotations
@@ -48,11 +52,20 @@ from protocol.jobs import (
     ExportMergedJob,
     ImportAdapterJob,
     import_staging_dir,
+    import_staging_key,
     merged_export_dir,
+    merged_export_key,
 )
-from protocol.paths import CONTENT_ID_FILE, TinkerPath, checkpoint_dir, parse_path
+from protocol.paths import (
+    CONTENT_ID_FILE,
+    TinkerPath,
+    checkpoint_dir,
+    checkpoint_key,
+    parse_path,
+)
 from protocol.records import CheckpointRecord
 from protocol.rules import check_lora_config
+from workers.artifacts import ArtifactStore, staging_dir
 from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, expert_shape, expert_weights
 from workers.trainer.checkpoints import (
@@ -242,16 +255,29 @@ def _complete(
 
 
 def import_adapter(
-    engine: Engine, root: Path, job: ImportAdapterJob
+    engine: Engine,
+    root: Path,
+    job: ImportAdapterJob,
+    store: ArtifactStore | None = None,
+    data_dir: Path | None = None,
 ) -> tuple[dict[str, Any], CheckpointRecord]:
     """Write the staged adapter as `tinker://<model_id>/weights/<name>`; its record."""
-    staging = import_staging_dir(root, job.staging_id)
+    path = TinkerPath(run_id=job.model_id, kind="weights", name=job.name)
+    store_key = digest = ""
+    staging: Path | None = None
+    if store is None:
+        staging = import_staging_dir(root, job.staging_id)
+        target = checkpoint_dir(root, path)
+    else:
+        assert data_dir is not None
+        target = staging_dir(data_dir, job.model_id) / "imported"
     try:
+        if store is not None:
+            staging = _staged_upload(store, job)
+        assert staging is not None
         if not staging.is_dir():
             raise UserError(f"upload {job.staging_id!r} is gone from the checkpoint store")
         stored = _checked_adapter(engine, staging)
-        path = TinkerPath(run_id=job.model_id, kind="weights", name=job.name)
-        target = checkpoint_dir(root, path)
         temporary = target.with_name(target.name + ".tmp")
         shutil.rmtree(temporary, ignore_errors=True)
         size = _write_imported(engine, stored, temporary, job)
@@ -265,8 +291,16 @@ def import_adapter(
         (temporary / CONTENT_ID_FILE).write_text(content_id)
         shutil.rmtree(target, ignore_errors=True)  # a retried job's earlier result
         os.replace(temporary, target)
+        if store is not None:  # a content of its own; the record, written next, commits it
+            store_key = checkpoint_key(path, content_id)
+            uploaded = store.upload(store_key, target)
+            size, digest = uploaded.size_bytes, uploaded.sha256
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if store is not None:
+            shutil.rmtree(target.parent, ignore_errors=True)
+            store.delete(import_staging_key(job.staging_id))
     now = time.time()
     record = CheckpointRecord(
         run_id=job.model_id,
@@ -274,7 +308,7 @@ def import_adapter(
         checkpoint_id=path.checkpoint_id,
         kind="weights",
         path=str(path),
-        directory=str(target),
+        directory="" if store is not None else str(target),
         created_at=now,
         size_bytes=size,
         base_model=engine.base_model,
@@ -282,9 +316,20 @@ def import_adapter(
         with_optimizer=True,
         user_metadata={"imported": "peft"},
         content_id=content_id,
+        store_key=store_key,
+        sha256=digest,
     )
     answer = {"path": str(path), "size_bytes": size, "rank": stored.spec.rank}
     return answer, record
+
+
+def _staged_upload(store: ArtifactStore, job: ImportAdapterJob) -> Path:
+    """A local copy of the upload the gateway staged in the store (checked against the
+    manifest the gateway wrote last); a `UserError` when it is not there."""
+    key = import_staging_key(job.staging_id)
+    if not store.exists(key):
+        raise UserError(f"upload {job.staging_id!r} is gone from the checkpoint store")
+    return store.download(key)
 
 
 def _write_imported(
@@ -315,34 +360,56 @@ def _write_imported(
     return write_checkpoint(directory, checkpoint, kind="weights", model=engine.slots.files.model)
 
 
-def export_merged(engine: Engine, root: Path, job: ExportMergedJob) -> dict[str, Any]:
+def export_merged(
+    engine: Engine,
+    root: Path,
+    job: ExportMergedJob,
+    store: ArtifactStore | None = None,
+    data_dir: Path | None = None,
+) -> dict[str, Any]:
     """Write the base model with the checkpoint's adapter merged in (or, with `job.layout`,
-    the adapter folder in that layout); the files written."""
-    source = checkpoint_dir(root, parse_path(job.path))
+    the adapter folder in that layout); the files written (and, in a store, their prefix)."""
+    path = parse_path(job.path)
+    if store is None:
+        source = checkpoint_dir(root, path)
+        target = merged_export_dir(root, job.export_id)
+    else:
+        if not job.content_id:
+            raise UserError(f"path: checkpoint {job.path!r} has no content in the artifact store")
+        assert data_dir is not None
+        source = store.download(checkpoint_key(path, job.content_id))
+        target = staging_dir(data_dir, f"export-{job.export_id}") / "files"
     if not source.is_dir():
         raise UserError(f"path: checkpoint {job.path!r} has no files in the checkpoint store")
-    stored = engine.slots.files.read(source, with_optimizer=False)
-    target = merged_export_dir(root, job.export_id)
-    temporary = target.with_name(target.name + ".tmp")
-    shutil.rmtree(temporary, ignore_errors=True)
-    if job.layout is not None:
-        write_checkpoint(
-            temporary,
-            stored.checkpoint,
-            kind="sampler_weights",
-            model=engine.slots.files.model,
-            layout=job.layout,
-        )
-    else:
-        _write_merged(engine, stored, temporary)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(temporary, target)
-    files = [
-        {"name": entry.name, "size": entry.stat().st_size}
-        for entry in sorted(target.iterdir())
-        if entry.is_file()
-    ]
-    return {"export_id": job.export_id, "files": files, "layout": job.layout}
+    try:
+        stored = engine.slots.files.read(source, with_optimizer=False)
+        temporary = target.with_name(target.name + ".tmp")
+        shutil.rmtree(temporary, ignore_errors=True)
+        if job.layout is not None:
+            write_checkpoint(
+                temporary,
+                stored.checkpoint,
+                kind="sampler_weights",
+                model=engine.slots.files.model,
+                layout=job.layout,
+            )
+        else:
+            _write_merged(engine, stored, temporary)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(temporary, target)
+        files = [
+            {"name": entry.name, "size": entry.stat().st_size}
+            for entry in sorted(target.iterdir())
+            if entry.is_file()
+        ]
+        answer: dict[str, Any] = {"export_id": job.export_id, "files": files, "layout": job.layout}
+        if store is not None:
+            answer["store_key"] = merged_export_key(job.export_id)
+            store.upload(answer["store_key"], target)
+    finally:
+        if store is not None:
+            shutil.rmtree(target.parent, ignore_errors=True)
+    return answer
 
 
 def _write_merged(engine: Engine, stored: StoredAdapter, directory: Path) -> None:

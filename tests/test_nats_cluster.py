@@ -15,12 +15,13 @@ from pathlib import Path
 import msgspec
 import nats
 import pytest
+from nats.js.errors import ServiceUnavailableError
 from typer.testing import CliRunner
 
 from protocol import subjects, topology
 from protocol.errors import Unavailable
 from protocol.jobs import OptimStepJob, Outcome, encode_outcome
-from twinkle_async.bus import Bus, TopologyError
+from twinkle_async.bus import TRANSIENT_ERRORS, Bus, TopologyError, ensure_topology
 from twinkle_async.cli import app
 from twinkle_async.futures import FutureStore
 from twinkle_async.nats_server import NatsCluster, NatsServer
@@ -191,6 +192,22 @@ def test_every_stream_and_bucket_is_replicated_and_scaled_up(nats_cluster: NatsC
         await worker.close()
 
     asyncio.run(main())
+
+
+async def test_jetstream_temporarily_unavailable_is_tried_again() -> None:
+    """A node whose JetStream is not ready (just restarted, or without a meta leader) answers
+    503 / 10008 to the setup: tried again like a timeout, not a refusal that ends the process
+    (seen once in CI, as `TopologyError: ... temporarily unavailable`)."""
+
+    class Starting:
+        async def add_stream(self, config: object) -> None:
+            raise ServiceUnavailableError(
+                code=503, err_code=10008, description="JetStream system temporarily unavailable"
+            )
+
+    with pytest.raises(ServiceUnavailableError) as raised:
+        await ensure_topology(Starting(), BusSettings(nats_replicas=3))  # type: ignore[arg-type]
+    assert isinstance(raised.value, TRANSIENT_ERRORS)
 
 
 def test_more_replicas_than_nodes_is_refused_with_the_reason(nats_cluster: NatsCluster) -> None:

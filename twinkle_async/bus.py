@@ -464,6 +464,8 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
     for stream_config in (config, sample_config):
         try:
             await js.add_stream(stream_config)
+        except ServiceUnavailableError:
+            raise  # JetStream not ready on this node (a restart, a lost quorum): tried again
         except APIError as exc:
             if exc.err_code != _STREAM_EXISTS:
                 raise _topology_error(exc, str(stream_config.name), replicas) from exc
@@ -474,6 +476,8 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
             await js.create_key_value(
                 bucket=spec.name, ttl=spec.ttl_s, history=spec.history, replicas=replicas
             )
+        except ServiceUnavailableError:
+            raise
         except APIError as exc:
             if exc.err_code != _STREAM_EXISTS:
                 raise _topology_error(exc, f"bucket {spec.name}", replicas) from exc
@@ -490,6 +494,8 @@ async def _update_stream(js: JetStreamContext, config: js_api.StreamConfig, repl
     have = (await js.stream_info(config.name)).config.num_replicas or 1
     try:
         await js.update_stream(config.evolve(num_replicas=max(have, replicas)))
+    except ServiceUnavailableError:
+        raise
     except APIError as exc:
         raise _topology_error(exc, config.name, replicas) from exc
     if have < replicas:

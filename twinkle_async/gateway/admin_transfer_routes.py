@@ -540,14 +540,7 @@ async def _answer(request: web.Request, request_id: str) -> web.Response:
     kind = "merged" if done.get("layout") is None else "adapter"
     store_key = done.pop("store_key", None)
     if store_key is not None:  # written to the artifact store: presigned URLs of it
-        store = request.app[ARTIFACTS]
-        if store is None:
-            raise ServerError(
-                f"export {export_id} is in an artifact store this gateway has not been given"
-                " (start it with --artifact-store)",
-                code="no_checkpoint_store",
-                status=501,
-            )
+        store = artifact_store(request, f"export {export_id}")
         if store_key != merged_export_key(export_id):
             raise ServerError(f"export {export_id}: unexpected store key {store_key!r}")
         for entry in done["files"]:

@@ -65,12 +65,13 @@ def checkpoint_root(request: web.Request) -> Path:
     return root
 
 
-def artifact_store(request: web.Request, ckpt: CheckpointRecord) -> StoreFiles:
-    """The artifact store holding a stored checkpoint (`store_key` set)."""
+def artifact_store(request: web.Request, held: CheckpointRecord | str) -> StoreFiles:
+    """The artifact store holding a stored checkpoint (`store_key` set), or what `held` names."""
     store = request.app[ARTIFACTS]
     if store is None:
+        what = held if isinstance(held, str) else f"checkpoint {held.path}"
         raise ServerError(
-            f"checkpoint {ckpt.path} is in an artifact store this gateway has not been given"
+            f"{what} is in an artifact store this gateway has not been given"
             " (start it with --artifact-store)",
             code="no_checkpoint_store",
             status=501,

@@ -135,6 +135,38 @@ def test_tenants_train_through_a_group_as_on_one_device(
     assert [len(s.tokens) for s in sampled.sequences] == [6, 6]
 
 
+def _kill_rank_1_mid_run(
+    cluster: Cluster, clients: dict[int, tinker.TrainingClient], name: str
+) -> tuple[dict[int, str], int]:
+    """Each tenant trains `STEPS` pipelined steps in a thread of its own, and rank 1 of the
+    group is SIGKILLed once each is half-way; every loop ends without an error. The saved
+    paths, and the pid killed."""
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+    progress: dict[int, int] = {}
+
+    def run(seed: int) -> None:
+        try:
+            results[seed] = train_pipelined(clients[seed], seed, STEPS, name, progress)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    [rank_1] = _ranks(cluster)
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in clients]
+    for thread in threads:
+        thread.start()
+    while min(progress.get(seed, 0) for seed in clients) < STEPS // 2:
+        assert not errors, errors
+        time.sleep(0.05)
+    assert max(progress.values()) < STEPS - 1
+    os.kill(rank_1, signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert all(not thread.is_alive() for thread in threads), "a training loop hung"
+    assert not errors, errors
+    return results, rank_1
+
+
 def test_a_killed_rank_stops_its_group_and_loses_nothing(
     group_cluster: Cluster, group_model: Path
 ) -> None:
@@ -150,29 +182,7 @@ def test_a_killed_rank_stops_its_group_and_loses_nothing(
         ).result()
         for seed in seeds
     }
-    results: dict[int, str] = {}
-    errors: list[BaseException] = []
-    progress: dict[int, int] = {}
-
-    def run(seed: int) -> None:
-        try:
-            results[seed] = train_pipelined(clients[seed], seed, STEPS, "after-kill", progress)
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    [rank_1] = _ranks(group_cluster)
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
-    for thread in threads:
-        thread.start()
-    while min(progress.get(seed, 0) for seed in seeds) < STEPS // 2:
-        assert not errors, errors
-        time.sleep(0.05)
-    assert max(progress.values()) < STEPS - 1
-    os.kill(rank_1, signal.SIGKILL)
-    for thread in threads:
-        thread.join(timeout=300)
-    assert all(not thread.is_alive() for thread in threads), "a training loop hung"
-    assert not errors, errors
+    results, rank_1 = _kill_rank_1_mid_run(group_cluster, clients, "after-kill")
     for seed in seeds:
         _assert_same(saved_adapter(group_cluster, results[seed]), reference[seed])
     # `up` started the group again: a new rank 1
@@ -239,28 +249,7 @@ def test_models_move_between_a_group_and_a_single_device_worker(
             path = train_pipelined(client, seed, AGAIN, f"ref-b-{seed}", pause_s=0.0)
             reference[seed] = saved_adapter(group_cluster, path)
         group_id = next(owner for owner in owners.values() if owner != "single-device")
-        results: dict[int, str] = {}
-        errors: list[BaseException] = []
-        progress: dict[int, int] = {}
-
-        def run(seed: int) -> None:
-            try:
-                results[seed] = train_pipelined(clients[seed], seed, STEPS, "moved", progress)
-            except BaseException as error:  # reported below
-                errors.append(error)
-
-        [rank_1] = _ranks(group_cluster)
-        threads = [threading.Thread(target=run, args=(seed,)) for seed in clients]
-        for thread in threads:
-            thread.start()
-        while min(progress.get(seed, 0) for seed in clients) < STEPS // 2:
-            assert not errors, errors
-            time.sleep(0.05)
-        os.kill(rank_1, signal.SIGKILL)
-        for thread in threads:
-            thread.join(timeout=300)
-        assert all(not thread.is_alive() for thread in threads), "a training loop hung"
-        assert not errors, errors
+        results, _ = _kill_rank_1_mid_run(group_cluster, clients, "moved")
         # round two once the restarted group holds shards again
         deadline = time.monotonic() + 180
         while group_id not in asyncio.run(shard_owners(group_cluster.nats_url, pool)).values():

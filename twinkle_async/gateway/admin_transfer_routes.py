@@ -266,12 +266,12 @@ async def delete_export(request: web.Request) -> web.Response:
     export_id = rules.check_id("export_id", request.match_info["export_id"])
     store = request.app[ARTIFACTS]
     found = False
-    if store is not None and await store.files(merged_export_key(export_id)):
-        await store.delete_tree(merged_export_key(export_id))
+    if store is not None and await store.files(key := merged_export_key(export_id)):
+        await store.delete_tree(key)
         found = True
     root = request.app[SETTINGS].checkpoint_root if store is not None else checkpoint_root(request)
-    if root is not None and merged_export_dir(root, export_id).is_dir():
-        await asyncio.to_thread(shutil.rmtree, merged_export_dir(root, export_id), True)
+    if root is not None and (directory := merged_export_dir(root, export_id)).is_dir():
+        await asyncio.to_thread(shutil.rmtree, directory, True)
         found = True
     if not found:
         raise NotFound(f"export {export_id!r} not found")

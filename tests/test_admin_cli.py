@@ -297,16 +297,18 @@ def test_runs_list_and_show(cluster: Cluster, trained: Trained) -> None:
 
 
 def _unloaded(cluster: Cluster, run_id: str) -> bool:
-    return answer(cluster, "runs", "show", run_id)["run"]["unloaded_at"] is not None
+    """The run left its worker: the gateway marks it at once, the worker's `session-end` save
+    comes after, so both are waited for."""
+    detail = answer(cluster, "runs", "show", run_id)
+    saved = {c["checkpoint_id"] for c in detail["checkpoints"]}
+    return detail["run"]["unloaded_at"] is not None and "weights/session-end" in saved
 
 
 def test_runs_unload(cluster: Cluster, tiny_model: Path) -> None:
     run = train(cluster, tiny_model, "cli-unload")
     out = human(cluster, "runs", "unload", run.run_id)
     assert f"unloading run {run.run_id}" in out and "session-end" in out
-    wait_for(lambda: _unloaded(cluster, run.run_id), 60, "the run to leave its worker")
-    detail = answer(cluster, "runs", "show", run.run_id)
-    assert "weights/session-end" in {c["checkpoint_id"] for c in detail["checkpoints"]}
+    wait_for(lambda: _unloaded(cluster, run.run_id), 60, "the run's session-end save")
     refused(cli(cluster, "--json", "runs", "unload", run.run_id), "already unloaded")
     run.service.close("success").result()
 

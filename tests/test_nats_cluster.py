@@ -339,12 +339,16 @@ def test_a_workers_write_in_flight_when_its_node_dies_is_retried_at_once(
         await bus.connect()  # the topology
         worker = WorkerBus(nats_cluster.url)
         await worker.connect(retry_s=30.0)
-        assert worker.nc is not None and worker.nc.connected_url is not None
-        port = worker.nc.connected_url.port
-        node = next(n for n in nats_cluster.nodes if n.port == port)
-        other = next(n for n in nats_cluster.nodes if n.port != port)
-        # only the connection is lost, not the bucket's leader (no election to wait out)
-        await _lead(bus, f"KV_{subjects.BUCKET_FUTURES}", other.name)
+        assert worker.nc is not None
+        for _ in range(5):  # a reconnect meanwhile (a node still settling) moves the worker
+            assert worker.nc.connected_url is not None
+            port = worker.nc.connected_url.port
+            node = next(n for n in nats_cluster.nodes if n.port == port)
+            other = next(n for n in nats_cluster.nodes if n.port != port)
+            # only the connection is lost, not the bucket's leader (no election to wait out)
+            await _lead(bus, f"KV_{subjects.BUCKET_FUTURES}", other.name)
+            if worker.nc.is_connected and worker.nc.connected_url.port == port:
+                break
         assert node.process is not None
         os.kill(node.process.pid, signal.SIGSTOP)
         try:
@@ -358,6 +362,7 @@ def test_a_workers_write_in_flight_when_its_node_dies_is_retried_at_once(
             assert await bus.get(subjects.BUCKET_FUTURES, "in-flight") == b"v"
             assert took_s < 5.0, took_s  # the request's timeout is 10 s
         finally:
+            node.kill()  # a frozen node holds its ports and store until it is gone
             await bus.close()
             await worker.close()
             await _restarted(node)

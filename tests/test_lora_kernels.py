@@ -20,6 +20,7 @@ from workers.engine.lora_kernels import (
     choose_kind,
     grouped_unavailable_reason,
     segment_lora,
+    select_rows,
 )
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -80,11 +81,20 @@ def reference(
     return out
 
 
-def run(kind: str, seed: int, *, aligned: bool = False) -> tuple[torch.Tensor, ...]:
+def run(
+    kind: str, seed: int, *, aligned: bool = False, into_grad: bool = False
+) -> tuple[torch.Tensor, ...]:
     x, lora_A, lora_B, segments, loss_weights = random_case(seed, aligned=aligned)
     outputs = []
     for _ in range(2):  # twice: gradients accumulate into the shared buffer
-        update = segment_lora(x, lora_A, lora_B, segments, kind=kind)  # type: ignore[arg-type]
+        update = segment_lora(
+            x,
+            lora_A,
+            lora_B,
+            segments,
+            kind=kind,  # type: ignore[arg-type]
+            into_grad=into_grad,
+        )
         if update.requires_grad:
             (update * loss_weights).sum().backward()
         outputs.append(update.detach())
@@ -98,6 +108,15 @@ def run(kind: str, seed: int, *, aligned: bool = False) -> tuple[torch.Tensor, .
 def test_loop_and_gather_agree_in_value_and_gradient(seed: int) -> None:
     x, lora_A, lora_B, segments, _ = random_case(seed)
     loop, gather = run("loop", seed), run("gather", seed)
+    # adding straight into the bank's gradient rows gives autograd's gradients (a repeated
+    # slot's segments may be summed in another order)
+    for kind, autograds in (("loop", loop), ("gather", gather)):
+        for name, a, b in zip(
+            ("update", "dx", "dA", "dB"), autograds, run(kind, seed, into_grad=True), strict=True
+        ):
+            assert a.shape == b.shape, (kind, name)
+            if a.numel():
+                assert (a - b).abs().max().item() <= 1e-6 * max(1.0, a.abs().max().item()), name
     for name, a, b in zip(("update", "dx", "dA", "dB"), loop, gather, strict=True):
         assert a.shape == b.shape, name
         if a.numel():  # within 1e-6 of the magnitude (values here are O(1))
@@ -134,17 +153,18 @@ def test_segments_tiling_all_rows_give_the_same_result_through_the_bmm_view() ->
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
 
 
+@pytest.mark.parametrize("into_grad", [False, True], ids=["autograd", "into-grad"])
 @pytest.mark.parametrize(
     "slots",
     [(1, 2, 3), (0, 1, 2, 3, 4), (3, 0, 4), (2, 4, 0), (1, 1, 2), (4, 2, 4)],
     ids=["range", "whole-bank", "unique", "descending", "repeat-adjacent", "repeat-apart"],
 )
-def test_gather_selects_slots_as_a_view_a_copy_or_a_gather_with_the_loops_gradients(
-    slots: tuple[int, ...],
+def test_slot_selections_add_into_the_banks_gradient_rows_as_the_loop_does(
+    slots: tuple[int, ...], into_grad: bool
 ) -> None:
-    """A run of consecutive slots is a view of the bank, unique slots a copy whose backward
-    copies rows, repeated slots a gather whose backward adds them: each equals the loop, and the
-    gradient accumulates into the bank's buffer as it does for the loop."""
+    """Runs of slots, unique, descending and repeated slots each equal the loop, and the
+    gradient accumulates into the bank's buffer, onto what was pending there, touching no other
+    slot's row: through autograd's accumulation, or added straight into the rows."""
     gen = torch.Generator().manual_seed(len(slots) + sum(slots))
     x = torch.randn(5 * len(slots), 10, generator=gen, requires_grad=True)
     segments = [(slot, 5 * i, 5 * i + 5, 0.5 + i) for i, slot in enumerate(slots)]
@@ -156,7 +176,14 @@ def test_gather_selects_slots_as_a_view_a_copy_or_a_gather_with_the_loops_gradie
         lora_A.grad = grads[:, :30].view(5, 3, 10)
         lora_B = torch.nn.Parameter(weights[:, 30:].view(5, 7, 3))
         lora_B.grad = grads[:, 30:].view(5, 7, 3)
-        update = segment_lora(x, lora_A, lora_B, segments, kind=kind)  # type: ignore[arg-type]
+        update = segment_lora(
+            x,
+            lora_A,
+            lora_B,
+            segments,
+            kind=kind,  # type: ignore[arg-type]
+            into_grad=into_grad,
+        )
         (dx,) = torch.autograd.grad(update.square().sum(), (x,), retain_graph=True)
         update.square().sum().backward()
         assert lora_A.grad.data_ptr() == grads.data_ptr()  # still the bank's buffer
@@ -164,7 +191,34 @@ def test_gather_selects_slots_as_a_view_a_copy_or_a_gather_with_the_loops_gradie
     for a, b in zip(results["loop"], results["gather"], strict=True):
         assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
     untouched = sorted(set(range(5)) - set(slots))
-    assert torch.all(results["gather"][2][untouched] == 1.0)
+    for _, _, grads in results.values():
+        assert torch.all(grads[untouched] == 1.0)
+
+
+@pytest.mark.parametrize("dim", [None, 1, -1], ids=["whole", "narrowed", "narrowed-last"])
+def test_select_rows_adds_into_the_rows_of_a_leafs_grad_and_no_other(dim: int | None) -> None:
+    """`select_rows(..., into_grad=True)` on a leaf whose `.grad` is a view of a bank: the
+    selected rows' gradients (repeats summed, only the narrowed part) land in that view, equal
+    to autograd's own; a leaf without `.grad` gets autograd's gradient as usual."""
+    gen = torch.Generator().manual_seed(5)
+    bank = torch.randn(4, 2, 6, 5, generator=gen)
+    grads = torch.full_like(bank, 3.0)
+    leaf = torch.nn.Parameter(bank[:, 1])
+    leaf.grad = grads[:, 1]
+    plain = torch.nn.Parameter(bank[:, 1].clone())
+    index = torch.tensor([2, 0, 2])
+    length = 4
+    selected = select_rows(leaf, index, dim, length, into_grad=True)
+    weights = torch.randn(selected.shape, generator=gen)
+    (selected * weights).sum().backward()
+    source = plain if dim is None else plain.narrow(dim, 0, length)
+    (source.index_select(0, index) * weights).sum().backward()
+    assert plain.grad is not None
+    assert torch.allclose(grads[:, 1] - 3.0, plain.grad, atol=1e-6)
+    assert torch.all(grads[:, 0] == 3.0) and torch.all(grads[1] == 3.0)  # other rows as were
+    fresh = torch.nn.Parameter(bank[:, 1].clone())
+    (select_rows(fresh, index, dim, length, into_grad=True) * weights).sum().backward()
+    assert fresh.grad is not None and torch.equal(fresh.grad, plain.grad)
 
 
 def test_no_active_segment_gives_zeros_and_no_graph() -> None:

@@ -213,7 +213,7 @@ class MultiSlotLoraLinear(nn.Module):
         if not specs:
             return None
         flat = x.reshape(-1, x.shape[-1])
-        update = segment_lora(flat, self.lora_A, self.lora_B, specs, kind=self.kind)
+        update = segment_lora(flat, self.lora_A, self.lora_B, specs, kind=self.kind, into_grad=True)
         return update.view(*x.shape[:-1], update.shape[-1])
 
 

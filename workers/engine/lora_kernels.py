@@ -11,8 +11,10 @@ Invariants:
 - Rows outside every segment, rows of a segment with scale 0 or slot `BASE_SLOT` (-1), and rows of
   an empty segment get an update of exactly 0.
 - Adapters are cast to `x.dtype` inside the function; the cast is part of the autograd graph, so
-  fp32 gradients reach `A` and `B` through autograd's normal accumulation (their `.grad` may be a
-  view of a shared buffer). Slots absent from the pass receive exactly-zero gradient.
+  fp32 gradients reach `A` and `B`. Where an adapter is a leaf whose `.grad` is already set (a
+  view of the bank's gradient rows), the pass's slots' gradients are added straight into their
+  rows (`select_rows`): no gradient of the full `[S, ...]` size is built, zeroed and added. Slots
+  absent from the pass receive exactly-zero gradient.
 - Every kind computes the same maths in the same order (shrink, scale the rank-r intermediate,
   expand), so in fp32 they agree to rounding.
 
@@ -62,11 +64,14 @@ def segment_lora(
     segments: Sequence[SegmentSpec],
     *,
     kind: LoraKind | None = None,
+    into_grad: bool = False,
 ) -> torch.Tensor:
     """The LoRA update `[T, out]` of rows `x[T, in]` for `segments`; `kind=None` picks one.
 
     `segments` are `(slot, start, stop, scale)` in increasing row order, not overlapping, within
     `[0, T)`; they need not cover every row. `lora_A` is `[S, r, in]`, `lora_B` `[S, out, r]`.
+    `into_grad`: a backward adds the factors' gradients straight into their `.grad` where it
+    is set (`select_rows`); only for a `backward()`, never for `torch.autograd.grad`.
     """
     if x.dim() != 2 or lora_A.dim() != 3 or lora_B.dim() != 3:
         raise ValueError(
@@ -87,14 +92,14 @@ def segment_lora(
         x.device, x.dtype, shapes=(in_features, out_features, rank), n_segments=len(active)
     )
     if chosen == "loop":
-        return _loop(x, lora_A, lora_B, active)
+        return _loop(x, lora_A, lora_B, active, into_grad)
     if chosen == "gather":
-        return _gather(x, lora_A, lora_B, active)
+        return _gather(x, lora_A, lora_B, active, into_grad)
     if chosen == "grouped":
         reason = grouped_unavailable_reason(x.device, x.dtype, (in_features, out_features, rank))
         if reason is not None:
             raise ValueError(f"LoRA kind 'grouped' is not available here: {reason}")
-        return _grouped(x, lora_A, lora_B, active)
+        return _grouped(x, lora_A, lora_B, active, into_grad)
     raise ValueError(f"unknown LoRA kind {chosen!r}: expected one of {LORA_KINDS}")
 
 
@@ -175,20 +180,26 @@ def _active_segments(
 
 
 def _loop(
-    x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, active: list[SegmentSpec]
+    x: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    active: list[SegmentSpec],
+    into_grad: bool = False,
 ) -> torch.Tensor:
-    # One unbind per call: its backward stacks the per-slot gradients into a single [S, ...]
-    # tensor (zeros for absent slots) instead of one full-size gradient per segment.
-    a_slots, b_slots = lora_A.unbind(0), lora_B.unbind(0)
+    # The active slots' rows selected once, then one unbind: its backward stacks the
+    # per-segment gradients into one `[segments, ...]` tensor.
+    plan = _plan(tuple(active), x.device)
+    a_slots = select_rows(lora_A, plan.slots, into_grad=into_grad).unbind(0)
+    b_slots = select_rows(lora_B, plan.slots, into_grad=into_grad).unbind(0)
     out_features = lora_B.shape[1]
     pieces: list[torch.Tensor] = []
     row = 0
-    for slot, start, stop, scale in active:
+    for k, (_, start, stop, scale) in enumerate(active):
         if start > row:
             pieces.append(x.new_zeros(start - row, out_features))
         # Scale the rank-r intermediate rather than the [*, out] result: same value, less work.
-        shrunk = F.linear(x[start:stop], a_slots[slot].to(x.dtype)) * scale
-        pieces.append(F.linear(shrunk, b_slots[slot].to(x.dtype)))
+        shrunk = F.linear(x[start:stop], a_slots[k].to(x.dtype)) * scale
+        pieces.append(F.linear(shrunk, b_slots[k].to(x.dtype)))
         row = stop
     if row < x.shape[0]:
         pieces.append(x.new_zeros(x.shape[0] - row, out_features))
@@ -196,7 +207,11 @@ def _loop(
 
 
 def _gather(
-    x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, active: list[SegmentSpec]
+    x: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    active: list[SegmentSpec],
+    into_grad: bool = False,
 ) -> torch.Tensor:
     n = len(active)
     lengths = [stop - start for _, start, stop, _ in active]
@@ -212,8 +227,8 @@ def _gather(
         # they receive zero gradient and add exactly 0 to every gradient.
         x_padded = x.index_select(0, plan.padded_rows.view(-1)).view(n, longest, x.shape[1])
         valid = plan.valid_positions
-    a = _select_slots(lora_A, plan).to(x.dtype)
-    b = _select_slots(lora_B, plan).to(x.dtype)
+    a = select_rows(lora_A, plan.slots, into_grad=into_grad).to(x.dtype)
+    b = select_rows(lora_B, plan.slots, into_grad=into_grad).to(x.dtype)
     shrunk = torch.bmm(x_padded, a.transpose(1, 2))
     shrunk = (shrunk * plan.segment_scales.view(n, 1, 1)).to(x.dtype)
     expanded = torch.bmm(shrunk, b.transpose(1, 2)).reshape(n * longest, -1)
@@ -223,15 +238,19 @@ def _gather(
 
 
 def _grouped(
-    x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, active: list[SegmentSpec]
+    x: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    active: list[SegmentSpec],
+    into_grad: bool = False,
 ) -> torch.Tensor:
     assert _GROUPED_MM is not None
     first, last = active[0][1], active[-1][2]
     back_to_back = all(active[i][2] == active[i + 1][1] for i in range(len(active) - 1))
     plan = _plan(tuple(active), x.device)
     x_rows = x[first:last] if back_to_back else x.index_select(0, plan.rows)
-    a = _select_slots(lora_A, plan).to(x.dtype)
-    b = _select_slots(lora_B, plan).to(x.dtype)
+    a = select_rows(lora_A, plan.slots, into_grad=into_grad).to(x.dtype)
+    b = select_rows(lora_B, plan.slots, into_grad=into_grad).to(x.dtype)
     # Row-major activations, column-major (transposed) adapters: the layout the kernel takes.
     shrunk = _GROUPED_MM(x_rows.contiguous(), a.transpose(1, 2), offs=plan.offsets)
     shrunk = (shrunk * plan.row_scales).to(x.dtype)
@@ -257,34 +276,61 @@ def _place(
     return updates.new_zeros(n_rows, updates.shape[1]).index_copy(0, rows, updates)
 
 
-def _select_slots(source: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """`source[plan.slots]`; when no slot repeats, its backward copies rows into zeros rather
-    than scatter-adding them (16 slots: 7 ms of a 160 ms CPU pass saved)."""
-    if plan.slot_range is not None:
-        return source[plan.slot_range[0] : plan.slot_range[1]]  # a view
-    if not plan.slots_unique:
-        return source.index_select(0, plan.slots)
-    return cast(torch.Tensor, _SelectUniqueRows.apply(source, plan.slots))  # type: ignore[no-untyped-call]
+def select_rows(
+    source: torch.Tensor,
+    index: torch.Tensor,
+    dim: int | None = None,
+    length: int = 0,
+    *,
+    into_grad: bool = False,
+) -> torch.Tensor:
+    """`source[index]` (narrowed to its first `length` along `dim` when `dim` is given).
+
+    `into_grad`, for a leaf whose `.grad` is set (a view of the bank's gradient rows): the
+    backward adds into `.grad`'s rows `index` in place and hands autograd nothing. Autograd's
+    own way builds a zero gradient of the full `[S, ...]` size, copies the rows in and adds all
+    of it (the `lm_head` factor of 65 slots: 11 ms of a 16-tenant CPU MoE pass). Only for a
+    `backward()`: `torch.autograd.grad` would see no gradient reach `source`."""
+    return cast(
+        torch.Tensor,
+        _SelectRows.apply(source, index, dim, length, into_grad),  # type: ignore[no-untyped-call]
+    )
 
 
-class _SelectUniqueRows(torch.autograd.Function):
-    """`source.index_select(0, index)` for an index without repeats."""
+class _SelectRows(torch.autograd.Function):
+    """`select_rows`; see there."""
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx, source: torch.Tensor, index: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx,
+        source: torch.Tensor,
+        index: torch.Tensor,
+        dim: int | None,
+        length: int,
+        into_grad: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(index)
-        ctx.n_rows = source.shape[0]  # type: ignore[attr-defined]
-        return source.index_select(0, index)
+        ctx.source, ctx.dim, ctx.length = source, dim, length  # type: ignore[attr-defined]
+        ctx.into_grad = into_grad  # type: ignore[attr-defined]
+        narrowed = source if dim is None else source.narrow(dim, 0, length)
+        return narrowed.index_select(0, index)
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
         (index,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        full = grad.new_zeros((ctx.n_rows, *grad.shape[1:]))  # type: ignore[attr-defined]
-        return full.index_copy_(0, index, grad), None
+        source: torch.Tensor = ctx.source  # type: ignore[attr-defined]
+        dim: int | None = ctx.dim  # type: ignore[attr-defined]
+        length: int = ctx.length  # type: ignore[attr-defined]
+        into_grad: bool = ctx.into_grad  # type: ignore[attr-defined]
+        into = source.grad if into_grad and source.is_leaf else None
+        full = None
+        if into is None:  # autograd's way: a full-size gradient
+            into = full = grad.new_zeros(source.shape)
+        target = into if dim is None else into.narrow(dim, 0, length)
+        target.index_add_(0, index, grad.to(target.dtype))
+        return full, None, None, None, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -317,15 +363,7 @@ class _Plan:
         def on_device(values: object, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        slots = [slot for slot, _, _, _ in active]
-        self.slots = on_device(slots, torch.long)
-        self.slots_unique = len(set(slots)) == len(slots)
-        # Slots k, k+1, ..., k+n-1 in order select a view of the bank: no copy.
-        self.slot_range = (
-            (slots[0], slots[0] + len(slots))
-            if slots == list(range(slots[0], slots[0] + len(slots)))
-            else None
-        )
+        self.slots = on_device([slot for slot, _, _, _ in active], torch.long)
         self.rows = on_device(rows, torch.long)
         self.padded_rows = on_device(padded, torch.long)
         self.valid_positions = on_device(valid, torch.long)

@@ -51,6 +51,7 @@ from torch import nn
 
 from protocol.errors import ServerError
 from workers.engine.collective import Collective, ExpertInput, ExpertOutput
+from workers.engine.lora_kernels import select_rows
 from workers.engine.moe_kernels import ExpertLinear, GroupedProduct, RoutePlan
 
 if TYPE_CHECKING:
@@ -301,8 +302,13 @@ def experts_forward(
     routed_weight = top_k_weights.reshape(-1).index_select(0, plan.routed).unsqueeze(-1)
 
     # Step 2: [segments, longest segment, 2r]; the tiles' padding reads an appended zero row.
-    a_shared = torch.cat([layer.factor("w1", "A")[:, :rank], layer.factor("w3", "A")[:, :rank]], 1)
-    a_shared = a_shared.index_select(0, plan.slots).to(dtype)
+    a_shared = torch.cat(
+        [
+            select_rows(layer.factor(p, "A"), plan.slots, 1, rank, into_grad=True)
+            for p in ("w1", "w3")
+        ],
+        1,
+    ).to(dtype)
     shrunk = torch.bmm(plan.segment_rows(x), a_shared.transpose(1, 2)) * scales
     u = F.pad(shrunk.reshape(-1, rank), (0, 0, 0, 1)).index_select(0, plan.u_index)
 
@@ -335,7 +341,7 @@ def experts_forward(
     z = GroupedProduct.apply(tiled, plan, -2, rank, layer.factor("w2", "A"))  # type: ignore[no-untyped-call]
     summed = x.new_zeros(plan.segment_positions + 1, rank).index_add(0, plan.z_index, z)
     summed = summed[:-1].view(*shrunk.shape[:2], rank) * scales
-    b_down = layer.factor("w2", "B")[..., :rank].index_select(0, plan.slots).to(dtype)
+    b_down = select_rows(layer.factor("w2", "B"), plan.slots, -1, rank, into_grad=True).to(dtype)
     return plan.place(result, torch.bmm(summed, b_down.transpose(1, 2)))
 
 

@@ -21,6 +21,7 @@ from workers.engine.lora_kernels import (
     grouped_unavailable_reason,
     segment_lora,
     select_rows,
+    slot_span,
 )
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -195,29 +196,37 @@ def test_slot_selections_add_into_the_banks_gradient_rows_as_the_loop_does(
         assert torch.all(grads[untouched] == 1.0)
 
 
+@pytest.mark.parametrize("rows", [(2, 0, 2), (1, 2)], ids=["gathered", "span"])
 @pytest.mark.parametrize("dim", [None, 1, -1], ids=["whole", "narrowed", "narrowed-last"])
-def test_select_rows_adds_into_the_rows_of_a_leafs_grad_and_no_other(dim: int | None) -> None:
+def test_select_rows_adds_into_the_rows_of_a_leafs_grad_and_no_other(
+    dim: int | None, rows: tuple[int, ...]
+) -> None:
     """`select_rows(..., into_grad=True)` on a leaf whose `.grad` is a view of a bank: the
     selected rows' gradients (repeats summed, only the narrowed part) land in that view, equal
-    to autograd's own; a leaf without `.grad` gets autograd's gradient as usual."""
+    to autograd's own; a leaf without `.grad` gets autograd's gradient as usual. Consecutive
+    rows (a span) are a view of the leaf."""
     gen = torch.Generator().manual_seed(5)
     bank = torch.randn(4, 2, 6, 5, generator=gen)
     grads = torch.full_like(bank, 3.0)
     leaf = torch.nn.Parameter(bank[:, 1])
     leaf.grad = grads[:, 1]
     plain = torch.nn.Parameter(bank[:, 1].clone())
-    index = torch.tensor([2, 0, 2])
+    index = torch.tensor(rows)
+    span = slot_span(rows)
+    assert (span is not None) == (rows == (1, 2))
     length = 4
-    selected = select_rows(leaf, index, dim, length, into_grad=True)
+    selected = select_rows(leaf, index, dim, length, into_grad=True, span=span)
+    if span is not None:
+        assert selected.data_ptr() == leaf[1:].data_ptr()  # a view, no copy
     weights = torch.randn(selected.shape, generator=gen)
     (selected * weights).sum().backward()
     source = plain if dim is None else plain.narrow(dim, 0, length)
     (source.index_select(0, index) * weights).sum().backward()
     assert plain.grad is not None
     assert torch.allclose(grads[:, 1] - 3.0, plain.grad, atol=1e-6)
-    assert torch.all(grads[:, 0] == 3.0) and torch.all(grads[1] == 3.0)  # other rows as were
+    assert torch.all(grads[:, 0] == 3.0) and torch.all(grads[3] == 3.0)  # other rows as were
     fresh = torch.nn.Parameter(bank[:, 1].clone())
-    (select_rows(fresh, index, dim, length, into_grad=True) * weights).sum().backward()
+    (select_rows(fresh, index, dim, length, into_grad=True, span=span) * weights).sum().backward()
     assert fresh.grad is not None and torch.equal(fresh.grad, plain.grad)
 
 

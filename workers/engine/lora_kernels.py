@@ -189,8 +189,8 @@ def _loop(
     # The active slots' rows selected once, then one unbind: its backward stacks the
     # per-segment gradients into one `[segments, ...]` tensor.
     plan = _plan(tuple(active), x.device)
-    a_slots = select_rows(lora_A, plan.slots, into_grad=into_grad).unbind(0)
-    b_slots = select_rows(lora_B, plan.slots, into_grad=into_grad).unbind(0)
+    a_slots = select_rows(lora_A, plan.slots, into_grad=into_grad, span=plan.span).unbind(0)
+    b_slots = select_rows(lora_B, plan.slots, into_grad=into_grad, span=plan.span).unbind(0)
     out_features = lora_B.shape[1]
     pieces: list[torch.Tensor] = []
     row = 0
@@ -227,8 +227,8 @@ def _gather(
         # they receive zero gradient and add exactly 0 to every gradient.
         x_padded = x.index_select(0, plan.padded_rows.view(-1)).view(n, longest, x.shape[1])
         valid = plan.valid_positions
-    a = select_rows(lora_A, plan.slots, into_grad=into_grad).to(x.dtype)
-    b = select_rows(lora_B, plan.slots, into_grad=into_grad).to(x.dtype)
+    a = select_rows(lora_A, plan.slots, into_grad=into_grad, span=plan.span).to(x.dtype)
+    b = select_rows(lora_B, plan.slots, into_grad=into_grad, span=plan.span).to(x.dtype)
     shrunk = torch.bmm(x_padded, a.transpose(1, 2))
     shrunk = (shrunk * plan.segment_scales.view(n, 1, 1)).to(x.dtype)
     expanded = torch.bmm(shrunk, b.transpose(1, 2)).reshape(n * longest, -1)
@@ -249,8 +249,8 @@ def _grouped(
     back_to_back = all(active[i][2] == active[i + 1][1] for i in range(len(active) - 1))
     plan = _plan(tuple(active), x.device)
     x_rows = x[first:last] if back_to_back else x.index_select(0, plan.rows)
-    a = select_rows(lora_A, plan.slots, into_grad=into_grad).to(x.dtype)
-    b = select_rows(lora_B, plan.slots, into_grad=into_grad).to(x.dtype)
+    a = select_rows(lora_A, plan.slots, into_grad=into_grad, span=plan.span).to(x.dtype)
+    b = select_rows(lora_B, plan.slots, into_grad=into_grad, span=plan.span).to(x.dtype)
     # Row-major activations, column-major (transposed) adapters: the layout the kernel takes.
     shrunk = _GROUPED_MM(x_rows.contiguous(), a.transpose(1, 2), offs=plan.offsets)
     shrunk = (shrunk * plan.row_scales).to(x.dtype)
@@ -283,17 +283,22 @@ def select_rows(
     length: int = 0,
     *,
     into_grad: bool = False,
+    span: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """`source[index]` (narrowed to its first `length` along `dim` when `dim` is given).
+
+    `span=(first, n)` says `index` is `first, first + 1, …, first + n - 1`: the rows are then a
+    view, and their gradient one add.
 
     `into_grad`, for a leaf whose `.grad` is set (a view of the bank's gradient rows): the
     backward adds into `.grad`'s rows `index` in place and hands autograd nothing. Autograd's
     own way builds a zero gradient of the full `[S, ...]` size, copies the rows in and adds all
-    of it (the `lm_head` factor of 65 slots: 11 ms of a 16-tenant CPU MoE pass). Only for a
-    `backward()`: `torch.autograd.grad` would see no gradient reach `source`."""
+    of it (16 tenants in a bank of 65 slots: 0.34-0.37 s → 0.32-0.33 s a CPU MoE pass of
+    `bench/moe_merge.py`'s model). Only for a `backward()`: `torch.autograd.grad` would see no
+    gradient reach `source`."""
     return cast(
         torch.Tensor,
-        _SelectRows.apply(source, index, dim, length, into_grad),  # type: ignore[no-untyped-call]
+        _SelectRows.apply(source, index, dim, length, into_grad, span),  # type: ignore[no-untyped-call]
     )
 
 
@@ -308,29 +313,36 @@ class _SelectRows(torch.autograd.Function):
         dim: int | None,
         length: int,
         into_grad: bool,
+        span: tuple[int, int] | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(index)
         ctx.source, ctx.dim, ctx.length = source, dim, length  # type: ignore[attr-defined]
-        ctx.into_grad = into_grad  # type: ignore[attr-defined]
+        ctx.into_grad, ctx.span = into_grad, span  # type: ignore[attr-defined]
         narrowed = source if dim is None else source.narrow(dim, 0, length)
+        if span is not None:
+            return narrowed.narrow(0, *span)
         return narrowed.index_select(0, index)
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (index,) = ctx.saved_tensors  # type: ignore[attr-defined]
         source: torch.Tensor = ctx.source  # type: ignore[attr-defined]
         dim: int | None = ctx.dim  # type: ignore[attr-defined]
         length: int = ctx.length  # type: ignore[attr-defined]
         into_grad: bool = ctx.into_grad  # type: ignore[attr-defined]
+        span: tuple[int, int] | None = ctx.span  # type: ignore[attr-defined]
         into = source.grad if into_grad and source.is_leaf else None
         full = None
         if into is None:  # autograd's way: a full-size gradient
             into = full = grad.new_zeros(source.shape)
         target = into if dim is None else into.narrow(dim, 0, length)
-        target.index_add_(0, index, grad.to(target.dtype))
-        return full, None, None, None, None
+        if span is not None:
+            target.narrow(0, *span).add_(grad)
+        else:
+            target.index_add_(0, index, grad.to(target.dtype))
+        return full, None, None, None, None, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -363,13 +375,21 @@ class _Plan:
         def on_device(values: object, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        self.slots = on_device([slot for slot, _, _, _ in active], torch.long)
+        slots = [slot for slot, _, _, _ in active]
+        self.slots = on_device(slots, torch.long)
+        self.span = slot_span(slots)
         self.rows = on_device(rows, torch.long)
         self.padded_rows = on_device(padded, torch.long)
         self.valid_positions = on_device(valid, torch.long)
         self.segment_scales = on_device([scale for *_, scale in active], torch.float32)
         self.row_scales = on_device(row_scales, torch.float32).view(-1, 1)
         self.offsets = on_device(offsets, torch.int32)
+
+
+def slot_span(slots: Sequence[int]) -> tuple[int, int] | None:
+    """`(first, n)` when `slots` are `first, first + 1, …` (for `select_rows`), else None."""
+    first = slots[0] if slots else 0
+    return (first, len(slots)) if list(slots) == list(range(first, first + len(slots))) else None
 
 
 @functools.lru_cache(maxsize=16)

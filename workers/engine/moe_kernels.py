@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from protocol.errors import ServerError
+from workers.engine.lora_kernels import slot_span
 
 
 class ExpertLinear(torch.autograd.Function):
@@ -109,6 +110,7 @@ class RoutePlan:
             valid = (offsets < counts[:, None]).view(-1)
             self.segment_token, self.segment_valid = self.segment_src[valid], valid.nonzero()[:, 0]
         self.slots = tensor([slot for slot, *_ in active])
+        self.span = slot_span([slot for slot, *_ in active])
         self.scales = torch.tensor([a[3] for a in active], device=device).view(-1, 1, 1)
 
         # Routed rows by (expert, segment); an expert index E is "no expert" (padding).

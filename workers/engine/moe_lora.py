@@ -304,7 +304,7 @@ def experts_forward(
     # Step 2: [segments, longest segment, 2r]; the tiles' padding reads an appended zero row.
     a_shared = torch.cat(
         [
-            select_rows(layer.factor(p, "A"), plan.slots, 1, rank, into_grad=True)
+            select_rows(layer.factor(p, "A"), plan.slots, 1, rank, into_grad=True, span=plan.span)
             for p in ("w1", "w3")
         ],
         1,
@@ -341,7 +341,9 @@ def experts_forward(
     z = GroupedProduct.apply(tiled, plan, -2, rank, layer.factor("w2", "A"))  # type: ignore[no-untyped-call]
     summed = x.new_zeros(plan.segment_positions + 1, rank).index_add(0, plan.z_index, z)
     summed = summed[:-1].view(*shrunk.shape[:2], rank) * scales
-    b_down = select_rows(layer.factor("w2", "B"), plan.slots, -1, rank, into_grad=True).to(dtype)
+    b_down = select_rows(
+        layer.factor("w2", "B"), plan.slots, -1, rank, into_grad=True, span=plan.span
+    ).to(dtype)
     return plan.place(result, torch.bmm(summed, b_down.transpose(1, 2)))
 
 

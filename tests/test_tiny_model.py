@@ -7,24 +7,35 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
+import numpy as np
 import pytest
 import torch
 from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+)
 
 from twinkle_async.cli import TinyArch
 from workers.tiny_model import (
     ARCHS,
     CONTEXT_LENGTH,
     EOS_ID,
+    IMAGE_PAD_ID,
     MOE_ARCHS,
     MOE_INTERMEDIATE_SIZE,
     NUM_EXPERTS,
     PAD_ID,
     TOP_K,
+    VISION_END_ID,
+    VISION_START_ID,
+    VISION_TOKENS,
     Arch,
     build_tiny_model,
     main,
@@ -270,3 +281,61 @@ def test_make_tiny_model_passes_the_moe_flags_on(tmp_path: Path) -> None:
         3,
     )
     assert config.moe_intermediate_size == 16
+
+
+def _image(seed: int, width: int, height: int) -> Any:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def test_the_vl_arch_is_a_composite_with_its_image_processor(
+    built: Callable[[Arch], Path],
+) -> None:
+    """qwen3_5_vl loads as the real Qwen3.5 checkpoints do: the composite with its vision tower
+    and image processor, or its text model alone. An image becomes prod(grid) / 4 image tokens
+    between the vision start and end tokens, and changes what the model predicts after it; with
+    no image the composite and its text model compute the same logits."""
+    directory = built("qwen3_5_vl")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert tokenizer.convert_tokens_to_ids(VISION_TOKENS) == [3, 4, 5, 6]
+    processor = AutoImageProcessor.from_pretrained(directory)
+    model = AutoModelForImageTextToText.from_pretrained(directory)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert model.config.image_token_id == IMAGE_PAD_ID
+    assert model.config.text_config.rope_parameters["mrope_section"] == [2, 1, 1]
+
+    def inputs(seed: int) -> dict[str, torch.Tensor]:
+        image = processor(images=[_image(seed, 96, 64)], return_tensors="pt")
+        assert image["image_grid_thw"].tolist() == [[1, 4, 6]]  # 64×96 pixels, 16-pixel patches
+        n_tokens = int(image["image_grid_thw"].prod()) // 4  # 2×2 patches merged per token
+        text = tokenizer("a picture of")["input_ids"]
+        ids = torch.tensor(
+            [[*text, VISION_START_ID, *[IMAGE_PAD_ID] * n_tokens, VISION_END_ID, *text]]
+        )
+        return {
+            "input_ids": ids,
+            "mm_token_type_ids": (ids == IMAGE_PAD_ID).long(),
+            "pixel_values": image["pixel_values"],
+            "image_grid_thw": image["image_grid_thw"],
+        }
+
+    first, second = inputs(1), inputs(2)
+    assert int((first["input_ids"] == IMAGE_PAD_ID).sum()) == 6
+    logits = model(**first).logits
+    assert logits.shape == (1, first["input_ids"].shape[1], len(tokenizer))
+    assert (logits[0, -1] - model(**second).logits[0, -1]).abs().max() > 1e-4  # the image counts
+    logits.sum().backward()
+    assert model.model.visual.patch_embed.proj.weight.grad is not None  # the tower is wired in
+
+    text_ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
+    text_model = AutoModelForCausalLM.from_pretrained(directory)
+    assert type(text_model).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            text_model(input_ids=text_ids).logits,
+            model(input_ids=text_ids).logits,
+            atol=1e-5,
+            rtol=0,
+        )

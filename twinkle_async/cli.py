@@ -433,14 +433,18 @@ def sampler(ctx: typer.Context) -> None:
 
 # The architectures `workers.tiny_model` builds, repeated here because the gateway side never
 # imports `workers`; a test checks that the two lists agree.
-TinyArch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss"]
+TinyArch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl"]
 
 
 @app.command("make-tiny-model")
 def make_tiny_model(
     directory: Path,
     arch: Annotated[
-        TinyArch, typer.Option(help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss")
+        TinyArch,
+        typer.Option(
+            help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss; "
+            "vision-language: qwen3_5_vl"
+        ),
     ] = "qwen3",
     num_experts: Annotated[
         int | None, typer.Option(min=1, help="MoE archs: routed experts (default 8)")

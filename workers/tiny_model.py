@@ -10,13 +10,18 @@ of five architectures:
 - `qwen3_5_moe`: the Qwen3.5-MoE text model, the same mixed layers and fused experts plus a
   shared expert (`mlp.shared_expert`, gated by `mlp.shared_expert_gate`);
 - `gpt_oss`: gpt-oss, experts fused as `gate_up_proj [E, H, 2I]` (gate and up interleaved) and
-  `down_proj [E, I, H]` with biases, router `mlp.router`, attention sinks.
+  `down_proj [E, I, H]` with biases, router `mlp.router`, attention sinks;
+- `qwen3_5_vl`: the Qwen3.5 vision-language composite (`Qwen3_5ForConditionalGeneration`): a
+  one-block vision tower (patch 16, 2×2 merge, as the real models) before the `qwen3_5` text
+  model, multimodal RoPE, and its image processor (`preprocessor_config.json`).
 All load with `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained(dir)`,
 exactly like a real checkpoint, which is what the trainer, the samplers and the SDK's
-`get_tokenizer()` do.
+`get_tokenizer()` do (a composite loads its text model so); the VL one also with
+`AutoModelForImageTextToText` and `AutoImageProcessor`.
 
 Invariants: the same arguments give the same files; special tokens are `<|endoftext|>` = 0 (pad),
-`<|im_start|>` = 1 and `<|im_end|>` = 2 (eos); the model's `vocab_size` equals the tokenizer's
+`<|im_start|>` = 1 and `<|im_end|>` = 2 (eos), and in a VL tokenizer `<|vision_start|>`,
+`<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>` = 3, 4, 5, 6; the model's `vocab_size` equals the tokenizer's
 length, so every id the tokenizer produces is a valid model input. `head_dim` is 32, a size
 vLLM's CPU attention supports. The MoE routers start from random (not zero) weights, so a short
 random input already spreads its tokens over several experts of every layer.
@@ -41,24 +46,37 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2VLImageProcessorPil,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
-from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5 import (
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+)
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.utils import logging as transformers_logging
 
-Arch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss"]
+Arch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl"]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 MOE_ARCHS: frozenset[Arch] = frozenset({"qwen3_moe", "qwen3_5_moe", "gpt_oss"})
+VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl"})
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = 3, 4, 5, 6
+# The real models' vision geometry: 16-pixel patches, 2×2 of them merged into one token, two
+# frames per temporal patch (a still image is repeated). Images are resized to between 4 and
+# 1024 tokens here.
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 16, 2, 2
+MIN_IMAGE_PIXELS, MAX_IMAGE_PIXELS = 4 * 32 * 32, 1024 * 32 * 32
 HEAD_DIM = 32
 CONTEXT_LENGTH = 4096
-_MIN_VOCAB = len(SPECIAL_TOKENS) + 256  # every byte is a token, so any text round-trips
 # Tiny MoE defaults: enough experts that routing is a real choice, few enough to stay fast. The
 # expert width is chosen so that I, 2I and the hidden size 64 all differ: a fused expert tensor
 # read in the wrong layout then fails on its shape instead of passing by coincidence.
@@ -70,6 +88,7 @@ _MODEL_CLASSES: dict[Arch, type[PreTrainedModel]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "qwen3_5_vl": Qwen3_5ForConditionalGeneration,
 }
 
 CHAT_TEMPLATE = (
@@ -113,17 +132,22 @@ def _corpus(lines: int = 4000) -> list[str]:
     return text
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE of at most `vocab_size` tokens (fewer if the corpus runs out of merges)."""
-    if vocab_size < _MIN_VOCAB:
-        raise ValueError(f"vocab_size must be at least {_MIN_VOCAB} (3 special tokens + 256 bytes)")
+def build_tokenizer(vocab_size: int, *, vision: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of at most `vocab_size` tokens (fewer if the corpus runs out of merges);
+    `vision`: with the four vision special tokens after the three others."""
+    specials = SPECIAL_TOKENS + (VISION_TOKENS if vision else [])
+    least = len(specials) + 256  # every byte is a token, so any text round-trips
+    if vocab_size < least:
+        raise ValueError(
+            f"vocab_size must be at least {least} ({len(specials)} special tokens + 256 bytes)"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,  # first, so they get ids 0, 1, 2
+        special_tokens=specials,  # first, so they get ids 0, 1, 2 (, 3, 4, 5, 6)
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -208,6 +232,36 @@ def _config(
             **linear_attention,
             shared_expert_intermediate_size=2 * moe_intermediate_size,
         )
+    if arch == "qwen3_5_vl":
+        text = Qwen3_5TextConfig(**common, intermediate_size=2 * hidden_size, **linear_attention)
+        # multimodal RoPE over (time, height, width), interleaved as in the real config; its
+        # sections cover the rotary frequencies: a quarter of head_dim 32 rotates, 4 pairs
+        text.rope_parameters = {
+            **(text.rope_parameters or {}),
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            num_heads=2,
+            intermediate_size=64,
+            out_hidden_size=hidden_size,
+            patch_size=PATCH_SIZE,
+            spatial_merge_size=MERGE_SIZE,
+            temporal_patch_size=TEMPORAL_PATCH_SIZE,
+            num_position_embeddings=64,  # an 8×8 grid, interpolated to each image's
+            initializer_range=0.1,
+        )
+        return Qwen3_5Config(
+            text_config=text.to_dict(),
+            vision_config=vision,
+            image_token_id=IMAGE_PAD_ID,
+            video_token_id=VIDEO_PAD_ID,
+            vision_start_token_id=VISION_START_ID,
+            vision_end_token_id=VISION_END_ID,
+            tie_word_embeddings=True,
+        )
     if arch == "gpt_oss":
         # gpt-oss has no dense MLP: `intermediate_size` is each expert's width. Layers alternate
         # sliding-window (128) and full attention as in the real model. Plain RoPE instead of
@@ -260,7 +314,7 @@ def build_tiny_model(
     if moe_intermediate_size < 1:
         raise ValueError("moe_intermediate_size must be at least 1")
     directory = Path(directory)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, vision=arch in VL_ARCHS)
     config = _config(
         arch,
         vocab_size=len(tokenizer),
@@ -280,13 +334,22 @@ def build_tiny_model(
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    if arch in VL_ARCHS:
+        # the Pillow processor: the same maths as the torchvision one, which needs torchvision
+        Qwen2VLImageProcessorPil(
+            patch_size=PATCH_SIZE,
+            merge_size=MERGE_SIZE,
+            temporal_patch_size=TEMPORAL_PATCH_SIZE,
+            min_pixels=MIN_IMAGE_PIXELS,
+            max_pixels=MAX_IMAGE_PIXELS,
+        ).save_pretrained(directory)
     return directory
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m workers.tiny_model",
-        description="Build a tiny offline causal LM and tokenizer.",
+        description="Build a tiny offline causal LM (or vision-language model) and tokenizer.",
     )
     parser.add_argument("directory", type=Path)
     parser.add_argument("--arch", choices=ARCHS, default="qwen3")

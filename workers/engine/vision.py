@@ -1,0 +1,142 @@
+"""A vision-language checkpoint's frozen vision tower beside its text model: images as the
+model's own tokens and positions.
+
+Job: for a VL base model (its config has a `vision_config`: Qwen3.5, Qwen3.5-MoE, Qwen3-VL),
+load the vision encoder alone (the checkpoint's `model.visual.*` tensors) next to the text model
+the engine already loads, and give a sequence with images what the composite model computes
+from it:
+- `features`: each image's vision tokens `[n_i, hidden]`, `n_i = t·h·w / merge²` of its patch
+  grid, computed without gradient (the tower is frozen; LoRA trains the text model only);
+- `embed`: the text model's token embeddings, each image's placeholder tokens replaced by its
+  features in order;
+- `positions`: the multimodal RoPE positions `[3, T]` of one sequence: a text run advances all
+  three by its length; an image of merged grid `(t, h, w)` starting at position p takes
+  `(p + i, p + j, p + k)` over its grid and the next token starts at `p + max(h, w)`.
+
+Invariant: the text model run on `embed(...)` with `positions(...)` gives the composite model's
+logits for the same ids and images (≤ 1e-5 in fp32; `tests/test_vision.py`).
+
+Place in the flow: loaded by the engine for a VL base model; the passes call it for the rows
+that hold images.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import cast
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+
+# The checkpoint prefixes of the vision tower: transformers 5's layout, then the older one.
+_PREFIXES = ("model.visual.", "visual.")
+
+
+class VisionTower:
+    """A VL model's frozen vision encoder and the token ids that place its output."""
+
+    def __init__(self, visual: nn.Module, config: PretrainedConfig) -> None:
+        self.visual = visual.requires_grad_(False).eval()
+        self.config = config
+        self.merge = int(config.vision_config.spatial_merge_size)
+        self.image_token_id = int(config.image_token_id)
+
+    @classmethod
+    def load(
+        cls, base_model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> VisionTower | None:
+        """The tower of `base_model` (a local checkpoint directory), or None for a text model."""
+        config = AutoConfig.from_pretrained(base_model)
+        if getattr(config, "vision_config", None) is None:
+            return None
+        with torch.device("meta"):  # only to learn the tower's class: no memory
+            composite = AutoModelForImageTextToText.from_config(config)  # type: ignore[no-untyped-call]
+        tower_class = type(composite.model.visual)
+        del composite
+        visual = tower_class._from_config(config.vision_config, dtype=dtype)
+        tensors = visual.state_dict(keep_vars=True)  # the module's own parameters and buffers
+        missing = set(tensors)
+        with torch.no_grad():
+            for name, tensor in _tower_tensors(Path(base_model)):
+                if name not in tensors:
+                    raise ValueError(f"{base_model}: unexpected vision tower tensor {name!r}")
+                tensors[name].copy_(tensor)
+                missing.discard(name)
+        # buffers computed at construction (rotary frequencies) are not stored in checkpoints
+        missing -= {name for name, _ in visual.named_buffers()}
+        if missing:
+            raise ValueError(f"{base_model}: vision tower tensors missing: {sorted(missing)[:5]}")
+        return cls(visual.to(device), config)
+
+    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Each image's vision tokens, in order (`pixel_values` and `grid_thw` as the image
+        processor returns them for those images)."""
+        dtype = next(self.visual.parameters()).dtype
+        with torch.no_grad():
+            out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
+        pooled = cast(torch.Tensor, out.pooler_output)
+        sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
+        return list(torch.split(pooled, sizes))
+
+    def embed(
+        self, embeddings: nn.Module, input_ids: torch.Tensor, features: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """`embeddings(input_ids)` `[T, H]` with the image placeholders replaced by `features`
+        (all of them, in order: their count must match the placeholders')."""
+        embedded = cast(torch.Tensor, embeddings(input_ids))
+        mask = input_ids == self.image_token_id
+        n_features = sum(f.shape[0] for f in features)
+        if int(mask.sum()) != n_features:
+            raise ValueError(
+                f"{int(mask.sum())} image placeholder tokens for {n_features} image features"
+            )
+        if not n_features:
+            return embedded
+        values = torch.cat(list(features)).to(embedded.dtype)
+        return embedded.masked_scatter(mask.unsqueeze(-1), values)
+
+    def positions(self, input_ids: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The multimodal RoPE positions `[3, T]` of one sequence of ids `[T]` whose image
+        placeholder runs are the images of patch grids `grids` `(t, h, w)`, in order."""
+        ids = input_ids.tolist()
+        out = torch.empty(3, len(ids), dtype=torch.long)
+        position, index, image = 0, 0, 0
+        while index < len(ids):
+            if ids[index] != self.image_token_id:
+                out[:, index] = position
+                position, index = position + 1, index + 1
+                continue
+            if image >= len(grids):
+                raise ValueError(f"more image placeholder runs than the {len(grids)} images")
+            t, h, w = (int(grids[image][0]), *(int(v) // self.merge for v in grids[image][1:]))
+            n = t * h * w
+            if ids[index : index + n] != [self.image_token_id] * n:
+                raise ValueError(f"image {image} has fewer than its {n} placeholder tokens")
+            grid = torch.stack(
+                torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            ).reshape(3, -1)
+            out[:, index : index + n] = grid + position
+            position, index, image = position + max(h, w), index + n, image + 1
+        if image != len(grids):
+            raise ValueError(f"{len(grids)} images for {image} image placeholder runs")
+        return out
+
+
+def _tower_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name inside the tower, tensor) for each vision tower tensor of a safetensors
+    checkpoint, read one at a time."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    for file in files:
+        with safe_open(str(directory / file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+                if prefix is not None:
+                    yield key[len(prefix) :], handle.get_tensor(key)

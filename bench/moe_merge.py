@@ -13,6 +13,7 @@ It then prints what the experts' LoRA costs, for the same tokens:
   cross-entropy and its backward to the input embeddings (so every layer's backward runs).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/moe_merge.py [--repeats 5] [--token-budget N]
+        [--skip-merge] [--max-slots 17]
 """
 
 from __future__ import annotations
@@ -101,12 +102,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--skip-merge", action="store_true", help="only the expert LoRA cost")
+    parser.add_argument(
+        "--max-slots", type=int, default=17, help="the adapter bank's slots (a worker's: 64)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     tune_malloc()  # as the worker does
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab)
-        engine = Engine(str(model), max_slots=17, max_rank=16)
+        engine = Engine(str(model), max_slots=args.max_slots, max_rank=16)
         if args.token_budget is None:
             found = measure(engine)
             engine.pass_tokens = found.pass_tokens

@@ -14,6 +14,7 @@ import torch
 
 from workers.engine.lora import BASE_SLOT, LoraBank, Segment, SlotRouting
 from workers.engine.lora_kernels import (
+    LoraKind,
     SegmentSpec,
     _active_segments,
     _grouped,
@@ -83,19 +84,12 @@ def reference(
 
 
 def run(
-    kind: str, seed: int, *, aligned: bool = False, into_grad: bool = False
+    kind: LoraKind, seed: int, *, aligned: bool = False, into_grad: bool = False
 ) -> tuple[torch.Tensor, ...]:
     x, lora_A, lora_B, segments, loss_weights = random_case(seed, aligned=aligned)
     outputs = []
     for _ in range(2):  # twice: gradients accumulate into the shared buffer
-        update = segment_lora(
-            x,
-            lora_A,
-            lora_B,
-            segments,
-            kind=kind,  # type: ignore[arg-type]
-            into_grad=into_grad,
-        )
+        update = segment_lora(x, lora_A, lora_B, segments, kind=kind, into_grad=into_grad)
         if update.requires_grad:
             (update * loss_weights).sum().backward()
         outputs.append(update.detach())
@@ -170,21 +164,15 @@ def test_slot_selections_add_into_the_banks_gradient_rows_as_the_loop_does(
     x = torch.randn(5 * len(slots), 10, generator=gen, requires_grad=True)
     segments = [(slot, 5 * i, 5 * i + 5, 0.5 + i) for i, slot in enumerate(slots)]
     results = {}
-    for kind in ("loop", "gather"):
+    kinds: tuple[LoraKind, ...] = ("loop", "gather")
+    for kind in kinds:
         weights = torch.randn(5, 3 * 10 + 7 * 3, generator=torch.Generator().manual_seed(1))
         grads = torch.ones_like(weights)  # a gradient already pending: it must be added to
         lora_A = torch.nn.Parameter(weights[:, :30].view(5, 3, 10))
         lora_A.grad = grads[:, :30].view(5, 3, 10)
         lora_B = torch.nn.Parameter(weights[:, 30:].view(5, 7, 3))
         lora_B.grad = grads[:, 30:].view(5, 7, 3)
-        update = segment_lora(
-            x,
-            lora_A,
-            lora_B,
-            segments,
-            kind=kind,  # type: ignore[arg-type]
-            into_grad=into_grad,
-        )
+        update = segment_lora(x, lora_A, lora_B, segments, kind=kind, into_grad=into_grad)
         (dx,) = torch.autograd.grad(update.square().sum(), (x,), retain_graph=True)
         update.square().sum().backward()
         assert lora_A.grad.data_ptr() == grads.data_ptr()  # still the bank's buffer

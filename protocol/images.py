@@ -195,3 +195,58 @@ def _jpeg_size(data: bytes) -> tuple[int, int]:
             return int(width), int(height)
         offset += 2 + length
     raise UserError("the jpeg image is malformed: no frame header before its image data")
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    """How a vision-language model turns images into tokens, and the limits on them: what a
+    request's image chunks are decoded with (`protocol.tensors.decode_forward_backward`)."""
+
+    image_token_id: int
+    patch_size: int
+    merge_size: int
+    min_pixels: int  # the processor resizes each image to within these
+    max_pixels: int
+    max_image_pixels: int  # refused beyond, from the header, before any decoding
+    max_images: int  # per request
+
+    def tokens(self, header: ImageHeader) -> int:
+        """The placeholder tokens an image of `header`'s size stands for."""
+        return vision_tokens(
+            header.width,
+            header.height,
+            patch_size=self.patch_size,
+            merge_size=self.merge_size,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+        )
+
+
+@dataclass(frozen=True)
+class DatumImage:
+    """One image of a datum: its bytes, what its header declares, and where its placeholder
+    tokens stand in the datum's token ids."""
+
+    header: ImageHeader
+    data: bytes
+    start: int
+    n_tokens: int
+
+
+def read_image(
+    data: bytes, declared: str, geometry: VisionGeometry, expected_tokens: int | None, where: str
+) -> tuple[ImageHeader, int]:
+    """An image chunk's header and its token count, checked: a whole png or jpeg, within the
+    pixel limit, and (when the client gave one) the token count it expects."""
+    try:
+        header = read_header(data, declared)
+        check_pixels(header, geometry.max_image_pixels)
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
+    n_tokens = geometry.tokens(header)
+    if expected_tokens is not None and expected_tokens != n_tokens:
+        raise UserError(
+            f"{where}: the {header.width} × {header.height} image is {n_tokens} tokens for this "
+            f"model, not the {expected_tokens} its expected_tokens says"
+        )
+    return header, n_tokens

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped] 
 from protocol import tinker_wire_pb2 as pb
 from protocol.custom_loss import CustomLoss
 from protocol.errors import PayloadTooLarge, UserError
+from protocol.images import DatumImage, VisionGeometry, read_image
 from protocol.sampling import MAX_LOGPROBS_K
 
 # Wire dtype -> how its bytes read; the widened result is float32 or int64.
@@ -53,9 +54,10 @@ _OFFSET_DTYPE = np.dtype("<i8")
 class DatumArrays:
     """One datum: its input token ids and its `loss_fn_inputs`, dense."""
 
-    tokens: np.ndarray  # int32 [N]: the encoded_text chunks concatenated
+    tokens: np.ndarray  # int32 [N]: the chunks concatenated, an image as its placeholder ids
     # int64 / float32, shape [N] or [N, K]
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    images: list[DatumImage] = field(default_factory=list)  # in order, where they stand
 
 
 @dataclass
@@ -186,10 +188,35 @@ def numpy_to_tensor(array: np.ndarray) -> pb.Tensor:
 _UNSUPPORTED_CHUNKS = {"image": "an image chunk", "dmel": "a dmel (audio) chunk"}
 
 
-def _datum_tokens(msg: pb.Datum, index: int) -> np.ndarray:
-    parts: list[bytes] = []
+def _datum_tokens(
+    msg: pb.Datum, index: int, vision: VisionGeometry | None = None, seen_images: int = 0
+) -> tuple[np.ndarray, list[DatumImage]]:
+    """A datum's token ids and its images. Without `vision` (a text model) an image chunk is
+    refused; with it, an image stands as its placeholder tokens. `seen_images`: the images of
+    the request's datums before this one (the per-request limit counts them all)."""
+    parts: list[np.ndarray] = []
+    images: list[DatumImage] = []
+    position = 0
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
+        if kind == "image" and vision is not None:
+            where = f"datum {index}: model_input chunk {j}"
+            if seen_images + len(images) >= vision.max_images:
+                raise UserError(f"{where}: more than {vision.max_images} images in one request")
+            if chunk.image.HasField("override_dimensions"):
+                raise UserError(f"{where}: override_dimensions is not supported")
+            expected = (
+                int(chunk.image.expected_tokens)
+                if chunk.image.HasField("expected_tokens")
+                else None
+            )
+            header, n_tokens = read_image(
+                chunk.image.data, chunk.image.format, vision, expected, where
+            )
+            images.append(DatumImage(header, chunk.image.data, position, n_tokens))
+            parts.append(np.full(n_tokens, vision.image_token_id, dtype=np.int32))
+            position += n_tokens
+            continue
         if kind != "encoded_text":
             what = _UNSUPPORTED_CHUNKS.get(kind or "", "an empty chunk")
             raise UserError(
@@ -200,8 +227,11 @@ def _datum_tokens(msg: pb.Datum, index: int) -> np.ndarray:
                 f"datum {index}: model_input chunk {j} has {len(chunk.encoded_text.tokens)} token"
                 " bytes, not a multiple of 4 (int32)"
             )
-        parts.append(chunk.encoded_text.tokens)
-    return np.frombuffer(b"".join(parts), dtype=_TOKEN_DTYPE).astype(np.int32)
+        text = np.frombuffer(chunk.encoded_text.tokens, dtype=_TOKEN_DTYPE).astype(np.int32)
+        parts.append(text)
+        position += int(text.shape[0])
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    return tokens, images
 
 
 @dataclass(frozen=True)
@@ -320,15 +350,18 @@ def decode_forward_backward(
     body: bytes,
     max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS,
     custom_loss: CustomLoss | None = None,
+    vision: VisionGeometry | None = None,
 ) -> FwdBwdRequest:
     """Decode the SDK's protobuf `ForwardBackwardRequest` (already decompressed).
 
     The declared sizes are checked against `max_elements` before any tensor is densified;
-    `custom_loss` is the graph a `custom` request's job carries.
+    `custom_loss` is the graph a `custom` request's job carries. `vision`: the model's image
+    geometry, for a vision-language model (image chunks are refused without it).
     """
     msg = _parse_forward_backward(body)
     check_budget(_summarise(msg), max_elements)
     datums: list[DatumArrays] = []
+    n_images = 0
     for i, datum in enumerate(msg.data):
         inputs = {
             name: tensor_to_numpy(
@@ -336,7 +369,9 @@ def decode_forward_backward(
             )
             for name in sorted(datum.loss_fn_inputs)
         }
-        datums.append(DatumArrays(tokens=_datum_tokens(datum, i), inputs=inputs))
+        tokens, images = _datum_tokens(datum, i, vision, n_images)
+        n_images += len(images)
+        datums.append(DatumArrays(tokens=tokens, inputs=inputs, images=images))
     # The SDK writes numbers to both maps and text only to v2; v2 wins where both have a key.
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
@@ -373,7 +408,18 @@ def encode_forward_backward(request: FwdBwdRequest) -> bytes:
             msg.loss_fn_config_v2[key].number = float(value)
     for datum in request.datums:
         out = msg.data.add()
-        out.model_input.add().encoded_text.tokens = datum.tokens.astype(_TOKEN_DTYPE).tobytes()
+        start = 0
+        for image in datum.images:  # the text around each image, the image as its chunk
+            if image.start > start:
+                text = datum.tokens[start : image.start].astype(_TOKEN_DTYPE).tobytes()
+                out.model_input.add().encoded_text.tokens = text
+            chunk = out.model_input.add().image
+            chunk.data, chunk.format = image.data, image.header.format
+            chunk.expected_tokens = image.n_tokens
+            start = image.start + image.n_tokens
+        if start < datum.tokens.shape[0] or not datum.images:
+            rest = datum.tokens[start:].astype(_TOKEN_DTYPE).tobytes()
+            out.model_input.add().encoded_text.tokens = rest
         for name, array in datum.inputs.items():
             out.loss_fn_inputs[name].CopyFrom(numpy_to_tensor(array))
     body: bytes = msg.SerializeToString()

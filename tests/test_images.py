@@ -1,7 +1,9 @@
 """protocol.images: image chunks read from their headers only. Real files made with Pillow give
 their true size; what is not a whole png or jpeg (random bytes, a wrong format, a cut file, junk
 after the end) is refused with a message naming it; a decompression bomb is refused from its
-header; the vision-token count equals what the Qwen-VL image processor makes of the image."""
+header; the vision-token count equals what the Qwen-VL image processor makes of the image. In a
+forward_backward request decoded for a VL model an image chunk becomes its placeholder tokens,
+checked against its expected_tokens and the request's image limit."""
 
 from __future__ import annotations
 
@@ -14,16 +16,25 @@ import pytest
 from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 
+from protocol import tinker_wire_pb2 as pb
 from protocol.errors import UserError
 from protocol.images import (
     FORMATS,
     ImageHeader,
+    VisionGeometry,
     check_pixels,
     normalise_format,
     read_header,
     vision_tokens,
 )
-from workers.tiny_model import MAX_IMAGE_PIXELS, MERGE_SIZE, MIN_IMAGE_PIXELS, PATCH_SIZE
+from protocol.tensors import decode_forward_backward, encode_forward_backward, numpy_to_tensor
+from workers.tiny_model import (
+    IMAGE_PAD_ID,
+    MAX_IMAGE_PIXELS,
+    MERGE_SIZE,
+    MIN_IMAGE_PIXELS,
+    PATCH_SIZE,
+)
 
 
 def encoded(width: int, height: int, fmt: str, mode: str = "RGB", **options: object) -> bytes:
@@ -157,3 +168,86 @@ def test_vision_tokens_are_what_the_processor_makes(width: int, height: int) -> 
     )
     assert got == expected
     assert 4 <= got <= 1024  # within the processor's bounds
+
+
+# -- a forward_backward request's image chunks ---------------------------------------------------
+
+GEOMETRY = VisionGeometry(
+    image_token_id=IMAGE_PAD_ID,
+    patch_size=PATCH_SIZE,
+    merge_size=MERGE_SIZE,
+    min_pixels=MIN_IMAGE_PIXELS,
+    max_pixels=MAX_IMAGE_PIXELS,
+    max_image_pixels=4096 * 4096,
+    max_images=3,
+)
+
+
+def request_with(*datums: list[tuple[str, object]]) -> bytes:
+    """A ForwardBackwardRequest whose datums are chunks ("text", [ids]) or ("image", (data,
+    format, expected_tokens or None)), with target tokens and weights of the SDK's length."""
+    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    for chunks in datums:
+        datum = msg.data.add()
+        length = 0
+        for kind, value in chunks:
+            if kind == "text":
+                ids = np.asarray(value, dtype="<i4")
+                datum.model_input.add().encoded_text.tokens = ids.tobytes()
+                length += ids.shape[0]
+            else:
+                data, fmt, expected = value  # type: ignore[misc]
+                image = datum.model_input.add().image
+                image.data, image.format = data, fmt
+                if expected is not None:
+                    image.expected_tokens = expected
+                    length += expected
+        datum.loss_fn_inputs["target_tokens"].CopyFrom(
+            numpy_to_tensor(np.zeros(length, dtype=np.int64))
+        )
+        datum.loss_fn_inputs["weights"].CopyFrom(numpy_to_tensor(np.ones(length, np.float32)))
+    body: bytes = msg.SerializeToString()
+    return body
+
+
+def test_an_image_chunk_becomes_its_placeholder_tokens_where_it_stands() -> None:
+    png, jpeg = encoded(96, 64, "png"), encoded(64, 160, "jpeg")
+    body = request_with(
+        [("text", [7, 8]), ("image", (png, "png", 6)), ("text", [9])],
+        [("image", (jpeg, "jpeg", None)), ("text", [10, 11])],
+    )
+    request = decode_forward_backward(body, vision=GEOMETRY)
+    first, second = request.datums
+    assert first.tokens.tolist() == [7, 8, *[IMAGE_PAD_ID] * 6, 9]
+    [image] = first.images
+    assert (image.start, image.n_tokens, image.data) == (2, 6, png)
+    assert image.header == ImageHeader("png", 96, 64)
+    # 64×160 resizes to 64×160 (multiples of 32): (2·5 patches of 32) → 4·10 / 4 = 10 tokens
+    assert second.tokens.tolist() == [*[IMAGE_PAD_ID] * 10, 10, 11]
+    assert [(i.start, i.n_tokens) for i in second.images] == [(0, 10)]
+    # and back: the same chunks, each image with its count
+    again = decode_forward_backward(encode_forward_backward(request), vision=GEOMETRY)
+    for a, b in zip(again.datums, request.datums, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.images == b.images
+
+
+def test_image_chunks_are_refused_by_a_text_model_and_checked_by_a_vl_one() -> None:
+    png = encoded(96, 64, "png")
+    body = request_with([("text", [7]), ("image", (png, "png", 6))])
+    with pytest.raises(UserError, match="chunk 1 is an image chunk, which text models do not"):
+        decode_forward_backward(body)
+    wrong = request_with([("image", (png, "png", 7))])
+    with pytest.raises(UserError, match="image is 6 tokens for this model, not the 7 its"):
+        decode_forward_backward(wrong, vision=GEOMETRY)
+    bomb = request_with([("image", (png_declaring(100_000, 100_000), "png", None))])
+    with pytest.raises(UserError, match=r"datum 0: model_input chunk 0: .* over the limit"):
+        decode_forward_backward(bomb, vision=GEOMETRY)
+    cut = request_with([("image", (png[:-20], "png", None))])
+    with pytest.raises(UserError, match="truncated"):
+        decode_forward_backward(cut, vision=GEOMETRY)
+    junk = request_with([("image", (b"not an image at all", "png", None))])
+    with pytest.raises(UserError, match="not a png or jpeg file"):
+        decode_forward_backward(junk, vision=GEOMETRY)
+    many = request_with(*[[("image", (png, "png", 6))]] * 2, [("image", (png, "png", 6))] * 2)
+    with pytest.raises(UserError, match="datum 2: model_input chunk 1: more than 3 images"):
+        decode_forward_backward(many, vision=GEOMETRY)

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import io
 import struct
-import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 
-from protocol import tinker_wire_pb2 as pb
 from protocol.errors import UserError
 from protocol.images import (
     FORMATS,
@@ -27,7 +25,8 @@ from protocol.images import (
     read_header,
     vision_tokens,
 )
-from protocol.tensors import decode_forward_backward, encode_forward_backward, numpy_to_tensor
+from protocol.tensors import decode_forward_backward, encode_forward_backward
+from tests.image_helpers import encoded, png_declaring, request_with
 from workers.tiny_model import (
     IMAGE_PAD_ID,
     MAX_IMAGE_PIXELS,
@@ -35,33 +34,6 @@ from workers.tiny_model import (
     MIN_IMAGE_PIXELS,
     PATCH_SIZE,
 )
-
-
-def encoded(width: int, height: int, fmt: str, mode: str = "RGB", **options: object) -> bytes:
-    rng = np.random.default_rng(width * 7919 + height)
-    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
-    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
-    image = Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode)
-    out = io.BytesIO()
-    image.save(out, format=fmt.upper(), **options)
-    return out.getvalue()
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A whole, tiny png whose header declares `width` × `height` pixels (a bomb when large)."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-        )
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
-        + chunk(b"IEND", b"")
-    )
 
 
 @pytest.mark.parametrize(
@@ -181,33 +153,6 @@ GEOMETRY = VisionGeometry(
     max_image_pixels=4096 * 4096,
     max_images=3,
 )
-
-
-def request_with(*datums: list[tuple[str, object]]) -> bytes:
-    """A ForwardBackwardRequest whose datums are chunks ("text", [ids]) or ("image", (data,
-    format, expected_tokens or None)), with target tokens and weights of the SDK's length."""
-    msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
-    for chunks in datums:
-        datum = msg.data.add()
-        length = 0
-        for kind, value in chunks:
-            if kind == "text":
-                ids = np.asarray(value, dtype="<i4")
-                datum.model_input.add().encoded_text.tokens = ids.tobytes()
-                length += ids.shape[0]
-            else:
-                data, fmt, expected = value  # type: ignore[misc]
-                image = datum.model_input.add().image
-                image.data, image.format = data, fmt
-                if expected is not None:
-                    image.expected_tokens = expected
-                    length += expected
-        datum.loss_fn_inputs["target_tokens"].CopyFrom(
-            numpy_to_tensor(np.zeros(length, dtype=np.int64))
-        )
-        datum.loss_fn_inputs["weights"].CopyFrom(numpy_to_tensor(np.ones(length, np.float32)))
-    body: bytes = msg.SerializeToString()
-    return body
 
 
 def test_an_image_chunk_becomes_its_placeholder_tokens_where_it_stands() -> None:

@@ -41,7 +41,7 @@ class RecordingBus:
 def _service(bus: RecordingBus, tmp_path: Path) -> TrainerService:
     settings = WorkerSettings(base_model="stub", data_dir=tmp_path, worker_id="w-1")
     # `_run` only calls the function it is given; planning reads the pass size
-    engine: Any = SimpleNamespace(pass_tokens=16384)
+    engine: Any = SimpleNamespace(pass_tokens=16384, vision=None, carries_images=True)
     return TrainerService(bus, engine, settings)  # type: ignore[arg-type]
 
 

@@ -45,6 +45,7 @@ ALLOWED: dict[str, set[str]] = {
         "typer",
         "prometheus_client",
         "obstore",  # the artifact store (`workers.artifacts`)
+        "PIL",  # a VL model's images decoded once, on the worker (`workers.engine.vision`)
     },
 }
 

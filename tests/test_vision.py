@@ -1,10 +1,13 @@
 """workers.engine.vision: the vision tower of a VL checkpoint loaded alone beside its text model
 gives the composite model's logits for sequences with images (one image, two images of other
 sizes with text between), its multimodal positions equal the model's own, and bad inputs (a
-placeholder count that does not match the images) are refused."""
+placeholder count that does not match the images) are refused. In the engine's passes: a datum
+with an image gets the composite's logprobs, a tenant with images beside one without gets its
+solo gradient, and images are refused by a text model and stray placeholder ids by a VL one."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,8 +17,13 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
 
+from protocol.api import LoraConfig
+from protocol.errors import UserError
+from protocol.tensors import FwdBwdRequest, decode_forward_backward
+from tests.image_helpers import encoded, request_with
 from workers.engine.vision import VisionTower
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, build_tiny_model
+from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -109,3 +117,97 @@ def test_placeholders_that_do_not_match_the_images_are_refused(
     cut = torch.cat([ids[:5], ids[7:]])  # 4 of the image's 6 placeholders
     with pytest.raises(ValueError, match="fewer than its 6 placeholder tokens"):
         tower.positions(cut, grids.tolist())
+
+
+# -- the engine's passes with images -------------------------------------------------------------
+
+
+def _engine(model: Path) -> Engine:
+    return Engine(str(model), max_slots=4, max_rank=8)
+
+
+def _decoded(engine: Engine, body: bytes, forward_only: bool = False) -> FwdBwdRequest:
+    assert engine.vision is not None
+    request = decode_forward_backward(body, vision=engine.vision.geometry)
+    request.forward_only = forward_only
+    return request
+
+
+def test_the_engines_logprobs_with_an_image_are_the_composites(vl_model: Path) -> None:
+    """A fresh adapter adds nothing, so a forward pass's logprobs of a datum with an image are
+    the stock composite model's for those ids and that image."""
+    engine = _engine(vl_model)
+    engine.create("a", LoraConfig(rank=4, seed=1))
+    png = encoded(96, 64, "png")
+    body = request_with(
+        [
+            ("text", [7, 8, VISION_START_ID]),
+            ("image", (png, "png", 6)),
+            ("text", [VISION_END_ID, 9]),
+        ],
+        model_id="a",
+        vocab=engine.vocab_size,
+    )
+    request = _decoded(engine, body, forward_only=True)
+    [out] = engine.forward_backward([("a", request)])
+    assert not isinstance(out, Exception), out
+    got = torch.from_numpy(out.loss_fn_outputs[0]["logprobs"])
+
+    datum = request.datums[0]
+    ids = torch.from_numpy(datum.tokens.astype(np.int64))
+    processor = AutoImageProcessor.from_pretrained(vl_model)
+    image = processor(images=[Image.open(io.BytesIO(png))], return_tensors="pt")
+    composite = AutoModelForImageTextToText.from_pretrained(vl_model)
+    with torch.no_grad():
+        logits = composite(
+            input_ids=ids[None],
+            pixel_values=image["pixel_values"],
+            image_grid_thw=image["image_grid_thw"],
+            mm_token_type_ids=(ids == IMAGE_PAD_ID).long()[None],
+        ).logits[0]
+    targets = torch.from_numpy(datum.inputs["target_tokens"])
+    want = torch.log_softmax(logits.float(), -1)[torch.arange(len(ids)), targets]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_tenant_with_images_beside_one_without_gets_its_solo_gradient(vl_model: Path) -> None:
+    with_image = request_with(
+        [("text", [7, VISION_START_ID]), ("image", (encoded(64, 160, "jpeg"), "jpeg", 10))],
+        [("text", [11, 12, 13, VISION_START_ID]), ("image", (encoded(96, 64, "png"), "png", 6))],
+        model_id="a",
+        vocab=512,
+    )
+    text_only = request_with([("text", [20, 21, 22, 23, 24])], model_id="b", vocab=512)
+    merged, solo = _engine(vl_model), _engine(vl_model)
+    for engine in (merged, solo):
+        engine.create("a", LoraConfig(rank=4, seed=1))
+        engine.create("b", LoraConfig(rank=8, seed=2))
+    a, b = _decoded(merged, with_image), _decoded(merged, text_only)
+    results = merged.forward_backward([("a", a), ("b", b)])
+    alone = solo.forward_backward([("a", a)]) + solo.forward_backward([("b", b)])
+    for together, apart in zip(results, alone, strict=True):
+        assert not isinstance(together, Exception) and not isinstance(apart, Exception)
+        for x, y in zip(together.loss_fn_outputs, apart.loss_fn_outputs, strict=True):
+            np.testing.assert_allclose(x["logprobs"], y["logprobs"], atol=1e-5)
+    for model_id in ("a", "b"):
+        got = merged.bank.grads[merged.slot(model_id)]
+        want = solo.bank.grads[solo.slot(model_id)]
+        scale = float(want.abs().max())
+        assert scale > 0  # the adapter learns from its datums
+        # ≤ 1e-5 of the gradient's magnitude (float32 sums in another order)
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, scale)
+
+
+def test_images_are_refused_where_they_cannot_run(vl_model: Path, tiny_model: Path) -> None:
+    engine = _engine(vl_model)
+    engine.create("a", LoraConfig(rank=4, seed=1))
+    stray = _decoded(engine, request_with([("text", [7, IMAGE_PAD_ID, 8])], model_id="a"))
+    with pytest.raises(UserError, match=r"token 1 is the image placeholder id 5 outside an image"):
+        engine.validate("a", stray)
+    text = Engine(str(tiny_model), max_slots=2, max_rank=8)
+    text.create("t", LoraConfig(rank=4, seed=1))
+    imaged = _decoded(
+        engine, request_with([("image", (encoded(96, 64, "png"), "png", 6))], model_id="t")
+    )
+    with pytest.raises(UserError, match="is a text model and takes no images"):
+        text.validate("t", imaged)

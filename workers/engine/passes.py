@@ -49,6 +49,7 @@ from workers.engine.custom_loss import failed as custom_failed
 from workers.engine.lora import MultiSlotLoraLinear, Segment, SlotRouting
 from workers.engine.losses import LossFn, Settings, get_loss, resolve_config
 from workers.engine.packing import PassLayout, Piece, layout
+from workers.engine.vision import VisionTower
 
 CUSTOM = "custom"
 CUSTOM_OUTPUT_TYPE = "CustomLossReturn"
@@ -95,6 +96,7 @@ class PassRunner:
         *,
         pass_tokens: int,
         chunk_tokens: int,
+        vision: VisionTower | None = None,
     ) -> None:
         get_decoder = getattr(model, "get_decoder", None)
         decoder = get_decoder() if get_decoder is not None else model.model
@@ -104,6 +106,7 @@ class PassRunner:
         self.device = device
         self.pass_tokens = pass_tokens
         self.chunk_tokens = chunk_tokens
+        self.vision = vision  # a vision-language model's tower: rows with images
         # Linear-attention layers (Qwen3.5's Gated DeltaNet) carry a state along the row on the
         # torch path, so sequences sharing a row would leak into each other: pad those instead.
         self.packs = not any(name.endswith("linear_attn") for name, _ in model.named_modules())
@@ -164,9 +167,15 @@ class PassRunner:
         input_ids, position_ids, attention_mask = self._rows(batch, one_pass)
         segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
         with torch.set_grad_enabled(training):
+            model_inputs = {"input_ids": input_ids}
+            if self.vision is not None and any(
+                batch[p.item][1].datums[p.datum].images for p in pieces
+            ):
+                embeds, position_ids = self._with_images(batch, one_pass, input_ids, position_ids)
+                model_inputs = {"inputs_embeds": embeds}
             with self.routing.bind(segments):
                 hidden = self.decoder(
-                    input_ids=input_ids,
+                    **model_inputs,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
                     use_cache=False,
@@ -247,6 +256,40 @@ class PassRunner:
                 end = piece.offset + piece.length
             positions[row, end:] = np.arange(width - end)
         return self._long(input_ids), self._long(positions), None
+
+    def _with_images(
+        self,
+        batch: Sequence[tuple[str, FwdBwdRequest]],
+        one_pass: PassLayout,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input embeddings `[rows, width, H]` of a pass whose rows hold images, each image
+        encoded once, and the position ids `[4, rows, width]`: the text positions (what packed
+        rows mask by), then the multimodal ones (`VisionTower.positions`; a text token's three
+        are its text position)."""
+        assert self.vision is not None
+        n_rows, width = input_ids.shape
+        placed = [piece for row in one_pass.rows for piece in row]  # the flat ids' order
+        images = [image for p in placed for image in batch[p.item][1].datums[p.datum].images]
+        pixel_values, grids = self.vision.pixels(images)
+        features = self.vision.features(pixel_values.to(self.device), grids.to(self.device))
+        embedding = cast(nn.Module, self.decoder.get_input_embeddings())  # type: ignore[operator]
+        embeds = self.vision.embed(embedding, input_ids.reshape(-1), features)
+        if position_ids is None:  # padded rows: every row counts from 0
+            position_ids = torch.arange(width, device=self.device).expand(n_rows, width)
+        positions = position_ids.unsqueeze(0).repeat(4, 1, 1)
+        grid_list = grids.tolist()
+        for p in placed:
+            datum = batch[p.item][1].datums[p.datum]
+            if not datum.images:
+                continue
+            n = len(datum.images)
+            ids = input_ids[p.row, p.offset : p.offset + p.length].cpu()
+            mrope = self.vision.positions(ids, grid_list[:n])
+            positions[1:, p.row, p.offset : p.offset + p.length] = mrope.to(self.device)
+            grid_list = grid_list[n:]
+        return embeds.view(n_rows, width, -1), positions
 
     def _selected(
         self,

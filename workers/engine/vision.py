@@ -22,28 +22,53 @@ that hold images.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
+from PIL import Image
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+)
+
+from protocol.errors import UserError
+from protocol.images import DatumImage, VisionGeometry
 
 # The checkpoint prefixes of the vision tower: transformers 5's layout, then the older one.
 _PREFIXES = ("model.visual.", "visual.")
+MAX_IMAGE_PIXELS = 4096 * 4096  # an image's declared pixels, refused beyond (from its header)
+MAX_IMAGES = 16  # per request
 
 
 class VisionTower:
     """A VL model's frozen vision encoder and the token ids that place its output."""
 
-    def __init__(self, visual: nn.Module, config: PretrainedConfig) -> None:
+    def __init__(self, visual: nn.Module, config: PretrainedConfig, processor: Any) -> None:
         self.visual = visual.requires_grad_(False).eval()
         self.config = config
+        self.processor = processor
+        # Pillow's decompression-bomb guard (an error at twice its value) at our own limit
+        Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
         self.merge = int(config.vision_config.spatial_merge_size)
         self.image_token_id = int(config.image_token_id)
+        size = processor.size
+        self.geometry = VisionGeometry(
+            image_token_id=self.image_token_id,
+            patch_size=int(processor.patch_size),
+            merge_size=int(processor.merge_size),
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=int(size["longest_edge"]),
+            max_image_pixels=MAX_IMAGE_PIXELS,
+            max_images=MAX_IMAGES,
+        )
 
     @classmethod
     def load(
@@ -70,7 +95,29 @@ class VisionTower:
         missing -= {name for name, _ in visual.named_buffers()}
         if missing:
             raise ValueError(f"{base_model}: vision tower tensors missing: {sorted(missing)[:5]}")
-        return cls(visual.to(device), config)
+        processor = AutoImageProcessor.from_pretrained(base_model)  # type: ignore[no-untyped-call]
+        return cls(visual.to(device), config, processor)
+
+    def pixels(self, images: Sequence[DatumImage]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The processor's `pixel_values` and `image_grid_thw` of `images`, decoded here (their
+        headers were checked when the request was decoded; Pillow's own bomb guard is set to
+        the same limit when the tower loads). A file that fails to decode is a `UserError`."""
+        decoded = []
+        for index, image in enumerate(images):
+            try:
+                with Image.open(io.BytesIO(image.data)) as opened:
+                    decoded.append(opened.convert("RGB"))
+            except (OSError, ValueError, Image.DecompressionBombError) as err:
+                raise UserError(f"image {index} could not be decoded: {err}") from None
+        out = self.processor(images=decoded, return_tensors="pt")
+        grid = cast(torch.Tensor, out["image_grid_thw"])
+        counts = (grid.prod(-1) // self.merge**2).tolist()
+        if counts != [image.n_tokens for image in images]:  # the header's size was not the file's
+            raise UserError(
+                f"images decode to {counts} tokens, not the {[i.n_tokens for i in images]} "
+                "their headers declare"
+            )
+        return cast(torch.Tensor, out["pixel_values"]), grid
 
     def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """Each image's vision tokens, in order (`pixel_values` and `grid_thw` as the image

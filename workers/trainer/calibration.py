@@ -61,6 +61,7 @@ def measure(
     if engine.slots_used():
         raise RuntimeError("calibration runs before any tenant is loaded")
     rng = np.random.default_rng(0)
+    placeholder = None if engine.vision is None else engine.vision.image_token_id
     tenants = [f"{SCRATCH}-{i}" for i in range(min(_TENANTS, engine.max_slots))]
     for index, model_id in enumerate(tenants):
         engine.create(model_id, LoraConfig(rank=min(16, engine.max_rank), seed=index))
@@ -72,7 +73,7 @@ def measure(
             row = min(_ROW_TOKENS, size, engine.max_context)
             rows = max(1, size // row)
             batch = [
-                (model_id, _request(rng, model_id, share, row, engine.vocab_size))
+                (model_id, _request(rng, model_id, share, row, engine.vocab_size, placeholder))
                 for model_id, share in zip(tenants, _shares(rows, len(tenants)), strict=True)
                 if share
             ]
@@ -136,11 +137,20 @@ def _shares(rows: int, tenants: int) -> list[int]:
 
 
 def _request(
-    rng: np.random.Generator, model_id: str, rows: int, length: int, vocab: int
+    rng: np.random.Generator,
+    model_id: str,
+    rows: int,
+    length: int,
+    vocab: int,
+    placeholder: int | None = None,
 ) -> FwdBwdRequest:
+    """Random text; a VL model's image placeholder id (which only an image may hold) is not
+    drawn."""
     datums = []
     for _ in range(max(1, rows)):
         tokens = rng.integers(0, vocab, size=length + 1)
+        if placeholder is not None:
+            tokens[tokens == placeholder] = (placeholder + 1) % vocab
         datums.append(
             DatumArrays(
                 tokens=tokens[:-1].astype(np.int32),

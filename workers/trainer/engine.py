@@ -39,6 +39,7 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -54,6 +55,7 @@ from workers.engine.lora import ExpertSlice, LoraBank, SlotRouting, lay_out_slot
 from workers.engine.losses import check_inputs, get_loss, resolve_config
 from workers.engine.optimizer import SlotAdamW
 from workers.engine.passes import CUSTOM, PassResults, PassRunner, not_finite
+from workers.engine.vision import VisionTower
 from workers.trainer.layouts import own_state, whole_state
 from workers.trainer.memory import free_memory, plan_slots
 from workers.trainer.parking import ParkedAdapters, SlotState
@@ -83,6 +85,8 @@ def _load(
 
 class Engine:
     """One base model, its adapter bank, the shared pass and the fused step."""
+
+    carries_images = True  # a VL model's requests may hold images (see `GroupEngine`)
 
     def __init__(
         self,
@@ -161,12 +165,15 @@ class Engine:
             # output layer is read once a chunk).
             logits_chunk_elements = 2**26 if self.device.type == "cuda" else 2**21
             least = 64
+        # A vision-language model's frozen vision tower, beside its text model (None: text)
+        self.vision = VisionTower.load(base_model, self.dtype, str(self.device))
         self.passes = PassRunner(
             model,
             self.routing,
             self.device,
             pass_tokens=pass_tokens,
             chunk_tokens=max(least, logits_chunk_elements // self.vocab_size),
+            vision=self.vision,
         )
 
     @property
@@ -267,6 +274,7 @@ class Engine:
     def _check_tokens(self, index: int, datum: DatumArrays) -> None:
         field = f"datums[{index}].model_input"
         tokens = datum.tokens
+        self._check_images(field, datum)
         if tokens.dtype.kind not in "iu":
             raise UserError(f"{field}: dtype {tokens.dtype}, expected integer token ids")
         if tokens.ndim != 1:
@@ -282,6 +290,26 @@ class Engine:
             bad = low if low < 0 else high
             raise UserError(
                 f"{field}: token id {bad} outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def _check_images(self, field: str, datum: DatumArrays) -> None:
+        """A text model takes no image; a VL model's image placeholder tokens stand exactly
+        where its images are (a stray one would take another tenant's pass down)."""
+        if datum.images and self.vision is None:
+            raise UserError(f"{field}: {self.base_model} is a text model and takes no images")
+        if self.vision is None:
+            return
+        where = np.zeros(datum.tokens.shape[0], dtype=bool)
+        for image in datum.images:
+            if image.start < 0 or image.start + image.n_tokens > where.shape[0]:
+                raise UserError(f"{field}: an image outside the datum's tokens")
+            where[image.start : image.start + image.n_tokens] = True
+        placeholders = datum.tokens == self.vision.image_token_id
+        if not np.array_equal(placeholders, where):
+            at = int(np.flatnonzero(placeholders != where)[0])
+            raise UserError(
+                f"{field}: token {at} is the image placeholder id "
+                f"{self.vision.image_token_id} outside an image, or an image's token is not it"
             )
 
     def forward_backward(

@@ -93,6 +93,10 @@ class EngineOps:
 
     def __init__(self, engine: Engine, settings: WorkerSettings, metrics: TrainerMetrics) -> None:
         self.engine = engine
+        # a VL model's image geometry: its requests' image chunks are decoded with it (a worker
+        # group does not carry images to its ranks yet, so it takes none)
+        tower = engine.vision if engine.carries_images else None
+        self._vision = None if tower is None else tower.geometry
         self.settings = settings
         self.metrics = metrics
         self.store = settings.open_store()  # None: files under `settings.checkpoint_root`
@@ -127,7 +131,9 @@ class EngineOps:
             assert isinstance(job, ForwardBackwardJob)
             try:
                 self._require_model(job)
-                request = decode_forward_backward(job.body, job.max_elements, job.custom_loss)
+                request = decode_forward_backward(
+                    job.body, job.max_elements, job.custom_loss, vision=self._vision
+                )
                 if request.loss_fn == stability.LOSS_NAME:
                     stability.apply_slices(request, stability.decode_slices(job.provenance))
                 self.engine.validate(job.model_id, request)

@@ -8,6 +8,10 @@ solo gradient, and images are refused by a text model and stray placeholder ids 
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -211,3 +215,29 @@ def test_images_are_refused_where_they_cannot_run(vl_model: Path, tiny_model: Pa
     )
     with pytest.raises(UserError, match="is a text model and takes no images"):
         text.validate("t", imaged)
+
+
+def test_a_vl_model_named_by_its_hub_id_loads_its_tower_from_the_hub_cache(
+    vl_model: Path, tmp_path: Path
+) -> None:
+    """As the text model is: a hub id resolves in the hub cache (offline here)."""
+    snapshot = tmp_path / "hub" / "models--tiny--vl" / "snapshots" / "0123abcd"
+    shutil.copytree(vl_model, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    script = (
+        "from workers.engine.vision import VisionTower\n"
+        "tower = VisionTower.load('tiny/vl')\n"
+        "print(type(tower.visual).__name__, tower.geometry.patch_size)\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["Qwen3_5VisionModel", "16"]

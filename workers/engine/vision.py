@@ -38,6 +38,7 @@ from transformers import (
     AutoModelForImageTextToText,
     PretrainedConfig,
 )
+from transformers.utils.hub import cached_file
 
 from protocol.errors import UserError
 from protocol.images import DatumImage, VisionGeometry
@@ -74,7 +75,8 @@ class VisionTower:
     def load(
         cls, base_model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> VisionTower | None:
-        """The tower of `base_model` (a local checkpoint directory), or None for a text model."""
+        """The tower of `base_model` (a local checkpoint directory or a hub id, as the text
+        model is loaded from), or None for a text model."""
         config = AutoConfig.from_pretrained(base_model)
         if getattr(config, "vision_config", None) is None:
             return None
@@ -86,7 +88,7 @@ class VisionTower:
         tensors = visual.state_dict(keep_vars=True)  # the module's own parameters and buffers
         missing = set(tensors)
         with torch.no_grad():
-            for name, tensor in _tower_tensors(Path(base_model)):
+            for name, tensor in _tower_tensors(base_model):
                 if name not in tensors:
                     raise ValueError(f"{base_model}: unexpected vision tower tensor {name!r}")
                 tensors[name].copy_(tensor)
@@ -173,16 +175,28 @@ class VisionTower:
         return out
 
 
-def _tower_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_file(base_model: str, name: str) -> str | None:
+    """A file of the checkpoint, in its local directory or the hub cache (None: it has none)."""
+    local = Path(base_model)
+    if local.is_dir():
+        return str(local / name) if (local / name).exists() else None
+    found = cached_file(base_model, name, _raise_exceptions_for_missing_entries=False)
+    return None if found is None else str(found)
+
+
+def _tower_tensors(base_model: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name inside the tower, tensor) for each vision tower tensor of a safetensors
-    checkpoint, read one at a time."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    checkpoint (a local directory or a hub id), read one at a time."""
+    index = _checkpoint_file(base_model, "model.safetensors.index.json")
+    if index is not None:
+        names = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
     else:
-        files = ["model.safetensors"]
-    for file in files:
-        with safe_open(str(directory / file), framework="pt") as handle:
+        names = ["model.safetensors"]
+    for name in names:
+        file = _checkpoint_file(base_model, name)
+        if file is None:
+            raise ValueError(f"{base_model}: no {name} to read the vision tower from")
+        with safe_open(file, framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
                 if prefix is not None:

@@ -330,7 +330,7 @@ def _set(body: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 @given(data=st.data())
-@fuzz_settings(2500)
+@fuzz_settings(1500)
 def test_fuzz_json_routes_one_hostile_field(fuzzer: Fuzzer, data: st.DataObject) -> None:
     """A valid body with one field replaced by a hostile value, or removed."""
     t = fuzzer.target

@@ -1,17 +1,22 @@
 """Images for tests: real png and jpeg files made with Pillow, a tiny png that declares any size
-(a decompression bomb when large), and forward_backward bodies whose datums hold image chunks."""
+(a decompression bomb when large), forward_backward bodies whose datums hold image chunks, and
+the stock transformers composite's logprobs of a sequence with one image."""
 
 from __future__ import annotations
 
 import io
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
 from protocol import tinker_wire_pb2 as pb
 from protocol.tensors import numpy_to_tensor
+from workers.tiny_model import IMAGE_PAD_ID
 
 
 def encoded(width: int, height: int, fmt: str, mode: str = "RGB", **options: object) -> bytes:
@@ -67,3 +72,21 @@ def request_with(*datums: list[tuple[str, object]], model_id: str = "m", vocab: 
         datum.loss_fn_inputs["weights"].CopyFrom(numpy_to_tensor(np.ones(length, np.float32)))
     body: bytes = msg.SerializeToString()
     return body
+
+
+def composite_logprobs(
+    model: Path, ids: torch.Tensor, image: bytes, targets: torch.Tensor
+) -> torch.Tensor:
+    """log p(targets[t] | ids[: t + 1]) of the stock transformers composite, for ids `[T]`
+    holding one image's placeholders."""
+    processor = AutoImageProcessor.from_pretrained(model)
+    pixels = processor(images=[Image.open(io.BytesIO(image))], return_tensors="pt")
+    composite = AutoModelForImageTextToText.from_pretrained(model)
+    with torch.no_grad():
+        logits = composite(
+            input_ids=ids[None],
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(ids == IMAGE_PAD_ID).long()[None],
+        ).logits[0]
+    return torch.log_softmax(logits.float(), -1)[torch.arange(len(ids)), targets]

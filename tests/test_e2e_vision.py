@@ -19,10 +19,9 @@ import tinker
 import torch
 from PIL import Image
 from tinker import types
-from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
 from tests.conftest import Cluster, build_model, start_cluster, stop_cluster
-from tests.image_helpers import encoded, png_declaring
+from tests.image_helpers import composite_logprobs, encoded, png_declaring
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
@@ -88,18 +87,8 @@ def test_forward_with_an_image_gives_the_stock_models_logprobs(
     got = np.asarray(out.loss_fn_outputs[0]["logprobs"].data)
 
     ids = torch.tensor([7, 8, VISION_START_ID, *[IMAGE_PAD_ID] * 6, VISION_END_ID, 40, 41])
-    processor = AutoImageProcessor.from_pretrained(vl_model)
-    pixels = processor(images=[Image.open(io.BytesIO(image))], return_tensors="pt")
-    composite = AutoModelForImageTextToText.from_pretrained(vl_model)
-    with torch.no_grad():
-        logits = composite(
-            input_ids=ids[None],
-            pixel_values=pixels["pixel_values"],
-            image_grid_thw=pixels["image_grid_thw"],
-            mm_token_type_ids=(ids == IMAGE_PAD_ID).long()[None],
-        ).logits[0]
     targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
-    want = torch.log_softmax(logits.float(), -1)[torch.arange(len(ids)), targets].numpy()
+    want = composite_logprobs(vl_model, ids, image, targets).numpy()
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 

@@ -7,7 +7,6 @@ solo gradient, and images are refused by a text model and stray placeholder ids 
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForI
 from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.tensors import FwdBwdRequest, decode_forward_backward
-from tests.image_helpers import encoded, request_with
+from tests.image_helpers import composite_logprobs, encoded, request_with
 from workers.engine.vision import VisionTower
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, build_tiny_model
 from workers.trainer.engine import Engine
@@ -159,18 +158,8 @@ def test_the_engines_logprobs_with_an_image_are_the_composites(vl_model: Path) -
 
     datum = request.datums[0]
     ids = torch.from_numpy(datum.tokens.astype(np.int64))
-    processor = AutoImageProcessor.from_pretrained(vl_model)
-    image = processor(images=[Image.open(io.BytesIO(png))], return_tensors="pt")
-    composite = AutoModelForImageTextToText.from_pretrained(vl_model)
-    with torch.no_grad():
-        logits = composite(
-            input_ids=ids[None],
-            pixel_values=image["pixel_values"],
-            image_grid_thw=image["image_grid_thw"],
-            mm_token_type_ids=(ids == IMAGE_PAD_ID).long()[None],
-        ).logits[0]
     targets = torch.from_numpy(datum.inputs["target_tokens"])
-    want = torch.log_softmax(logits.float(), -1)[torch.arange(len(ids)), targets]
+    want = composite_logprobs(vl_model, ids, png, targets)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 

@@ -155,9 +155,12 @@ class VisionTower:
         out = torch.empty(3, len(ids), dtype=torch.long)
         position, index, image = 0, 0, 0
         while index < len(ids):
-            if ids[index] != self.image_token_id:
-                out[:, index] = position
-                position, index = position + 1, index + 1
+            if ids[index] != self.image_token_id:  # a text run, up to the next image
+                stop = next(
+                    (i for i in range(index, len(ids)) if ids[i] == self.image_token_id), len(ids)
+                )
+                out[:, index:stop] = torch.arange(position, position + stop - index)
+                position, index = position + stop - index, stop
                 continue
             if image >= len(grids):
                 raise ValueError(f"more image placeholder runs than the {len(grids)} images")

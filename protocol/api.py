@@ -516,16 +516,6 @@ class ModelInput(_Request, frozen=True):
 
     chunks: list[ModelInputChunk] = []
 
-    def to_tokens(self) -> list[int]:
-        """The token ids of a text-only input; any other chunk is a user error."""
-        tokens: list[int] = []
-        for index, chunk in enumerate(self.chunks):
-            if not isinstance(chunk, EncodedTextChunk):
-                kind = type(chunk).__struct_config__.tag
-                raise UserError(f"prompt chunk {index} is {kind!r}: only text is supported")
-            tokens.extend(chunk.tokens)
-        return tokens
-
 
 class TensorData(_Request, frozen=True):
     """JSON TensorData: flat row-major `data`, optionally sparse CSR over a 2-D `shape`."""

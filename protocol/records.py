@@ -11,6 +11,7 @@ from typing import TypeVar
 import msgspec
 
 from protocol.api import LoraConfig
+from protocol.images import VisionGeometry
 
 
 class SessionRecord(msgspec.Struct):
@@ -101,6 +102,9 @@ class WorkerRecord(msgspec.Struct):
     role: str = "trainer"  # "trainer" or "sampler"
     sampler_backend: str = ""  # "torch", "vllm", or "" when this process does not sample
     metrics_url: str = ""  # where this process serves Prometheus `/metrics` ("" if nowhere)
+    # a vision-language model's image geometry and limits (None: a text model), which the
+    # gateway reads image headers and counts their tokens with
+    vision: VisionGeometry | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -26,6 +26,7 @@ import numpy as np
 from protocol import api
 from protocol import tinker_wire_pb2 as pb
 from protocol.errors import UserError
+from protocol.images import DatumImage, VisionGeometry, read_image
 
 MAX_NUM_SAMPLES = 128
 DEFAULT_MAX_TOKENS = 128
@@ -90,6 +91,8 @@ class SampleSpec:
     target_prompt_logprobs: TargetIds | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None  # score only the last n prompt tokens
+    # a VL model's prompt images, in order; each stands as its placeholder tokens in `prompt`
+    images: tuple[DatumImage, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -134,11 +137,62 @@ class SampleOutput:
     prompt_alt_logprobs: list[list[float]] | None = None
 
 
+TEXT_ONLY = "this model takes text only"
+
+
+def prompt_tokens(
+    prompt: api.ModelInput, vision: VisionGeometry | None, no_images: str = TEXT_ONLY
+) -> tuple[list[int], list[DatumImage]]:
+    """A prompt's token ids, each image chunk standing as its placeholder tokens, and its
+    images, read from their headers and checked against `vision`'s limits (a VL model's
+    geometry; None refuses images, saying `no_images`). A text token equal to the
+    placeholder id is refused: it would stand for an image that is not there."""
+    tokens: list[int] = []
+    images: list[DatumImage] = []
+    for index, chunk in enumerate(prompt.chunks):
+        where = f"prompt chunk {index}"
+        if isinstance(chunk, api.EncodedTextChunk):
+            if vision is not None and vision.image_token_id in chunk.tokens:
+                raise UserError(
+                    f"{where}: token id {vision.image_token_id} is the image placeholder; send"
+                    " the image as an image chunk"
+                )
+            tokens.extend(chunk.tokens)
+            continue
+        if not isinstance(chunk, api.ImageChunk):
+            kind = type(chunk).__struct_config__.tag
+            detail = "image assets are not stored here; send the image inline as an image chunk"
+            raise UserError(
+                f"{where} is {kind!r}: "
+                + (detail if isinstance(chunk, api.ImageAssetPointerChunk) else "not supported")
+            )
+        if vision is None:
+            raise UserError(f"{where} is an image, and {no_images}")
+        if len(images) >= vision.max_images:
+            raise UserError(
+                f"{where}: more than {vision.max_images} images in one request (the limit per"
+                " request)"
+            )
+        header, n_tokens = read_image(
+            chunk.data, chunk.format, vision, chunk.expected_tokens, where
+        )
+        images.append(DatumImage(header, chunk.data, len(tokens), n_tokens))
+        tokens.extend([vision.image_token_id] * n_tokens)
+    return tokens, images
+
+
 def sample_spec(
-    body: api.SampleRequest, *, max_context: int | None, vocab_size: int | None
+    body: api.SampleRequest,
+    *,
+    max_context: int | None,
+    vocab_size: int | None,
+    vision: VisionGeometry | None = None,
+    no_images: str = TEXT_ONLY,
 ) -> SampleSpec:
-    """Validate an `asample` body; every problem is a one-line user error naming the field."""
-    prompt = body.prompt.to_tokens()
+    """Validate an `asample` body; every problem is a one-line user error naming the field.
+    `vision`: a VL model's image geometry (None: image chunks are refused, with `no_images`
+    as the reason)."""
+    prompt, images = prompt_tokens(body.prompt, vision, no_images)
     params = body.sampling_params
     if not prompt:
         raise UserError("prompt: empty; at least one token is needed")
@@ -198,6 +252,7 @@ def sample_spec(
         target_prompt_logprobs=target,
         prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         prompt_logprobs_last_n=last_n,
+        images=tuple(images),
     )
 
 

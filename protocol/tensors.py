@@ -13,7 +13,7 @@ names in every datum, metric keys `name:reduction`) with `ValueError`: breaking 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped] 
 from protocol import tinker_wire_pb2 as pb
 from protocol.custom_loss import CustomLoss
 from protocol.errors import PayloadTooLarge, UserError
-from protocol.images import DatumImage, VisionGeometry, read_image
+from protocol.images import DatumImage, ImageHeader, VisionGeometry, read_image
 from protocol.sampling import MAX_LOGPROBS_K
 
 # Wire dtype -> how its bytes read; the widened result is float32 or int64.
@@ -188,6 +188,42 @@ def numpy_to_tensor(array: np.ndarray) -> pb.Tensor:
 _UNSUPPORTED_CHUNKS = {"image": "an image chunk", "dmel": "a dmel (audio) chunk"}
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """An image chunk as the gateway's scan finds it: where it stands and what it holds, not
+    yet read (`check_images` reads its header)."""
+
+    where: str  # "datum i: model_input chunk j"
+    data: bytes
+    format: str
+    expected_tokens: int | None
+    override_dimensions: bool
+
+
+def _image_ref(chunk: pb.Chunk, where: str) -> ImageRef:
+    image = chunk.image
+    return ImageRef(
+        where=where,
+        data=image.data,
+        format=image.format,
+        expected_tokens=int(image.expected_tokens) if image.HasField("expected_tokens") else None,
+        override_dimensions=image.HasField("override_dimensions"),
+    )
+
+
+def _read_image_ref(ref: ImageRef, vision: VisionGeometry, seen: int) -> tuple[ImageHeader, int]:
+    """The header and token count of the request's image number `seen` (from 0), checked:
+    the per-request image limit, the header, the pixel limit and `expected_tokens`."""
+    if seen >= vision.max_images:
+        raise UserError(
+            f"{ref.where}: more than {vision.max_images} images in one request (the limit per"
+            " request)"
+        )
+    if ref.override_dimensions:
+        raise UserError(f"{ref.where}: override_dimensions is not supported")
+    return read_image(ref.data, ref.format, vision, ref.expected_tokens, ref.where)
+
+
 def _datum_tokens(
     msg: pb.Datum, index: int, vision: VisionGeometry | None = None, seen_images: int = 0
 ) -> tuple[np.ndarray, list[DatumImage]]:
@@ -200,20 +236,9 @@ def _datum_tokens(
     for j, chunk in enumerate(msg.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind == "image" and vision is not None:
-            where = f"datum {index}: model_input chunk {j}"
-            if seen_images + len(images) >= vision.max_images:
-                raise UserError(f"{where}: more than {vision.max_images} images in one request")
-            if chunk.image.HasField("override_dimensions"):
-                raise UserError(f"{where}: override_dimensions is not supported")
-            expected = (
-                int(chunk.image.expected_tokens)
-                if chunk.image.HasField("expected_tokens")
-                else None
-            )
-            header, n_tokens = read_image(
-                chunk.image.data, chunk.image.format, vision, expected, where
-            )
-            images.append(DatumImage(header, chunk.image.data, position, n_tokens))
+            ref = _image_ref(chunk, f"datum {index}: model_input chunk {j}")
+            header, n_tokens = _read_image_ref(ref, vision, seen_images + len(images))
+            images.append(DatumImage(header, ref.data, position, n_tokens))
             parts.append(np.full(n_tokens, vision.image_token_id, dtype=np.int32))
             position += n_tokens
             continue
@@ -253,6 +278,9 @@ class FwdBwdSummary:
     # the first datum whose target_tokens declares [N, K] with K outside 1..MAX_LOGPROBS_K:
     # (datum index, declared shape); refused by `check_target_width`
     wide_targets: tuple[int, tuple[int, ...]] | None = None
+    # the image chunks, unread; `n_tokens` and `n_elements` count their placeholder tokens
+    # once `check_images` has read their headers
+    images: tuple[ImageRef, ...] = ()
 
 
 def _parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
@@ -283,10 +311,14 @@ def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
     tokens = 0
     elements = 0
     wide_targets: tuple[int, tuple[int, ...]] | None = None
+    images: list[ImageRef] = []
     for index, datum in enumerate(msg.data):
-        for chunk in datum.model_input:
-            if chunk.WhichOneof("chunk") == "encoded_text":
+        for j, chunk in enumerate(datum.model_input):
+            kind = chunk.WhichOneof("chunk")
+            if kind == "encoded_text":
                 tokens += len(chunk.encoded_text.tokens) // _TOKEN_DTYPE.itemsize
+            elif kind == "image":
+                images.append(_image_ref(chunk, f"datum {index}: model_input chunk {j}"))
         for tensor in datum.loss_fn_inputs.values():
             elements += _declared_elements(tensor)
         targets = datum.loss_fn_inputs.get(TARGET_TOKENS)
@@ -303,6 +335,27 @@ def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
         n_elements=elements + tokens,
         loss_id=_text_setting(msg, "loss_id"),
         wide_targets=wide_targets,
+        images=tuple(images),
+    )
+
+
+def check_images(
+    summary: FwdBwdSummary, vision: VisionGeometry | None, base_model: str
+) -> FwdBwdSummary:
+    """`summary` with its images' placeholder tokens counted in `n_tokens` and `n_elements`,
+    after reading each image's header: a `UserError` for an image sent to a text model
+    (`vision` None), one over the model's limits, one that is not a whole png or jpeg, or a
+    wrong `expected_tokens`. Nothing is decoded."""
+    if not summary.images:
+        return summary
+    if vision is None:
+        raise UserError(
+            f"{summary.images[0].where} is an image chunk, and {base_model!r} is a text model:"
+            " it takes text only"
+        )
+    n_tokens = sum(_read_image_ref(ref, vision, seen)[1] for seen, ref in enumerate(summary.images))
+    return replace(
+        summary, n_tokens=summary.n_tokens + n_tokens, n_elements=summary.n_elements + n_tokens
     )
 
 

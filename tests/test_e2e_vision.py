@@ -3,8 +3,12 @@
 - `forward` with an `ImageChunk` gives the stock transformers composite's logprobs;
 - a caption task (each synthetic image's colour named after it) trains: its loss falls;
 - hostile images fail their request with an error that names what was wrong (a decompression
-  bomb refused from its header, a truncated file, a wrong `expected_tokens`), and the tenant's
-  next request runs.
+  bomb refused from its header, a truncated file, a wrong `expected_tokens`, data that does not
+  decode), and the tenant's next request runs;
+- an image counts toward its tenant's `max_tokens_per_request` by its vision tokens;
+- sampling and `compute_logprobs` take prompts with images: the logprobs are the composite's,
+  and a sample's logprobs are what `compute_logprobs` gives its tokens;
+- two tenants in the same passes, one with images and one without, each train as alone.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -20,10 +25,11 @@ import torch
 from PIL import Image
 from tinker import types
 
-from tests.conftest import Cluster, build_model, start_cluster, stop_cluster
+from tests.conftest import ADMIN_KEY, Cluster, build_model, start_cluster, stop_cluster
 from tests.image_helpers import composite_logprobs, encoded, png_declaring
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
+MAX_PIXELS = 512 * 512  # the cluster's --max-image-pixels
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 
 
@@ -34,7 +40,8 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vl_cluster(tmp_path_factory: pytest.TempPathFactory, vl_model: Path) -> Iterator[Cluster]:
-    running = start_cluster(tmp_path_factory.mktemp("vl") / "data", [vl_model])
+    limits = {"TWINKLE_MAX_IMAGE_PIXELS": str(MAX_PIXELS), "TWINKLE_MAX_IMAGES_PER_REQUEST": "8"}
+    running = start_cluster(tmp_path_factory.mktemp("vl") / "data", [vl_model], env=limits)
     try:
         yield running
     finally:
@@ -42,13 +49,15 @@ def vl_cluster(tmp_path_factory: pytest.TempPathFactory, vl_model: Path) -> Iter
 
 
 @pytest.fixture(scope="module")
-def client(vl_cluster: Cluster, vl_model: Path) -> Iterator[tinker.TrainingClient]:
-    service = tinker.ServiceClient(base_url=vl_cluster.base_url, api_key=vl_cluster.api_key)
-    training = service.create_lora_training_client(
-        base_model=str(vl_model), rank=8, seed=3
-    ).result()
-    yield training
-    service.close("success").result()
+def service(vl_cluster: Cluster) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=vl_cluster.base_url, api_key=vl_cluster.api_key)
+    yield client
+    client.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def client(service: tinker.ServiceClient, vl_model: Path) -> tinker.TrainingClient:
+    return service.create_lora_training_client(base_model=str(vl_model), rank=8, seed=3).result()
 
 
 def _png(colour: tuple[int, int, int], seed: int = 0) -> bytes:
@@ -57,6 +66,14 @@ def _png(colour: tuple[int, int, int], seed: int = 0) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels.astype(np.uint8)).save(out, format="PNG")
     return out.getvalue()
+
+
+def _corrupt(png: bytes) -> bytes:
+    """`png` with a sound header and broken pixel data: only decoding finds it."""
+    data = bytearray(png)
+    start = data.index(b"IDAT") + 4
+    data[start : start + 16] = bytes(16)
+    return bytes(data)
 
 
 def _datum(prefix: list[int], image: bytes, suffix: list[int], expected: int = 6) -> types.Datum:
@@ -114,8 +131,17 @@ def test_a_caption_task_with_images_trains(client: tinker.TrainingClient) -> Non
         (encoded(96, 64, "png")[:-30], 6, "truncated"),
         (encoded(96, 64, "png"), 7, "is 6 tokens for this model, not the 7"),
         (b"\x00" * 64, 6, "is not a png or jpeg file"),
+        (_corrupt(encoded(96, 64, "png")), 6, "could not be decoded"),
+        (encoded(520, 520, "png"), 6, "270400 pixels, over the limit of 262144 pixels per image"),
     ],
-    ids=["bomb", "truncated", "wrong-expected-tokens", "not-an-image"],
+    ids=[
+        "bomb",
+        "truncated",
+        "wrong-expected-tokens",
+        "not-an-image",
+        "corrupt-data",
+        "over-max-image-pixels",
+    ],
 )
 def test_a_hostile_image_fails_its_request_alone(
     client: tinker.TrainingClient, image: bytes, expected: int, message: str
@@ -125,3 +151,128 @@ def test_a_hostile_image_fails_its_request_alone(
         client.forward([bad], "cross_entropy").result()
     good = _datum([7], _png(COLOURS["blue"]), [40, 41])
     assert client.forward([good], "cross_entropy").result().loss_fn_outputs
+
+
+def test_more_images_than_the_clusters_limit_fail_the_request(
+    client: tinker.TrainingClient,
+) -> None:
+    batch = [_datum([7], _png(COLOURS["red"], seed), [40]) for seed in range(9)]
+    with pytest.raises(Exception, match="datum 8: model_input chunk 1: more than 8 images"):
+        client.forward(batch, "cross_entropy").result()
+    assert client.forward(batch[:8], "cross_entropy").result().loss_fn_outputs
+
+
+def _image_prompt(image: bytes, suffix: list[int]) -> types.ModelInput:
+    return types.ModelInput(
+        chunks=[
+            types.EncodedTextChunk(tokens=[7, 8, VISION_START_ID]),
+            types.ImageChunk(data=image, format="png", expected_tokens=6),
+            types.EncodedTextChunk(tokens=[VISION_END_ID, *suffix]),
+        ]
+    )
+
+
+def test_sampling_and_compute_logprobs_take_images(
+    service: tinker.ServiceClient, vl_model: Path
+) -> None:
+    sampling = service.create_sampling_client(base_model=str(vl_model)).result()
+    image = _png(COLOURS["green"], seed=5)
+    prompt = _image_prompt(image, [40, 41])
+    ids = [7, 8, VISION_START_ID, *[IMAGE_PAD_ID] * 6, VISION_END_ID, 40, 41]
+    assert prompt.length == len(ids)
+    got = sampling.compute_logprobs(prompt).result()
+    assert got[0] is None and len(got) == len(ids)
+    want = composite_logprobs(vl_model, torch.tensor(ids[:-1]), image, torch.tensor(ids[1:]))
+    np.testing.assert_allclose(np.asarray(got[1:], dtype=np.float64), want.numpy(), atol=1e-4)
+
+    params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
+    result = sampling.sample(prompt, num_samples=2, sampling_params=params).result()
+    first, second = result.sequences
+    assert len(first.tokens) == 4 and first.tokens == second.tokens  # greedy
+    scored = sampling.compute_logprobs(_image_prompt(image, [40, 41, *first.tokens])).result()
+    assert first.logprobs is not None
+    np.testing.assert_allclose(first.logprobs, scored[-4:], atol=1e-4)
+
+    bomb = _image_prompt(png_declaring(100_000, 100_000), [40])
+    with pytest.raises(Exception, match="over the limit of"):
+        sampling.sample(bomb, num_samples=1, sampling_params=params).result()
+
+
+def _tenant(cluster: Cluster, name: str, limits: dict[str, int] | None = None) -> str:
+    """A new tenant's API key, with `limits` as its quota overrides."""
+    with httpx.Client(
+        base_url=cluster.base_url, headers={"X-Admin-Key": ADMIN_KEY}, timeout=30.0
+    ) as admin:
+        for method, path, body in [
+            ("POST", "tenants", {"name": name}),
+            *([("PUT", f"quotas/{name}", limits)] if limits else []),
+            ("POST", "keys", {"tenant": name, "label": "vision tests"}),
+        ]:
+            response = admin.request(method, f"/admin/v1/{path}", json=body)
+            assert response.status_code == 200, response.text
+    return str(response.json()["key"])
+
+
+def test_an_image_counts_toward_max_tokens_per_request_by_its_vision_tokens(
+    vl_cluster: Cluster, vl_model: Path
+) -> None:
+    key = _tenant(vl_cluster, "capped-vl", {"max_tokens_per_request": 9})
+    capped = tinker.ServiceClient(base_url=vl_cluster.base_url, api_key=key)
+    try:
+        training = capped.create_lora_training_client(base_model=str(vl_model), rank=4).result()
+        image = _png(COLOURS["red"])
+        over = _datum([7, 8], image, [40, 41])  # 3 + 6 + 2 = 11 tokens
+        with pytest.raises(Exception, match="max_tokens_per_request"):
+            training.forward([over], "cross_entropy").result()
+        within = _datum([], image, [40])  # 1 + 6 + 1 = 8 tokens
+        assert training.forward([within], "cross_entropy").result().loss_fn_outputs
+    finally:
+        capped.close("success").result()
+
+
+def _text_datum(seed: int) -> types.Datum:
+    ids = np.random.default_rng(seed).integers(10, 100, 12).tolist()
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 11},
+    )
+
+
+def test_a_tenant_with_images_and_one_without_each_train_as_alone(
+    vl_cluster: Cluster, vl_model: Path
+) -> None:
+    """Two steps each; their second forward_backward's logprobs equal the solo runs'."""
+    image_batch = [_datum([9], _png(rgb, 1), [50, 51]) for rgb in COLOURS.values()]
+    text_batch = [_text_datum(seed) for seed in range(3)]
+    adam = types.AdamParams(learning_rate=1e-2)
+
+    def run(service: tinker.ServiceClient, batches: list[list[types.Datum]]) -> list[np.ndarray]:
+        clients = [
+            service.create_lora_training_client(base_model=str(vl_model), rank=4, seed=11).result()
+            for _ in batches
+        ]
+        outs = []
+        for _ in range(2):
+            futures = [
+                c.forward_backward(b, "cross_entropy")
+                for c, b in zip(clients, batches, strict=True)
+            ]
+            outs = [f.result() for f in futures]
+            for step in [c.optim_step(adam) for c in clients]:
+                step.result()
+        return [
+            np.concatenate([np.asarray(o["logprobs"].data) for o in out.loss_fn_outputs])
+            for out in outs
+        ]
+
+    service = tinker.ServiceClient(
+        base_url=vl_cluster.base_url, api_key=_tenant(vl_cluster, "pair-vl")
+    )
+    try:
+        [image_alone] = run(service, [image_batch])
+        [text_alone] = run(service, [text_batch])
+        image_together, text_together = run(service, [image_batch, text_batch])
+    finally:
+        service.close("success").result()
+    np.testing.assert_allclose(image_together, image_alone, atol=1e-5)
+    np.testing.assert_allclose(text_together, text_alone, atol=1e-5)

@@ -21,6 +21,7 @@ from tinker.types.try_again_response import TryAgainResponse
 
 from protocol import account_api, api
 from protocol.errors import ErrorCategory, UserError
+from protocol.sampling import prompt_tokens
 
 # -- JSON responses: our encoder -> SDK strict validation ----------------------------------------
 
@@ -495,7 +496,7 @@ def test_sdk_sample_request_decodes() -> None:
         target_prompt_logprobs=target,
     )
     sample = api.decode(_sdk_json(request), api.SampleRequest)
-    assert sample.prompt.to_tokens() == [1, 2, 3]
+    assert prompt_tokens(sample.prompt, None) == ([1, 2, 3], [])
     assert sample.sampling_params == api.SamplingParams(max_tokens=3, stop=["\n"], temperature=0.7)
     assert sample.target_prompt_logprobs == api.TensorData(
         data=[1, -1, 3, 4], dtype="int64", shape=[2, 2]
@@ -514,8 +515,8 @@ def test_sdk_sample_request_decodes() -> None:
     assert decoded.prompt.chunks == [
         api.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)
     ]
-    with pytest.raises(UserError, match="prompt chunk 0 is 'image'"):
-        decoded.prompt.to_tokens()
+    with pytest.raises(UserError, match="prompt chunk 0 is an image, and this model takes text"):
+        prompt_tokens(decoded.prompt, None)
 
 
 def test_untyped_bodies_the_sdk_sends_decode() -> None:

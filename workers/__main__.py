@@ -104,6 +104,10 @@ def worker_options(
     gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
     ack_wait_s: worker_settings.AckWaitS = 120.0,
     sample_timeout_s: worker_settings.SampleTimeoutS = 600.0,
+    max_image_pixels: worker_settings.MaxImagePixels = worker_settings.DEFAULT_MAX_IMAGE_PIXELS,
+    max_images_per_request: worker_settings.MaxImagesPerRequest = (
+        worker_settings.DEFAULT_MAX_IMAGES
+    ),
     worker_id: Annotated[
         str | None,
         typer.Option(
@@ -202,6 +206,8 @@ def worker_options(
         pass_timeout_s=pass_timeout_s,
         max_attempts=max_attempts,
         sample_timeout_s=sample_timeout_s,
+        max_image_pixels=max_image_pixels,
+        max_images=max_images_per_request,
         merge=merge,
         sampler="" if sampler == "none" else sampler,
         metrics_host=metrics_host,
@@ -249,6 +255,8 @@ async def serve(settings: WorkerSettings) -> None:
                 max_parked=settings.max_parked,
                 device=settings.device,
             )
+        if engine.vision is not None:
+            engine.vision.limit(settings.max_image_pixels, settings.max_images)
         if settings.token_budget:
             engine.pass_tokens = settings.token_budget
         else:

@@ -110,6 +110,28 @@ SampleTimeoutS = Annotated[
 ]
 
 
+# A vision-language model's limits on images: an image declaring more pixels is refused from
+# its header, before any decoding; so is a request with more images.
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+DEFAULT_MAX_IMAGES = 16
+MaxImagePixels = Annotated[
+    int,
+    typer.Option(
+        envvar="TWINKLE_MAX_IMAGE_PIXELS",
+        min=1,
+        help="a vision-language model refuses images declaring more pixels (from the header)",
+    ),
+]
+MaxImagesPerRequest = Annotated[
+    int,
+    typer.Option(
+        envvar="TWINKLE_MAX_IMAGES_PER_REQUEST",
+        min=1,
+        help="a vision-language model refuses requests with more images",
+    ),
+]
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """What a worker serves, how it batches, and where it publishes its metrics.
@@ -147,6 +169,8 @@ class WorkerSettings:
     pass_timeout_s: float = 600.0  # an engine call running longer stops the worker (restarted)
     max_attempts: int = 3  # an op that stopped the worker this often fails instead of running
     sample_timeout_s: float = 600.0  # a sample request running longer stops its sampler
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # per image, from its header
+    max_images: int = DEFAULT_MAX_IMAGES  # per request
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: a free port chosen by the OS (reported in the heartbeat)
     log_level: str = "INFO"

@@ -16,7 +16,7 @@ from protocol import api, paths, stability, subjects
 from protocol.errors import UserError
 from protocol.jobs import SampleJob, SeqClaim
 from protocol.records import SamplerRecord
-from protocol.sampling import sample_spec
+from protocol.sampling import TEXT_ONLY, sample_spec
 from protocol.sampling_futures import check_sample_seq_id, clone_of
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
@@ -96,10 +96,16 @@ async def asample(request: web.Request) -> web.Response:
         raise UserError(
             f"no sampler serves {sampler.base_model!r} on this cluster (start one with --sampler)"
         )
-    sample_spec(
+    sample_spec(  # images are read from their headers here; the sampler decodes them
         body,
         max_context=worker.max_context if worker else None,
         vocab_size=worker.vocab_size if worker else None,
+        vision=worker.vision if worker else None,
+        no_images=(
+            TEXT_ONLY
+            if worker
+            else f"{sampler.base_model!r} is still loading: send images once it is served"
+        ),
     )
     limit = (await request.app[QUOTAS].limits(tenant)).max_concurrent_samples
     futures = request.app[FUTURES]

@@ -25,7 +25,12 @@ from protocol.jobs import (
     SaveWeightsJob,
 )
 from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord
-from protocol.tensors import check_budget, check_target_width, scan_forward_backward
+from protocol.tensors import (
+    check_budget,
+    check_images,
+    check_target_width,
+    scan_forward_backward,
+)
 from twinkle_async import quotas
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.custom_loss_routes import custom_loss_for
@@ -159,20 +164,26 @@ async def forward_backward(request: web.Request) -> web.Response:
     async def build(request_id: str, first: bool) -> Job:
         if not summary.n_datums:
             raise UserError("forward_backward: data is empty")
+        # Images are read from their headers here and counted by their vision tokens; while
+        # the model's worker is still loading, its worker checks them when it decodes.
+        worker = request.app[REGISTRY].served_models().get(run.base_model)
+        checked = (
+            summary if worker is None else check_images(summary, worker.vision, run.base_model)
+        )
         budget = request.app[SETTINGS].request_elements_budget
-        check_budget(summary, budget)
-        check_target_width(summary)
+        check_budget(checked, budget)
+        check_target_width(checked)
         custom_loss = None
         if summary.loss_fn == "custom":
             custom_loss = await custom_loss_for(request, run, summary.loss_id)
         limits = await request.app[QUOTAS].limits(run.tenant_id)
         quotas.check_limit(
-            "max_tokens_per_request", summary.n_tokens, limits.max_tokens_per_request
+            "max_tokens_per_request", checked.n_tokens, limits.max_tokens_per_request
         )
         not_before, reason = 0.0, ""
         if limits.tokens_per_minute is not None and first:
             start_at = await request.app[QUOTAS].admit_tokens(
-                run.tenant_id, summary.n_tokens, limits.tokens_per_minute
+                run.tenant_id, checked.n_tokens, limits.tokens_per_minute
             )
             if start_at > time.time():
                 not_before = start_at
@@ -192,7 +203,7 @@ async def forward_backward(request: web.Request) -> web.Response:
             published_at=time.time(),
             body=raw,
             forward_only=summary.forward_only,
-            n_tokens=summary.n_tokens,
+            n_tokens=checked.n_tokens,
             max_elements=budget,
             not_before=not_before,
             queue_reason=reason,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -56,8 +57,6 @@ class VisionTower:
         self.visual = visual.requires_grad_(False).eval()
         self.config = config
         self.processor = processor
-        # Pillow's decompression-bomb guard (an error at twice its value) at our own limit
-        Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
         self.merge = int(config.vision_config.spatial_merge_size)
         self.image_token_id = int(config.image_token_id)
         size = processor.size
@@ -70,6 +69,19 @@ class VisionTower:
             max_image_pixels=MAX_IMAGE_PIXELS,
             max_images=MAX_IMAGES,
         )
+        self.limit(MAX_IMAGE_PIXELS, MAX_IMAGES)
+
+    def limit(self, max_image_pixels: int, max_images: int) -> None:
+        """Refuse images of more than `max_image_pixels` declared pixels, and requests of more
+        than `max_images` images (the worker's `--max-image-pixels`,
+        `--max-images-per-request`)."""
+        if max_image_pixels < 1 or max_images < 1:
+            raise ValueError(f"image limits must be positive: {max_image_pixels}, {max_images}")
+        self.geometry = replace(
+            self.geometry, max_image_pixels=max_image_pixels, max_images=max_images
+        )
+        # Pillow's decompression-bomb guard (an error at twice its value) at our own limit
+        Image.MAX_IMAGE_PIXELS = max_image_pixels
 
     @classmethod
     def load(

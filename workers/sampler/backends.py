@@ -23,8 +23,9 @@ from typing import Any, Protocol
 from nats.aio.msg import Msg
 
 from protocol.errors import Cancelled, ServerError, TwinkleError
+from protocol.images import VisionGeometry
 from protocol.jobs import SampleJob
-from protocol.sampling import SampleOutput, SampleSpec
+from protocol.sampling import TEXT_ONLY, SampleOutput, SampleSpec
 from workers.sampler.guard import Pending
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class SamplerBackend(Protocol):
     concurrent: bool
     vocab_size: int
     max_context: int
+    vision: VisionGeometry | None  # a VL model's image geometry, if this backend takes images
+    no_images: str  # why it takes none, when it does not
 
     async def sample_many(self, items: list[Prepared]) -> list[SampleOutput | TwinkleError]: ...
 
@@ -85,6 +88,12 @@ class TorchBackend:
         self.steps: StepRunner = steps or run_step
         self.vocab_size = int(engine.vocab_size)
         self.max_context = int(engine.max_context)
+        self.vision: VisionGeometry | None = engine.geometry
+        self.no_images = (
+            TEXT_ONLY
+            if engine.vision is None
+            else "a worker group does not take images yet; sample on a one-device worker"
+        )
         self._queued: list[tuple[Prepared, Answer]] = []
         self._submitting: list[tuple[Prepared, Answer]] = []  # in the step now running
         self._cancel_later: set[str] = set()  # request ids cancelled while being submitted
@@ -232,6 +241,11 @@ class VllmBackend:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.vision: VisionGeometry | None = None
+        self.no_images = (
+            "the vLLM sampler does not take images yet; sample with images on the trainer's"
+            " torch sampler (--sampler torch)"
+        )
         self._requests: dict[str, asyncio.Task[SampleOutput]] = {}  # by request id
 
     def cancel(self, request_id: str) -> None:

@@ -91,6 +91,9 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     topk_logprobs: list[TopK] = field(default_factory=list)  # when the spec asks for them
     stop_reason: Literal["stop", "length"] | None = None
+    # a prompt with images: its multimodal RoPE position after the prompt, less its length
+    # (each generated token's three positions are its text position plus this)
+    rope_delta: int = 0
 
     @property
     def spec(self) -> SampleSpec:

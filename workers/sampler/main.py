@@ -65,6 +65,10 @@ def sampler_options(
     ] = 3,
     ack_wait_s: worker_settings.AckWaitS = 120.0,
     sample_timeout_s: worker_settings.SampleTimeoutS = 600.0,
+    max_image_pixels: worker_settings.MaxImagePixels = worker_settings.DEFAULT_MAX_IMAGE_PIXELS,
+    max_images_per_request: worker_settings.MaxImagesPerRequest = (
+        worker_settings.DEFAULT_MAX_IMAGES
+    ),
     artifact_store: worker_settings.ArtifactStoreUrl = None,
     artifact_cache_bytes: worker_settings.ArtifactCacheBytes = 16 * 1024**3,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
@@ -84,6 +88,8 @@ def sampler_options(
         artifact_cache_bytes=artifact_cache_bytes,
         max_attempts=max_attempts,
         sample_timeout_s=sample_timeout_s,
+        max_image_pixels=max_image_pixels,
+        max_images=max_images_per_request,
         ack_wait_s=ack_wait_s,
         worker_id=f"{socket.gethostname()}-sampler-{uuid.uuid4().hex[:8]}",
     )
@@ -141,6 +147,8 @@ async def serve(settings: WorkerSettings) -> None:
                 max_slots=(settings.max_slots or DEFAULT_SAMPLER_SLOTS),
                 max_rank=settings.max_rank,
             )
+            if engine.vision is not None:
+                engine.vision.limit(settings.max_image_pixels, settings.max_images)
             backend = TorchBackend(
                 TorchSampler(engine), engine, ThreadPoolExecutor(1, thread_name_prefix="engine")
             )

@@ -202,7 +202,11 @@ class SamplerService:
         try:
             body = api.decode(job.body, api.SampleRequest)
             spec = sample_spec(
-                body, max_context=self.backend.max_context, vocab_size=self.backend.vocab_size
+                body,
+                max_context=self.backend.max_context,
+                vocab_size=self.backend.vocab_size,
+                vision=self.backend.vision,
+                no_images=self.backend.no_images,
             )
             adapter_dir, adapter_key = (
                 await asyncio.to_thread(self._adapter_dir, job.adapter_path, job.adapter_content_id)

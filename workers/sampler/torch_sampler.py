@@ -56,12 +56,14 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
+from torch import nn
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from protocol.errors import NotFound, ServerError, TwinkleError
+from protocol.errors import NotFound, ServerError, TwinkleError, UserError
 from protocol.sampling import SampleOutput, SampleSpec
 from workers.engine.lora import BASE_SLOT, MultiSlotLoraLinear, Segment
 from workers.sampler.batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
@@ -244,16 +246,31 @@ class TorchSampler:
         self, requests: list[Request], finished: list[Finished]
     ) -> RunningBatch | None:
         """The admitted requests prefilled, one row per sample, with their prompt outputs
-        filled; a request whose prompt outputs fail is answered with an error in `finished`
-        and leaves (None when no request is left)."""
+        filled; a request whose images do not decode or whose prompt outputs fail is answered
+        with an error in `finished` and leaves (None when no request is left)."""
         device = self.engine.device
+        pixels: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for request in list(requests):
+            if request.spec.images:
+                try:
+                    pixels[request.ticket] = self._pixels(request.spec)
+                except UserError as err:  # this request's own images: the others carry on
+                    finished.append((request.ticket, err))
+                    requests.remove(request)
+        if not requests:
+            return None
         first_seen = {key: rank for rank, key in enumerate(dict.fromkeys(r.key for r in requests))}
         requests = sorted(requests, key=lambda request: first_seen[request.key])
         rows = [[self._row(r, index) for index in range(r.spec.num_samples)] for r in requests]
         self._slots([row for request_rows in rows for row in request_rows])
         slots = [request_rows[0].slot for request_rows in rows]  # one per request, in order
         cache = DynamicCache(config=self.engine.model.config)
-        hidden, attention_mask = self._prefill([r.spec.prompt for r in requests], slots, cache)
+        hidden, attention_mask, deltas = self._prefill(
+            [r.spec for r in requests], slots, cache, [pixels.get(r.ticket) for r in requests]
+        )
+        for request_rows, delta in zip(rows, deltas, strict=True):
+            for row in request_rows:
+                row.rope_delta = delta
         next_logits = self._head(hidden[:, -1], _segments(slots))
         kept: list[Row] = []
         source: list[int] = []  # the prefill row each kept sample row continues
@@ -284,12 +301,26 @@ class TorchSampler:
         cache.reorder_cache(expand)  # type: ignore[arg-type]
         return RunningBatch(kept, cache, attention_mask[expand], next_logits[expand])
 
+    def _pixels(self, spec: SampleSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt's images decoded: the processor's pixel values and patch grids (a
+        `UserError` for one that does not decode to what its header declared)."""
+        vision = self.engine.vision
+        if vision is None:  # `sample_spec` refuses images for a text model
+            raise UserError(f"{self.engine.base_model} is a text model and takes no images")
+        return vision.pixels(spec.images)
+
     def _prefill(
-        self, prompts: list[tuple[int, ...]], slots: list[int], cache: DynamicCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        specs: list[SampleSpec],
+        slots: list[int],
+        cache: DynamicCache,
+        pixels: list[tuple[torch.Tensor, torch.Tensor] | None],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Run the left-padded prompts through the decoder into `cache`: (last hidden states
-        [rows, width, hidden], attention mask [rows, width]); `_head` makes logits of the
-        positions that need them."""
+        [rows, width, hidden], attention mask [rows, width], each row's RoPE delta); `_head`
+        makes logits of the positions that need them. Prompts with images are embedded with
+        their image features and take multimodal positions (`_with_images`)."""
+        prompts = [spec.prompt for spec in specs]
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -298,15 +329,55 @@ class TorchSampler:
             attention_mask[row, width - len(prompt) :] = 1
         device = self.engine.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        deltas = [0] * len(specs)
+        if any(spec.images for spec in specs):
+            inputs, position_ids, deltas = self._with_images(specs, pixels, input_ids, position_ids)
         with self._routed(slots):
             hidden = self.engine.passes.decoder(
-                input_ids=input_ids,
+                **inputs,
                 attention_mask=attention_mask,
-                position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+                position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
             ).last_hidden_state
-        return hidden, attention_mask
+        return hidden, attention_mask, deltas
+
+    def _with_images(
+        self,
+        specs: list[SampleSpec],
+        pixels: list[tuple[torch.Tensor, torch.Tensor] | None],
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
+        """The decoder's inputs for left-padded rows some of whose prompts hold images: the
+        embeddings with each image's features at its placeholders, position ids
+        `[4, rows, width]` (the text positions, then the multimodal ones), and each row's RoPE
+        delta. `pixels`: each prompt's decoded images (`_pixels`), None for a text prompt."""
+        vision = self.engine.vision
+        assert vision is not None  # `_pixels` decoded the images
+        decoded = [p for p in pixels if p is not None]  # the rows' order
+        pixel_values = torch.cat([values for values, _ in decoded])
+        grids = torch.cat([grid for _, grid in decoded])
+        device = self.engine.device
+        features = vision.features(pixel_values.to(device), grids.to(device))
+        embedding = cast(nn.Module, self.engine.passes.decoder.get_input_embeddings())  # type: ignore[operator]
+        rows, width = input_ids.shape
+        embeds = vision.embed(embedding, input_ids.reshape(-1), features).view(rows, width, -1)
+        positions = position_ids.unsqueeze(0).repeat(4, 1, 1)
+        deltas = [0] * rows
+        grid_list = grids.tolist()
+        for row, spec in enumerate(specs):
+            if not spec.images:
+                continue
+            length, n = len(spec.prompt), len(spec.images)
+            ids = input_ids[row, width - length :].cpu()
+            mrope = vision.positions(ids, grid_list[:n])
+            positions[1:, row, width - length :] = mrope.to(device)
+            deltas[row] = int(mrope.max()) + 1 - length
+            grid_list = grid_list[n:]
+        return {"inputs_embeds": embeds}, positions, deltas
 
     def _head(self, hidden: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """The output layer on token rows `hidden` [T, hidden]: logits [T, vocab], each segment
@@ -355,11 +426,15 @@ class TorchSampler:
         mask = batch.attention_mask
         batch.attention_mask = torch.cat([mask, mask.new_ones(len(batch.rows), 1)], 1)
         tokens = [row.tokens[-1] for row in batch.rows]
+        position_ids = batch.attention_mask.sum(-1, keepdim=True) - 1
+        if any(row.rope_delta for row in batch.rows):  # rows whose prompts held images
+            delta = torch.tensor([row.rope_delta for row in batch.rows], device=mask.device)
+            position_ids = torch.stack([position_ids, *[position_ids + delta[:, None]] * 3])
         with self._routed(slots):
             batch.next_logits = self.engine.model(
                 input_ids=torch.tensor(tokens, device=self.engine.device)[:, None],
                 attention_mask=batch.attention_mask,
-                position_ids=batch.attention_mask.sum(-1, keepdim=True) - 1,
+                position_ids=position_ids,
                 past_key_values=batch.cache,
                 use_cache=True,
             ).logits[:, -1]

@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.images import VisionGeometry
 from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.engine.collective import Collective
@@ -175,6 +176,14 @@ class Engine:
             chunk_tokens=max(least, logits_chunk_elements // self.vocab_size),
             vision=self.vision,
         )
+
+    @property
+    def geometry(self) -> VisionGeometry | None:
+        """The image geometry and limits of the requests this engine takes images in (None:
+        it takes none: a text model, or a group whose wire carries no images)."""
+        if self.vision is None or not self.carries_images:
+            return None
+        return self.vision.geometry
 
     @property
     def pass_tokens(self) -> int:

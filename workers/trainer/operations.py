@@ -95,8 +95,7 @@ class EngineOps:
         self.engine = engine
         # a VL model's image geometry: its requests' image chunks are decoded with it (a worker
         # group does not carry images to its ranks yet, so it takes none)
-        tower = engine.vision if engine.carries_images else None
-        self._vision = None if tower is None else tower.geometry
+        self._vision = engine.geometry
         self.settings = settings
         self.metrics = metrics
         self.store = settings.open_store()  # None: files under `settings.checkpoint_root`

@@ -379,6 +379,7 @@ class TrainerService:
                 heartbeat_at=time.time(),
                 sampler_backend=self.settings.sampler,
                 metrics_url=self.metrics_url,
+                vision=self.engine.geometry,
             )
             self._update_slot_gauges()
             key = subjects.worker_key(self.settings.pool, self.settings.worker_id)

@@ -95,9 +95,7 @@ def _datum(prefix: list[int], image: bytes, suffix: list[int], expected: int = 6
     )
 
 
-def test_forward_with_an_image_gives_the_stock_models_logprobs(
-    client: tinker.TrainingClient, vl_model: Path
-) -> None:
+def _forward_is_the_composites(client: tinker.TrainingClient, vl_model: Path) -> None:
     image = _png(COLOURS["red"])
     datum = _datum([7, 8], image, [40, 41, 42])
     out = client.forward([datum], "cross_entropy").result()
@@ -107,6 +105,12 @@ def test_forward_with_an_image_gives_the_stock_models_logprobs(
     targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
     want = composite_logprobs(vl_model, ids, image, targets).numpy()
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_forward_with_an_image_gives_the_stock_models_logprobs(
+    client: tinker.TrainingClient, vl_model: Path
+) -> None:
+    _forward_is_the_composites(client, vl_model)
 
 
 def test_a_caption_task_with_images_trains(client: tinker.TrainingClient) -> None:
@@ -172,10 +176,9 @@ def _image_prompt(image: bytes, suffix: list[int]) -> types.ModelInput:
     )
 
 
-def test_sampling_and_compute_logprobs_take_images(
-    service: tinker.ServiceClient, vl_model: Path
-) -> None:
-    sampling = service.create_sampling_client(base_model=str(vl_model)).result()
+def _sampling_is_the_composites(sampling: tinker.SamplingClient, vl_model: Path) -> None:
+    """compute_logprobs of a prompt with an image gives the composite's, and a greedy
+    sample's logprobs are what compute_logprobs gives its tokens."""
     image = _png(COLOURS["green"], seed=5)
     prompt = _image_prompt(image, [40, 41])
     ids = [7, 8, VISION_START_ID, *[IMAGE_PAD_ID] * 6, VISION_END_ID, 40, 41]
@@ -193,6 +196,13 @@ def test_sampling_and_compute_logprobs_take_images(
     assert first.logprobs is not None
     np.testing.assert_allclose(first.logprobs, scored[-4:], atol=1e-4)
 
+
+def test_sampling_and_compute_logprobs_take_images(
+    service: tinker.ServiceClient, vl_model: Path
+) -> None:
+    sampling = service.create_sampling_client(base_model=str(vl_model)).result()
+    _sampling_is_the_composites(sampling, vl_model)
+    params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
     bomb = _image_prompt(png_declaring(100_000, 100_000), [40])
     with pytest.raises(Exception, match="over the limit of"):
         sampling.sample(bomb, num_samples=1, sampling_params=params).result()
@@ -276,3 +286,22 @@ def test_a_tenant_with_images_and_one_without_each_train_as_alone(
         service.close("success").result()
     np.testing.assert_allclose(image_together, image_alone, atol=1e-5)
     np.testing.assert_allclose(text_together, text_alone, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_group_takes_images(
+    tmp_path_factory: pytest.TempPathFactory, vl_model: Path
+) -> None:
+    """`up --devices 2`: every rank decodes and encodes the images rank 0 took."""
+    running = start_cluster(
+        tmp_path_factory.mktemp("vl-group") / "data", [vl_model], "--devices", "2"
+    )
+    try:
+        service = tinker.ServiceClient(base_url=running.base_url, api_key=running.api_key)
+        training = service.create_lora_training_client(base_model=str(vl_model), rank=4).result()
+        _forward_is_the_composites(training, vl_model)
+        sampling = service.create_sampling_client(base_model=str(vl_model)).result()
+        _sampling_is_the_composites(sampling, vl_model)
+        service.close("success").result()
+    finally:
+        stop_cluster(running)

@@ -1,5 +1,5 @@
 """The worker group's messages (`workers.group.wire`): every call rank 0 sends comes back equal on
-the other ranks, arrays with their dtype, shape and bytes, a custom loss's graph, a checkpoint
+the other ranks, arrays with their dtype, shape and bytes, images, a custom loss's graph, a checkpoint
 and a slot state whole; no pickle is involved (a message is msgpack data)."""
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ import torch
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.custom_loss import CustomLoss, LossInput, LossNode
+from protocol.images import DatumImage, ImageHeader
 from protocol.sampling import SampleSpec, TargetIds
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.group import wire
 from workers.trainer.checkpoints import AdapterCheckpoint
 from workers.trainer.parking import HostRow, SlotState
 from workers.trainer.slot_checkpoints import StoredAdapter
+
+IMAGE = DatumImage(ImageHeader("png", 64, 96), b"\x89PNG image bytes", 2, 6)
 
 
 def _request() -> FwdBwdRequest:
@@ -27,6 +30,7 @@ def _request() -> FwdBwdRequest:
             "target_tokens": rng.integers(0, 100, (7, 3)).astype(np.int64),
             "weights": rng.normal(size=(7, 3)).astype(np.float32),
         },
+        [IMAGE, DatumImage(ImageHeader("jpeg", 32, 32), b"\xff\xd8\xff", 0, 1)],
     )
     loss = CustomLoss(
         loss_id="l-1",
@@ -50,6 +54,7 @@ def _same_request(got: FwdBwdRequest, want: FwdBwdRequest) -> None:
         for key in a.inputs:
             assert a.inputs[key].dtype == b.inputs[key].dtype
             assert np.array_equal(a.inputs[key], b.inputs[key])
+        assert a.images == b.images
 
 
 def test_a_forward_backward_comes_back_whole() -> None:
@@ -87,6 +92,7 @@ def test_a_forward_backward_comes_back_whole() -> None:
                     None,
                     None,
                 ),
+                (SampleSpec(prompt=(7, 8, *[5] * 6), images=(IMAGE,)), None, None),
             ],
         ),
         wire.Keepalive(),

@@ -51,6 +51,8 @@ def main() -> int:
             device=str(device),
             collective=collective,
         )
+        if engine.vision is not None:  # it decodes what rank 0 took, under the same limits
+            engine.vision.limit(int(options["max_image_pixels"]), int(options["max_images"]))
         ready(spec, collective)
         log.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
         follow(engine, Channel(collective.host_group))

@@ -42,6 +42,8 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
         "device": settings.device,
         "threads": settings.threads,
         "log_level": settings.log_level,
+        "max_image_pixels": settings.max_image_pixels,
+        "max_images": settings.max_images,
     }
 
 

@@ -87,8 +87,6 @@ def _agree(collective: ProcessGroupCollective, failed: bool) -> None:
 class GroupEngine(Engine):
     """Rank 0's engine: state-changing calls run on every rank of the group."""
 
-    carries_images = False  # the group's wire carries no images to the other ranks yet
-
     def __init__(
         self, *args: Any, channel: Channel, keepalive_s: float = 30.0, **kwargs: Any
     ) -> None:

@@ -5,7 +5,7 @@ msgpack message (msgspec), arrays and tensors as raw little-endian bytes with th
 shape, and decode it on the other ranks. No pickle: a message is data, never code.
 
 Messages are `Call` structs tagged by their name. A forward_backward carries its requests whole
-(datums, loss inputs, a custom loss's graph, its element budget) and the pass size, so every
+(datums, loss inputs, images, a custom loss's graph, its element budget) and the pass size, so every
 rank packs the same passes; a load carries the checkpoint rank 0 read and checked, in one
 device's layout; an adopt carries the state rank 0 read from a snapshot, likewise.
 """
@@ -20,6 +20,7 @@ import torch
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.custom_loss import CustomLoss
+from protocol.images import DatumImage
 from protocol.sampling import SampleSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
 from workers.engine.lora import LayerGroup
@@ -57,6 +58,7 @@ def unpack_tensor(packed: Array) -> torch.Tensor:
 class Datum(msgspec.Struct, array_like=True, frozen=True):
     tokens: Array
     inputs: dict[str, Array]
+    images: list[DatumImage] = []  # a VL model's images, each rank decodes them alike
 
 
 class Request(msgspec.Struct, array_like=True, frozen=True):
@@ -80,7 +82,11 @@ def pack_request(request: FwdBwdRequest) -> Request:
         request.forward_only,
         dict(request.loss_fn_config),
         [
-            Datum(pack_array(d.tokens), {k: pack_array(v) for k, v in d.inputs.items()})
+            Datum(
+                pack_array(d.tokens),
+                {k: pack_array(v) for k, v in d.inputs.items()},
+                list(d.images),
+            )
             for d in request.datums
         ],
         request.custom_loss,
@@ -96,7 +102,11 @@ def unpack_request(packed: Request) -> FwdBwdRequest:
         forward_only=packed.forward_only,
         loss_fn_config=dict(packed.loss_fn_config),
         datums=[
-            DatumArrays(unpack_array(d.tokens), {k: unpack_array(v) for k, v in d.inputs.items()})
+            DatumArrays(
+                unpack_array(d.tokens),
+                {k: unpack_array(v) for k, v in d.inputs.items()},
+                list(d.images),
+            )
             for d in packed.datums
         ],
         custom_loss=packed.custom_loss,

@@ -89,11 +89,7 @@ class TorchBackend:
         self.vocab_size = int(engine.vocab_size)
         self.max_context = int(engine.max_context)
         self.vision: VisionGeometry | None = engine.geometry
-        self.no_images = (
-            TEXT_ONLY
-            if engine.vision is None
-            else "a worker group does not take images yet; sample on a one-device worker"
-        )
+        self.no_images = TEXT_ONLY
         self._queued: list[tuple[Prepared, Answer]] = []
         self._submitting: list[tuple[Prepared, Answer]] = []  # in the step now running
         self._cancel_later: set[str] = set()  # request ids cancelled while being submitted

@@ -87,8 +87,6 @@ def _load(
 class Engine:
     """One base model, its adapter bank, the shared pass and the fused step."""
 
-    carries_images = True  # a VL model's requests may hold images (see `GroupEngine`)
-
     def __init__(
         self,
         base_model: str,
@@ -180,10 +178,8 @@ class Engine:
     @property
     def geometry(self) -> VisionGeometry | None:
         """The image geometry and limits of the requests this engine takes images in (None:
-        it takes none: a text model, or a group whose wire carries no images)."""
-        if self.vision is None or not self.carries_images:
-            return None
-        return self.vision.geometry
+        a text model, which takes none)."""
+        return None if self.vision is None else self.vision.geometry
 
     @property
     def pass_tokens(self) -> int:

@@ -93,9 +93,6 @@ class EngineOps:
 
     def __init__(self, engine: Engine, settings: WorkerSettings, metrics: TrainerMetrics) -> None:
         self.engine = engine
-        # a VL model's image geometry: its requests' image chunks are decoded with it (a worker
-        # group does not carry images to its ranks yet, so it takes none)
-        self._vision = engine.geometry
         self.settings = settings
         self.metrics = metrics
         self.store = settings.open_store()  # None: files under `settings.checkpoint_root`
@@ -131,7 +128,7 @@ class EngineOps:
             try:
                 self._require_model(job)
                 request = decode_forward_backward(
-                    job.body, job.max_elements, job.custom_loss, vision=self._vision
+                    job.body, job.max_elements, job.custom_loss, vision=self.engine.geometry
                 )
                 if request.loss_fn == stability.LOSS_NAME:
                     stability.apply_slices(request, stability.decode_slices(job.provenance))

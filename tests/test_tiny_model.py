@@ -169,7 +169,7 @@ def _expected_moe_shapes(arch: str, experts: int, width: int) -> dict[str, tuple
         "mlp.experts.gate_up_proj": (E, two_i, H),  # gate rows, then up rows
         "mlp.experts.down_proj": (E, H, width),
     }
-    if arch == "qwen3_5_moe":
+    if arch in ("qwen3_5_moe", "qwen3_5_moe_vl"):
         shared = 2 * width
         shapes |= {
             "mlp.shared_expert.gate_proj.weight": (shared, H),
@@ -184,6 +184,7 @@ MODEL_CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_5_moe_vl": "Qwen3_5MoeForCausalLM",  # a composite's text model, as the worker loads it
 }
 
 
@@ -204,7 +205,7 @@ def test_moe_archs_have_fused_experts_in_every_layer(
         # SDPA would silently drop the sinks; the eager kernel applies them.
         assert config._attn_implementation == "eager"
         assert config.layer_types == ["sliding_attention", "full_attention"]
-    if arch == "qwen3_5_moe":
+    if arch in ("qwen3_5_moe", "qwen3_5_moe_vl"):
         assert config.layer_types == ["linear_attention", "full_attention"]
     if arch == "qwen3_moe":
         assert (config.decoder_sparse_step, config.mlp_only_layers) == (1, [])
@@ -290,19 +291,27 @@ def _image(seed: int, width: int, height: int) -> Any:
     return Image.fromarray(pixels)
 
 
-def test_the_vl_arch_is_a_composite_with_its_image_processor(
-    built: Callable[[Arch], Path],
+VL_CLASSES = {
+    "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(VL_CLASSES))
+def test_the_vl_archs_are_composites_with_their_image_processor(
+    arch: Arch, built: Callable[[Arch], Path]
 ) -> None:
-    """qwen3_5_vl loads as the real Qwen3.5 checkpoints do: the composite with its vision tower
-    and image processor, or its text model alone. An image becomes prod(grid) / 4 image tokens
-    between the vision start and end tokens, and changes what the model predicts after it; with
-    no image the composite and its text model compute the same logits."""
-    directory = built("qwen3_5_vl")
+    """The VL archs load as the real Qwen3.5 checkpoints do: the composite with its vision
+    tower and image processor, or its text model alone. An image becomes prod(grid) / 4 image
+    tokens between the vision start and end tokens, and changes what the model predicts after
+    it; with no image the composite and its text model compute the same logits."""
+    composite_class, text_class = VL_CLASSES[arch]
+    directory = built(arch)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     assert tokenizer.convert_tokens_to_ids(VISION_TOKENS) == [3, 4, 5, 6]
     processor = AutoImageProcessor.from_pretrained(directory)
     model = AutoModelForImageTextToText.from_pretrained(directory)
-    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert type(model).__name__ == composite_class
     assert model.config.image_token_id == IMAGE_PAD_ID
     assert model.config.text_config.rope_parameters["mrope_section"] == [2, 1, 1]
 
@@ -331,7 +340,7 @@ def test_the_vl_arch_is_a_composite_with_its_image_processor(
 
     text_ids = torch.tensor([tokenizer(TEXT)["input_ids"]])
     text_model = AutoModelForCausalLM.from_pretrained(directory)
-    assert type(text_model).__name__ == "Qwen3_5ForCausalLM"
+    assert type(text_model).__name__ == text_class
     with torch.no_grad():
         torch.testing.assert_close(
             text_model(input_ids=text_ids).logits,

@@ -36,6 +36,15 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("vl"), "qwen3_5_vl")
 
 
+@pytest.fixture(scope="module")
+def moe_vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("moe-vl"), "qwen3_5_moe_vl")
+
+
+# the engine tests run on the dense composite and on the MoE one (routed and shared experts)
+COMPOSITES = pytest.mark.parametrize("composite", ["vl_model", "moe_vl_model"])
+
+
 def _image(seed: int, width: int, height: int) -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
@@ -136,9 +145,13 @@ def _decoded(engine: Engine, body: bytes, forward_only: bool = False) -> FwdBwdR
     return request
 
 
-def test_the_engines_logprobs_with_an_image_are_the_composites(vl_model: Path) -> None:
+@COMPOSITES
+def test_the_engines_logprobs_with_an_image_are_the_composites(
+    composite: str, request: pytest.FixtureRequest
+) -> None:
     """A fresh adapter adds nothing, so a forward pass's logprobs of a datum with an image are
     the stock composite model's for those ids and that image."""
+    vl_model = request.getfixturevalue(composite)
     engine = _engine(vl_model)
     engine.create("a", LoraConfig(rank=4, seed=1))
     png = encoded(96, 64, "png")
@@ -163,7 +176,11 @@ def test_the_engines_logprobs_with_an_image_are_the_composites(vl_model: Path) -
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_a_tenant_with_images_beside_one_without_gets_its_solo_gradient(vl_model: Path) -> None:
+@COMPOSITES
+def test_a_tenant_with_images_beside_one_without_gets_its_solo_gradient(
+    composite: str, request: pytest.FixtureRequest
+) -> None:
+    vl_model = request.getfixturevalue(composite)
     with_image = request_with(
         [("text", [7, VISION_START_ID]), ("image", (encoded(64, 160, "jpeg"), "jpeg", 10))],
         [("text", [11, 12, 13, VISION_START_ID]), ("image", (encoded(96, 64, "png"), "png", 6))],

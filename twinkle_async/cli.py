@@ -433,7 +433,9 @@ def sampler(ctx: typer.Context) -> None:
 
 # The architectures `workers.tiny_model` builds, repeated here because the gateway side never
 # imports `workers`; a test checks that the two lists agree.
-TinyArch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl"]
+TinyArch = Literal[
+    "qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl", "qwen3_5_moe_vl"
+]
 
 
 @app.command("make-tiny-model")
@@ -442,8 +444,8 @@ def make_tiny_model(
     arch: Annotated[
         TinyArch,
         typer.Option(
-            help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss; "
-            "vision-language: qwen3_5_vl"
+            help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl; "
+            "vision-language: qwen3_5_vl, qwen3_5_moe_vl"
         ),
     ] = "qwen3",
     num_experts: Annotated[

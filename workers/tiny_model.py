@@ -2,7 +2,7 @@
 
 No hub access and no download: the tokenizer is a byte-level BPE trained with the `tokenizers`
 library on a corpus generated here from a fixed seed, and the model is freshly initialised in one
-of five architectures:
+of these architectures:
 - `qwen3`: dense Qwen3;
 - `qwen3_5`: the dense Qwen3.5 text model, which mixes linear- and full-attention layers;
 - `qwen3_moe`: Qwen3-MoE, every layer sparse, experts fused as `mlp.experts.gate_up_proj
@@ -13,7 +13,9 @@ of five architectures:
   `down_proj [E, I, H]` with biases, router `mlp.router`, attention sinks;
 - `qwen3_5_vl`: the Qwen3.5 vision-language composite (`Qwen3_5ForConditionalGeneration`): a
   one-block vision tower (patch 16, 2×2 merge, as the real models) before the `qwen3_5` text
-  model, multimodal RoPE, and its image processor (`preprocessor_config.json`).
+  model, multimodal RoPE, and its image processor (`preprocessor_config.json`);
+- `qwen3_5_moe_vl`: the Qwen3.5-MoE composite (`Qwen3_5MoeForConditionalGeneration`), the same
+  tower before the `qwen3_5_moe` text model, as the real Qwen3.5-35B-A3B checkpoints are.
 All load with `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained(dir)`,
 exactly like a real checkpoint, which is what the trainer, the samplers and the SDK's
 `get_tokenizer()` do (a composite loads its text model so); the VL one also with
@@ -58,13 +60,20 @@ from transformers.models.qwen3_5 import (
     Qwen3_5ForConditionalGeneration,
     Qwen3_5TextConfig,
 )
-from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe import (
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
+)
 from transformers.utils import logging as transformers_logging
 
-Arch = Literal["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl"]
+Arch = Literal[
+    "qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl", "qwen3_5_moe_vl"
+]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
-MOE_ARCHS: frozenset[Arch] = frozenset({"qwen3_moe", "qwen3_5_moe", "gpt_oss"})
-VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl"})
+MOE_ARCHS: frozenset[Arch] = frozenset({"qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_moe_vl"})
+VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl", "qwen3_5_moe_vl"})
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2
@@ -89,6 +98,7 @@ _MODEL_CLASSES: dict[Arch, type[PreTrainedModel]] = {
     "qwen3_5_moe": Qwen3_5MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "qwen3_5_vl": Qwen3_5ForConditionalGeneration,
+    "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
 }
 
 CHAT_TEMPLATE = (
@@ -232,8 +242,19 @@ def _config(
             **linear_attention,
             shared_expert_intermediate_size=2 * moe_intermediate_size,
         )
-    if arch == "qwen3_5_vl":
-        text = Qwen3_5TextConfig(**common, intermediate_size=2 * hidden_size, **linear_attention)
+    if arch in VL_ARCHS:
+        text: PretrainedConfig
+        if arch == "qwen3_5_moe_vl":
+            text = Qwen3_5MoeTextConfig(
+                **common,
+                **moe,
+                **linear_attention,
+                shared_expert_intermediate_size=2 * moe_intermediate_size,
+            )
+        else:
+            text = Qwen3_5TextConfig(
+                **common, intermediate_size=2 * hidden_size, **linear_attention
+            )
         # multimodal RoPE over (time, height, width), interleaved as in the real config; its
         # sections cover the rotary frequencies: a quarter of head_dim 32 rotates, 4 pairs
         text.rope_parameters = {
@@ -253,7 +274,8 @@ def _config(
             num_position_embeddings=64,  # an 8×8 grid, interpolated to each image's
             initializer_range=0.1,
         )
-        return Qwen3_5Config(
+        composite = Qwen3_5MoeConfig if arch == "qwen3_5_moe_vl" else Qwen3_5Config
+        return composite(
             text_config=text.to_dict(),
             vision_config=vision,
             image_token_id=IMAGE_PAD_ID,
@@ -357,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    moe = parser.add_argument_group("MoE archs (qwen3_moe, qwen3_5_moe, gpt_oss)")
+    moe = parser.add_argument_group("MoE archs (qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl)")
     moe.add_argument("--num-experts", type=int, help=f"routed experts (default {NUM_EXPERTS})")
     moe.add_argument("--top-k", type=int, help=f"experts per token (default {TOP_K})")
     moe.add_argument(

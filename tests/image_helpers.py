@@ -75,13 +75,18 @@ def request_with(*datums: list[tuple[str, object]], model_id: str = "m", vocab: 
 
 
 def composite_logprobs(
-    model: Path, ids: torch.Tensor, image: bytes, targets: torch.Tensor
+    model: Path,
+    ids: torch.Tensor,
+    image: bytes,
+    targets: torch.Tensor,
+    composite: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """log p(targets[t] | ids[: t + 1]) of the stock transformers composite, for ids `[T]`
-    holding one image's placeholders."""
+    """log p(targets[t] | ids[: t + 1]) of the stock transformers composite (or `composite`,
+    that model with an adapter), for ids `[T]` holding one image's placeholders."""
     processor = AutoImageProcessor.from_pretrained(model)
     pixels = processor(images=[Image.open(io.BytesIO(image))], return_tensors="pt")
-    composite = AutoModelForImageTextToText.from_pretrained(model)
+    if composite is None:
+        composite = AutoModelForImageTextToText.from_pretrained(model)
     with torch.no_grad():
         logits = composite(
             input_ids=ids[None],

@@ -8,7 +8,9 @@
 - an image counts toward its tenant's `max_tokens_per_request` by its vision tokens;
 - sampling and `compute_logprobs` take prompts with images: the logprobs are the composite's,
   and a sample's logprobs are what `compute_logprobs` gives its tokens;
-- two tenants in the same passes, one with images and one without, each train as alone.
+- two tenants in the same passes, one with images and one without, each train as alone;
+- Qwen3-VL on a worker group of two ranks gives the stock composite's logprobs, in training
+  and in sampling.
 """
 
 from __future__ import annotations
@@ -289,10 +291,13 @@ def test_a_tenant_with_images_and_one_without_each_train_as_alone(
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_group_takes_images(
-    tmp_path_factory: pytest.TempPathFactory, vl_model: Path
+def test_qwen3_vl_on_a_worker_group_takes_images(
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """`up --devices 2`: every rank decodes and encodes the images rank 0 took."""
+    """`up --devices 2` on Qwen3-VL (the composite is the engine's model, and its tower's
+    deepstack features enter the first decoder layers): every rank decodes and encodes the
+    images rank 0 took, and the logprobs are the stock composite's."""
+    vl_model = build_model(tmp_path_factory.mktemp("models") / "tiny-qwen3_vl", "qwen3_vl")
     running = start_cluster(
         tmp_path_factory.mktemp("vl-group") / "data", [vl_model], "--devices", "2"
     )

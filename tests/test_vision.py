@@ -20,10 +20,11 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from protocol.api import LoraConfig
+from protocol.api import AdamParams, LoraConfig
 from protocol.errors import UserError
 from protocol.tensors import FwdBwdRequest, decode_forward_backward
 from tests.image_helpers import composite_logprobs, encoded, request_with
+from tests.test_engine import PEFT_TIED_WARNING
 from workers.engine.vision import VisionTower
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, build_tiny_model
 from workers.trainer.engine import Engine
@@ -41,8 +42,14 @@ def moe_vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("moe-vl"), "qwen3_5_moe_vl")
 
 
-# the engine tests run on the dense composite and on the MoE one (routed and shared experts)
-COMPOSITES = pytest.mark.parametrize("composite", ["vl_model", "moe_vl_model"])
+@pytest.fixture(scope="module")
+def qwen3_vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("qwen3-vl"), "qwen3_vl")
+
+
+# the engine tests run on the dense Qwen3.5 composite, the MoE one (routed and shared
+# experts) and Qwen3-VL (its tower's deepstack features enter the first decoder layers)
+COMPOSITES = pytest.mark.parametrize("composite", ["vl_model", "moe_vl_model", "qwen3_vl_model"])
 
 
 def _image(seed: int, width: int, height: int) -> Image.Image:
@@ -247,3 +254,43 @@ def test_a_vl_model_named_by_its_hub_id_loads_its_tower_from_the_hub_cache(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["Qwen3_5VisionModel", "16"]
+
+
+@pytest.mark.filterwarnings(PEFT_TIED_WARNING)
+def test_a_qwen3_vl_adapter_loads_in_peft_on_the_stock_composite(
+    qwen3_vl_model: Path, tmp_path: Path
+) -> None:
+    """Qwen3-VL has no text-only class: the engine trains the composite's language model, and
+    its sampler checkpoint names the composite's modules, so PEFT loads it on the stock
+    composite and gives the engine's logprobs for a sequence with an image."""
+    from peft import PeftModel
+
+    engine = _engine(qwen3_vl_model)
+    engine.create("a", LoraConfig(rank=4, seed=1))
+    png = encoded(96, 64, "png")
+    body = request_with(
+        [
+            ("text", [7, 8, VISION_START_ID]),
+            ("image", (png, "png", 6)),
+            ("text", [VISION_END_ID, 9, 10]),
+        ],
+        model_id="a",
+        vocab=engine.vocab_size,
+    )
+    engine.forward_backward([("a", _decoded(engine, body))])
+    engine.optim_step([("a", AdamParams(learning_rate=0.05))])
+    engine.save("a", tmp_path / "sampler", kind="sampler_weights", meta={})
+    request = _decoded(engine, body, forward_only=True)
+    [out] = engine.forward_backward([("a", request)])
+    assert not isinstance(out, Exception), out
+    got = torch.from_numpy(out.loss_fn_outputs[0]["logprobs"])
+
+    datum = request.datums[0]
+    ids = torch.from_numpy(datum.tokens.astype(np.int64))
+    targets = torch.from_numpy(datum.inputs["target_tokens"])
+    stock = AutoModelForImageTextToText.from_pretrained(qwen3_vl_model)
+    peft = PeftModel.from_pretrained(stock, tmp_path / "sampler").eval()
+    want = composite_logprobs(qwen3_vl_model, ids, png, targets, composite=peft)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    base = composite_logprobs(qwen3_vl_model, ids, png, targets)
+    assert float((got - base).abs().max()) > 1e-3  # the trained adapter changed them

@@ -128,9 +128,11 @@ def test_the_gateways_scan_counts_an_images_vision_tokens_and_refuses_bad_ones()
 # -- the torch sampler ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("vl-sample"), "qwen3_5_vl")
+@pytest.fixture(scope="module", params=["qwen3_5_vl", "qwen3_vl"])
+def vl_model(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The Qwen3.5 composite, and Qwen3-VL (deepstack features, and the composite itself as
+    the engine's model)."""
+    return build_tiny_model(tmp_path_factory.mktemp("vl-sample"), request.param)
 
 
 @pytest.fixture(scope="module")

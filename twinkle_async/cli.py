@@ -434,7 +434,14 @@ def sampler(ctx: typer.Context) -> None:
 # The architectures `workers.tiny_model` builds, repeated here because the gateway side never
 # imports `workers`; a test checks that the two lists agree.
 TinyArch = Literal[
-    "qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl", "qwen3_5_moe_vl"
+    "qwen3",
+    "qwen3_5",
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "gpt_oss",
+    "qwen3_5_vl",
+    "qwen3_5_moe_vl",
+    "qwen3_vl",
 ]
 
 
@@ -445,7 +452,7 @@ def make_tiny_model(
         TinyArch,
         typer.Option(
             help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl; "
-            "vision-language: qwen3_5_vl, qwen3_5_moe_vl"
+            "vision-language: qwen3_5_vl, qwen3_5_moe_vl, qwen3_vl"
         ),
     ] = "qwen3",
     num_experts: Annotated[

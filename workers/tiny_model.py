@@ -15,8 +15,13 @@ of these architectures:
   one-block vision tower (patch 16, 2×2 merge, as the real models) before the `qwen3_5` text
   model, multimodal RoPE, and its image processor (`preprocessor_config.json`);
 - `qwen3_5_moe_vl`: the Qwen3.5-MoE composite (`Qwen3_5MoeForConditionalGeneration`), the same
-  tower before the `qwen3_5_moe` text model, as the real Qwen3.5-35B-A3B checkpoints are.
-All load with `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained(dir)`,
+  tower before the `qwen3_5_moe` text model, as the real Qwen3.5-35B-A3B checkpoints are;
+- `qwen3_vl`: the Qwen3-VL composite (`Qwen3VLForConditionalGeneration`): a two-block tower
+  whose "deepstack" features also enter the first two decoder layers, before a Qwen3 decoder
+  with multimodal RoPE. transformers has no causal-LM class for its text model alone: it
+  loads with `AutoModelForImageTextToText`.
+All but `qwen3_vl` load with `AutoModelForCausalLM.from_pretrained(dir)` and all with
+`AutoTokenizer.from_pretrained(dir)`,
 exactly like a real checkpoint, which is what the trainer, the samplers and the SDK's
 `get_tokenizer()` do (a composite loads its text model so); the VL one also with
 `AutoModelForImageTextToText` and `AutoImageProcessor`.
@@ -53,6 +58,9 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLTextConfig,
 )
 from transformers.models.qwen3_5 import (
     Qwen3_5Config,
@@ -69,11 +77,18 @@ from transformers.models.qwen3_5_moe import (
 from transformers.utils import logging as transformers_logging
 
 Arch = Literal[
-    "qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_vl", "qwen3_5_moe_vl"
+    "qwen3",
+    "qwen3_5",
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "gpt_oss",
+    "qwen3_5_vl",
+    "qwen3_5_moe_vl",
+    "qwen3_vl",
 ]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 MOE_ARCHS: frozenset[Arch] = frozenset({"qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_moe_vl"})
-VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl", "qwen3_5_moe_vl"})
+VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl"})
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2
@@ -99,6 +114,7 @@ _MODEL_CLASSES: dict[Arch, type[PreTrainedModel]] = {
     "gpt_oss": GptOssForCausalLM,
     "qwen3_5_vl": Qwen3_5ForConditionalGeneration,
     "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
 }
 
 CHAT_TEMPLATE = (
@@ -241,6 +257,41 @@ def _config(
             **moe,
             **linear_attention,
             shared_expert_intermediate_size=2 * moe_intermediate_size,
+        )
+    if arch == "qwen3_vl":
+        # Qwen3-VL: a plain Qwen3 decoder with multimodal RoPE over the whole head (16
+        # frequency pairs, interleaved), and a tower whose deepstack mergers feed the features
+        # of its blocks 0 and 1 into the first two decoder layers
+        qwen3_vl_text = Qwen3VLTextConfig(
+            **{k: v for k, v in common.items() if k != "tie_word_embeddings"},
+            intermediate_size=2 * hidden_size,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+        )
+        return Qwen3VLConfig(
+            text_config=qwen3_vl_text.to_dict(),
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                num_heads=2,
+                intermediate_size=64,
+                out_hidden_size=hidden_size,
+                patch_size=PATCH_SIZE,
+                spatial_merge_size=MERGE_SIZE,
+                temporal_patch_size=TEMPORAL_PATCH_SIZE,
+                num_position_embeddings=64,
+                deepstack_visual_indexes=[0, 1],
+                initializer_range=0.1,
+            ),
+            image_token_id=IMAGE_PAD_ID,
+            video_token_id=VIDEO_PAD_ID,
+            vision_start_token_id=VISION_START_ID,
+            vision_end_token_id=VISION_END_ID,
+            tie_word_embeddings=True,
         )
     if arch in VL_ARCHS:
         text: PretrainedConfig

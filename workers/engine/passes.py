@@ -167,12 +167,13 @@ class PassRunner:
         input_ids, position_ids, attention_mask = self._rows(batch, one_pass)
         segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
         with torch.set_grad_enabled(training):
-            model_inputs = {"input_ids": input_ids}
+            model_inputs: dict[str, Any] = {"input_ids": input_ids}
             if self.vision is not None and any(
                 batch[p.item][1].datums[p.datum].images for p in pieces
             ):
-                embeds, position_ids = self._with_images(batch, one_pass, input_ids, position_ids)
-                model_inputs = {"inputs_embeds": embeds}
+                model_inputs, position_ids = self._with_images(
+                    batch, one_pass, input_ids, position_ids
+                )
             with self.routing.bind(segments):
                 hidden = self.decoder(
                     **model_inputs,
@@ -263,19 +264,19 @@ class PassRunner:
         one_pass: PassLayout,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input embeddings `[rows, width, H]` of a pass whose rows hold images, each image
-        encoded once, and the position ids `[4, rows, width]`: the text positions (what packed
-        rows mask by), then the multimodal ones (`VisionTower.positions`; a text token's three
-        are its text position)."""
+    ) -> tuple[dict[str, Any], torch.Tensor]:
+        """The decoder's inputs for a pass whose rows hold images, each image encoded once
+        (`VisionTower.decoder_inputs`: the embeddings `[rows, width, H]`, and deepstack
+        features where the tower has them), and the position ids `[4, rows, width]`: the text
+        positions (what packed rows mask by), then the multimodal ones
+        (`VisionTower.positions`; a text token's three are its text position)."""
         assert self.vision is not None
         n_rows, width = input_ids.shape
         placed = [piece for row in one_pass.rows for piece in row]  # the flat ids' order
         images = [image for p in placed for image in batch[p.item][1].datums[p.datum].images]
         pixel_values, grids = self.vision.pixels(images)
-        features = self.vision.features(pixel_values.to(self.device), grids.to(self.device))
         embedding = cast(nn.Module, self.decoder.get_input_embeddings())  # type: ignore[operator]
-        embeds = self.vision.embed(embedding, input_ids.reshape(-1), features)
+        inputs = self.vision.decoder_inputs(embedding, input_ids, pixel_values, grids)
         if position_ids is None:  # padded rows: every row counts from 0
             position_ids = torch.arange(width, device=self.device).expand(n_rows, width)
         positions = position_ids.unsqueeze(0).repeat(4, 1, 1)
@@ -289,7 +290,7 @@ class PassRunner:
             mrope = self.vision.positions(ids, grid_list[:n])
             positions[1:, p.row, p.offset : p.offset + p.length] = mrope.to(self.device)
             grid_list = grid_list[n:]
-        return embeds.view(n_rows, width, -1), positions
+        return inputs, positions
 
     def _selected(
         self,

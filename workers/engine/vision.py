@@ -85,13 +85,22 @@ class VisionTower:
 
     @classmethod
     def load(
-        cls, base_model: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
+        cls,
+        base_model: str,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        model: nn.Module | None = None,
     ) -> VisionTower | None:
         """The tower of `base_model` (a local checkpoint directory or a hub id, as the text
-        model is loaded from), or None for a text model."""
+        model is loaded from), or None for a text model. `model`: the engine's model, whose
+        tower is taken as it is when it is the composite (Qwen3-VL)."""
         config = AutoConfig.from_pretrained(base_model)
         if getattr(config, "vision_config", None) is None:
             return None
+        held = getattr(getattr(model, "model", None), "visual", None)
+        if isinstance(held, nn.Module):
+            processor = AutoImageProcessor.from_pretrained(base_model)  # type: ignore[no-untyped-call]
+            return cls(held, config, processor)
         with torch.device("meta"):  # only to learn the tower's class: no memory
             composite = AutoModelForImageTextToText.from_config(config)  # type: ignore[no-untyped-call]
         tower_class = type(composite.model.visual)
@@ -136,12 +145,41 @@ class VisionTower:
     def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """Each image's vision tokens, in order (`pixel_values` and `grid_thw` as the image
         processor returns them for those images)."""
+        return self._encode(pixel_values, grid_thw)[0]
+
+    def _encode(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(each image's vision tokens, the deepstack features: one `[all images' tokens, H]`
+        per deepstack layer, empty for a tower without them)."""
         dtype = next(self.visual.parameters()).dtype
         with torch.no_grad():
             out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
         pooled = cast(torch.Tensor, out.pooler_output)
         sizes = (grid_thw.prod(-1) // self.merge**2).tolist()
-        return list(torch.split(pooled, sizes))
+        deepstack = list(getattr(out, "deepstack_features", None) or [])
+        return list(torch.split(pooled, sizes)), deepstack
+
+    def decoder_inputs(
+        self,
+        embeddings: nn.Module,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+    ) -> dict[str, Any]:
+        """What the decoder takes for rows of ids `[rows, width]` whose placeholders stand for
+        these images, in order: `inputs_embeds` (`embed`) and, for a tower with deepstack
+        layers (Qwen3-VL), the placeholders' mask and the features the first decoder layers
+        add there."""
+        device = input_ids.device
+        tokens, deepstack = self._encode(pixel_values.to(device), grid_thw.to(device))
+        rows, width = input_ids.shape
+        embeds = self.embed(embeddings, input_ids.reshape(-1), tokens).view(rows, width, -1)
+        inputs: dict[str, Any] = {"inputs_embeds": embeds}
+        if deepstack:
+            inputs["visual_pos_masks"] = input_ids == self.image_token_id
+            inputs["deepstack_visual_embeds"] = [f.to(embeds.dtype) for f in deepstack]
+        return inputs
 
     def embed(
         self, embeddings: nn.Module, input_ids: torch.Tensor, features: Sequence[torch.Tensor]

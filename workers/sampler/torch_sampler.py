@@ -56,7 +56,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -330,7 +330,7 @@ class TorchSampler:
         device = self.engine.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        inputs: dict[str, Any] = {"input_ids": input_ids}
         deltas = [0] * len(specs)
         if any(spec.images for spec in specs):
             inputs, position_ids, deltas = self._with_images(specs, pixels, input_ids, position_ids)
@@ -350,7 +350,7 @@ class TorchSampler:
         pixels: list[tuple[torch.Tensor, torch.Tensor] | None],
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[int]]:
+    ) -> tuple[dict[str, Any], torch.Tensor, list[int]]:
         """The decoder's inputs for left-padded rows some of whose prompts hold images: the
         embeddings with each image's features at its placeholders, position ids
         `[4, rows, width]` (the text positions, then the multimodal ones), and each row's RoPE
@@ -361,10 +361,9 @@ class TorchSampler:
         pixel_values = torch.cat([values for values, _ in decoded])
         grids = torch.cat([grid for _, grid in decoded])
         device = self.engine.device
-        features = vision.features(pixel_values.to(device), grids.to(device))
         embedding = cast(nn.Module, self.engine.passes.decoder.get_input_embeddings())  # type: ignore[operator]
+        inputs = vision.decoder_inputs(embedding, input_ids, pixel_values, grids)
         rows, width = input_ids.shape
-        embeds = vision.embed(embedding, input_ids.reshape(-1), features).view(rows, width, -1)
         positions = position_ids.unsqueeze(0).repeat(4, 1, 1)
         deltas = [0] * rows
         grid_list = grids.tolist()
@@ -377,7 +376,7 @@ class TorchSampler:
             positions[1:, row, width - length :] = mrope.to(device)
             deltas[row] = int(mrope.max()) + 1 - length
             grid_list = grid_list[n:]
-        return {"inputs_embeds": embeds}, positions, deltas
+        return inputs, positions, deltas
 
     def _head(self, hidden: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """The output layer on token rows `hidden` [T, hidden]: logits [T, vocab], each segment

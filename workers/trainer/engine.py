@@ -41,7 +41,13 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import ServerError, TwinkleError, UserError
@@ -66,6 +72,21 @@ from workers.trainer.slot_checkpoints import SlotCheckpoints
 log = logging.getLogger(__name__)
 
 
+def load_causal_lm(base_model: str, dtype: torch.dtype) -> PreTrainedModel:
+    """The causal LM of `base_model`: its text model where transformers has a causal-LM class
+    for it (a Qwen3.5 composite loads its language model so), else, for a vision-language
+    model without one (Qwen3-VL), the composite itself, whose decoder and output layer the
+    passes run and whose vision tower the engine's `VisionTower` uses."""
+    config = AutoConfig.from_pretrained(base_model)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(config, "vision_config"):
+        composite: PreTrainedModel = AutoModelForImageTextToText.from_pretrained(
+            base_model, dtype=dtype
+        )
+        return composite
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    return model
+
+
 def _load(
     base_model: str, dtype: torch.dtype, device: torch.device, collective: Collective
 ) -> tuple[PreTrainedModel, dict[str, ExpertSlice]]:
@@ -73,7 +94,7 @@ def _load(
     (`workers.engine.expert_parallel`), else a dense model's decoder linears
     (`workers.engine.frozen_shards`); the whole model on one device. Loaded on the host and cut
     there, so a device never holds more than its share."""
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    model = load_causal_lm(base_model, dtype)
     model.requires_grad_(False)
     model.eval()  # type: ignore[no-untyped-call]
     slices = split_experts(model, collective)
@@ -165,7 +186,7 @@ class Engine:
             logits_chunk_elements = 2**26 if self.device.type == "cuda" else 2**21
             least = 64
         # A vision-language model's frozen vision tower, beside its text model (None: text)
-        self.vision = VisionTower.load(base_model, self.dtype, str(self.device))
+        self.vision = VisionTower.load(base_model, self.dtype, str(self.device), model=model)
         self.passes = PassRunner(
             model,
             self.routing,

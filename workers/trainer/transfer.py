@@ -44,7 +44,7 @@ from typing import Any
 
 import safetensors
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from protocol.api import LoraConfig
 from protocol.errors import UserError
@@ -80,7 +80,7 @@ from workers.trainer.checkpoints import (
     tensor_shapes,
     write_checkpoint,
 )
-from workers.trainer.engine import Engine
+from workers.trainer.engine import Engine, load_causal_lm
 from workers.trainer.expert_files import DOWN, GATE_UP, PER_EXPERT_NAMES, from_file
 from workers.trainer.parking import GROUP_FLAGS
 from workers.trainer.slot_checkpoints import StoredAdapter
@@ -413,7 +413,7 @@ def export_merged(
 
 
 def _write_merged(engine: Engine, stored: StoredAdapter, directory: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(engine.base_model, dtype=engine.dtype)
+    model = load_causal_lm(engine.base_model, engine.dtype)
     try:
         _merge(model, stored)
         model.save_pretrained(directory, safe_serialization=True)

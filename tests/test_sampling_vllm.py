@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from protocol.api import AdamParams, LoraConfig  # noqa: E402
-from protocol.errors import UserError  # noqa: E402
+from protocol.errors import ServerError, UserError  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec, TargetIds  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
 from tests.test_sampling_torch import forward_logprobs  # noqa: E402
@@ -422,3 +422,18 @@ async def test_seeded_samples_repeat_20_times_under_concurrent_load(
     assert len(runs) == 20
     assert all(run == runs[0] for run in runs), {tuple(map(tuple, run)) for run in runs}
     assert len({tuple(tokens) for tokens in runs[0]}) == 3
+
+
+async def test_a_model_vllm_cannot_load_here_is_named_with_the_way_out(tmp_path: Path) -> None:
+    """vLLM's Qwen3.5 classes import torchvision when vLLM inspects them; without it (as on a
+    CPU build) the sampler fails to start with a message naming it and the torch sampler."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: vLLM loads the model")
+    model = build_tiny_model(tmp_path / "vl", "qwen3_5_vl")
+    sampler = VllmSampler(str(model), max_lora_rank=MAX_LORA_RANK, max_loras=1)
+    with pytest.raises(
+        ServerError, match="imports torchvision, which is not installed.*--sampler torch"
+    ):
+        await sampler.start()

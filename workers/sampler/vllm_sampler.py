@@ -60,6 +60,7 @@ A checkpoint directory is immutable once written: a cached adapter is never relo
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import logging
@@ -226,6 +227,20 @@ def lora_support(base_model: str, is_moe: bool, moe_gap: str | None) -> LoraSupp
     )
 
 
+def unloadable(base_model: str, err: Exception) -> str:
+    """Why vLLM cannot serve `base_model`, for the log: vLLM's multimodal model classes (which
+    its Qwen3.5 and Qwen3-VL classes are, text-only ones included) import torchvision when
+    vLLM inspects them, and a CPU build of vLLM has none."""
+    if "failed to be inspected" in str(err) and importlib.util.find_spec("torchvision") is None:
+        return (
+            f"vLLM cannot load {base_model}: its vLLM model class imports torchvision, which is"
+            " not installed here (CPU builds of torchvision are not on the package index, and"
+            " the CUDA ones break torch+cpu); sample this model with the torch sampler"
+            " (--sampler torch)"
+        )
+    return f"vLLM cannot load {base_model}: {err}"
+
+
 @dataclass(frozen=True)
 class _Adapter:
     directory: Path
@@ -288,9 +303,12 @@ class VllmSampler:
         if self._engine is not None:
             return
         # Reads the model's config only (milliseconds); the engine reads it again.
-        model_config = await asyncio.to_thread(
-            AsyncEngineArgs(model=self.base_model).create_model_config
-        )
+        try:
+            model_config = await asyncio.to_thread(
+                AsyncEngineArgs(model=self.base_model).create_model_config
+            )
+        except Exception as err:
+            raise ServerError(unloadable(self.base_model, err)) from err
         is_moe = model_config.is_moe
         lora = lora_support(self.base_model, is_moe, moe_lora_gap() if is_moe else None)
         if lora.refusal is not None:

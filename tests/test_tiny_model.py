@@ -189,6 +189,7 @@ MODEL_CLASSES = {
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_moe_vl": "Qwen3_5MoeForCausalLM",  # a composite's text model, as the worker loads it
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",  # no text-only class: the composite
 }
 
 
@@ -196,22 +197,23 @@ MODEL_CLASSES = {
 def test_moe_archs_have_fused_experts_in_every_layer(
     arch: Arch, built: Callable[[Arch], Path]
 ) -> None:
-    model = AutoModelForCausalLM.from_pretrained(built(arch))
+    model = load_causal_lm(str(built(arch)), torch.float32)
     assert type(model).__name__ == MODEL_CLASSES[arch]
-    config = model.config
+    config = model.config.get_text_config()
+    layers = "model.language_model.layers" if arch == "qwen3_vl_moe" else "model.layers"
     assert (config.head_dim, config.num_experts_per_tok) == (32, TOP_K)
     assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, like the dense ones
     parameters = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for layer in range(config.num_hidden_layers):
         for name, shape in _expected_moe_shapes(arch, NUM_EXPERTS, MOE_INTERMEDIATE_SIZE).items():
-            assert parameters[f"model.layers.{layer}.{name}"] == shape, (layer, name)
+            assert parameters[f"{layers}.{layer}.{name}"] == shape, (layer, name)
     if arch == "gpt_oss":
         # SDPA would silently drop the sinks; the eager kernel applies them.
         assert config._attn_implementation == "eager"
         assert config.layer_types == ["sliding_attention", "full_attention"]
     if arch in ("qwen3_5_moe", "qwen3_5_moe_vl"):
         assert config.layer_types == ["linear_attention", "full_attention"]
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen3_vl_moe"):
         assert (config.decoder_sparse_step, config.mlp_only_layers) == (1, [])
 
 
@@ -242,12 +244,14 @@ def test_moe_routing_spreads_tokens_over_several_experts(
 ) -> None:
     # Routers initialised to zero tie every logit, so every token would go to the same TOP_K
     # experts; more distinct experts than that means the routing is a real choice.
-    model = AutoModelForCausalLM.from_pretrained(built(arch))
+    model = load_causal_lm(str(built(arch)), torch.float32)
+    config = model.config.get_text_config()
+    # ids past the vision tokens (3-6): a composite would take those for an image's
     input_ids = torch.randint(
-        3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)
+        7, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)
     )
     picked = _routed_experts(model, input_ids)
-    assert len(picked) == model.config.num_hidden_layers
+    assert len(picked) == config.num_hidden_layers
     for name, experts in picked.items():
         assert len(experts) > TOP_K, (name, experts)
 

@@ -47,9 +47,17 @@ def qwen3_vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("qwen3-vl"), "qwen3_vl")
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("qwen3-vl-moe"), "qwen3_vl_moe")
+
+
 # the engine tests run on the dense Qwen3.5 composite, the MoE one (routed and shared
-# experts) and Qwen3-VL (its tower's deepstack features enter the first decoder layers)
-COMPOSITES = pytest.mark.parametrize("composite", ["vl_model", "moe_vl_model", "qwen3_vl_model"])
+# experts), Qwen3-VL (its tower's deepstack features enter the first decoder layers) and
+# Qwen3-VL-MoE
+COMPOSITES = pytest.mark.parametrize(
+    "composite", ["vl_model", "moe_vl_model", "qwen3_vl_model", "qwen3_vl_moe_model"]
+)
 
 
 def _image(seed: int, width: int, height: int) -> Image.Image:

@@ -442,6 +442,7 @@ TinyArch = Literal[
     "qwen3_5_vl",
     "qwen3_5_moe_vl",
     "qwen3_vl",
+    "qwen3_vl_moe",
 ]
 
 
@@ -451,8 +452,8 @@ def make_tiny_model(
     arch: Annotated[
         TinyArch,
         typer.Option(
-            help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl; "
-            "vision-language: qwen3_5_vl, qwen3_5_moe_vl, qwen3_vl"
+            help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl, "
+            "qwen3_vl_moe; vision-language: qwen3_5_vl, qwen3_5_moe_vl, qwen3_vl, qwen3_vl_moe"
         ),
     ] = "qwen3",
     num_experts: Annotated[

@@ -19,8 +19,10 @@ of these architectures:
 - `qwen3_vl`: the Qwen3-VL composite (`Qwen3VLForConditionalGeneration`): a two-block tower
   whose "deepstack" features also enter the first two decoder layers, before a Qwen3 decoder
   with multimodal RoPE. transformers has no causal-LM class for its text model alone: it
-  loads with `AutoModelForImageTextToText`.
-All but `qwen3_vl` load with `AutoModelForCausalLM.from_pretrained(dir)` and all with
+  loads with `AutoModelForImageTextToText`;
+- `qwen3_vl_moe`: the same with a Qwen3-MoE decoder (fused experts in every layer), as
+  Qwen3-VL-30B-A3B is.
+All but the Qwen3-VL ones load with `AutoModelForCausalLM.from_pretrained(dir)` and all with
 `AutoTokenizer.from_pretrained(dir)`,
 exactly like a real checkpoint, which is what the trainer, the samplers and the SDK's
 `get_tokenizer()` do (a composite loads its text model so); the VL one also with
@@ -74,6 +76,11 @@ from transformers.models.qwen3_5_moe import (
     Qwen3_5MoeForConditionalGeneration,
     Qwen3_5MoeTextConfig,
 )
+from transformers.models.qwen3_vl_moe import (
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
+    Qwen3VLMoeTextConfig,
+)
 from transformers.utils import logging as transformers_logging
 
 Arch = Literal[
@@ -85,10 +92,13 @@ Arch = Literal[
     "qwen3_5_vl",
     "qwen3_5_moe_vl",
     "qwen3_vl",
+    "qwen3_vl_moe",
 ]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
-MOE_ARCHS: frozenset[Arch] = frozenset({"qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_moe_vl"})
-VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl"})
+MOE_ARCHS: frozenset[Arch] = frozenset(
+    {"qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_moe_vl", "qwen3_vl_moe"}
+)
+VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl", "qwen3_vl_moe"})
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2
@@ -115,6 +125,7 @@ _MODEL_CLASSES: dict[Arch, type[PreTrainedModel]] = {
     "qwen3_5_vl": Qwen3_5ForConditionalGeneration,
     "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
+    "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
 }
 
 CHAT_TEMPLATE = (
@@ -258,11 +269,11 @@ def _config(
             **linear_attention,
             shared_expert_intermediate_size=2 * moe_intermediate_size,
         )
-    if arch == "qwen3_vl":
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
         # Qwen3-VL: a plain Qwen3 decoder with multimodal RoPE over the whole head (16
         # frequency pairs, interleaved), and a tower whose deepstack mergers feed the features
         # of its blocks 0 and 1 into the first two decoder layers
-        qwen3_vl_text = Qwen3VLTextConfig(
+        text_options: dict[str, Any] = dict(
             **{k: v for k, v in common.items() if k != "tie_word_embeddings"},
             intermediate_size=2 * hidden_size,
             rope_parameters={
@@ -272,7 +283,14 @@ def _config(
                 "mrope_interleaved": True,
             },
         )
-        return Qwen3VLConfig(
+        if arch == "qwen3_vl_moe":  # every layer sparse, as in Qwen3-VL-30B-A3B
+            qwen3_vl_text: PretrainedConfig = Qwen3VLMoeTextConfig(
+                **text_options, **moe, decoder_sparse_step=1, mlp_only_layers=[]
+            )
+        else:
+            qwen3_vl_text = Qwen3VLTextConfig(**text_options)
+        vl_composite = Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else Qwen3VLConfig
+        return vl_composite(
             text_config=qwen3_vl_text.to_dict(),
             vision_config=dict(
                 depth=2,
@@ -430,7 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    moe = parser.add_argument_group("MoE archs (qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl)")
+    moe = parser.add_argument_group(
+        "MoE archs (qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl, qwen3_vl_moe)"
+    )
     moe.add_argument("--num-experts", type=int, help=f"routed experts (default {NUM_EXPERTS})")
     moe.add_argument("--top-k", type=int, help=f"experts per token (default {TOP_K})")
     moe.add_argument(

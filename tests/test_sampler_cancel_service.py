@@ -19,7 +19,7 @@ import pytest
 from protocol import subjects
 from protocol.errors import Cancelled, ErrorCategory, TwinkleError
 from protocol.jobs import Outcome, SampleJob, decode_outcome, encode_outcome
-from protocol.sampling import SampledSequence, SampleOutput
+from protocol.sampling import TEXT_ONLY, SampledSequence, SampleOutput
 from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
@@ -44,6 +44,8 @@ class HoldingBackend:
     concurrent = True
     vocab_size = 1000
     max_context = 512
+    vision = None  # a text model's backend: it takes no images
+    no_images = TEXT_ONLY
 
     def __init__(self) -> None:
         self.seen: list[str] = []

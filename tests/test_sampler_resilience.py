@@ -23,7 +23,7 @@ import pytest
 from protocol import subjects
 from protocol.errors import ErrorCategory, TwinkleError
 from protocol.jobs import Outcome, SampleJob, decode_outcome, encode_outcome
-from protocol.sampling import SampledSequence, SampleOutput
+from protocol.sampling import TEXT_ONLY, SampledSequence, SampleOutput
 from tests.test_sampler_cancel_service import until
 from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
@@ -63,6 +63,8 @@ class FullLengthBackend:
     name = "full-length"
     vocab_size = 50_000
     max_context = 1_000_000
+    vision = None  # a text model's backend: it takes no images
+    no_images = TEXT_ONLY
 
     def __init__(self, concurrent: bool) -> None:
         self.concurrent = concurrent

@@ -74,15 +74,11 @@ def request_with(*datums: list[tuple[str, object]], model_id: str = "m", vocab: 
     return body
 
 
-def composite_logprobs(
-    model: Path,
-    ids: torch.Tensor,
-    image: bytes,
-    targets: torch.Tensor,
-    composite: torch.nn.Module | None = None,
+def composite_log_softmax(
+    model: Path, ids: torch.Tensor, image: bytes, composite: torch.nn.Module | None = None
 ) -> torch.Tensor:
-    """log p(targets[t] | ids[: t + 1]) of the stock transformers composite (or `composite`,
-    that model with an adapter), for ids `[T]` holding one image's placeholders."""
+    """The stock transformers composite's (or `composite`'s, that model with an adapter)
+    log-softmax `[T, vocab]` over ids `[T]` holding one image's placeholders."""
     processor = AutoImageProcessor.from_pretrained(model)
     pixels = processor(images=[Image.open(io.BytesIO(image))], return_tensors="pt")
     if composite is None:
@@ -94,4 +90,17 @@ def composite_logprobs(
             image_grid_thw=pixels["image_grid_thw"],
             mm_token_type_ids=(ids == IMAGE_PAD_ID).long()[None],
         ).logits[0]
-    return torch.log_softmax(logits.float(), -1)[torch.arange(len(ids)), targets]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def composite_logprobs(
+    model: Path,
+    ids: torch.Tensor,
+    image: bytes,
+    targets: torch.Tensor,
+    composite: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """log p(targets[t] | ids[: t + 1]) of the stock transformers composite (or `composite`),
+    for ids `[T]` holding one image's placeholders."""
+    rows = composite_log_softmax(model, ids, image, composite)
+    return rows[torch.arange(len(ids)), targets]

@@ -26,37 +26,35 @@ from protocol.tensors import FwdBwdRequest, decode_forward_backward
 from tests.image_helpers import composite_logprobs, encoded, request_with
 from tests.test_engine import PEFT_TIED_WARNING
 from workers.engine.vision import VisionTower
-from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, build_tiny_model
+from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, Arch, build_tiny_model
 from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
-def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("vl"), "qwen3_5_vl")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Arch], Path]:
+    """A tiny model of an arch, built once for the module."""
+    models: dict[Arch, Path] = {}
+
+    def build(arch: Arch) -> Path:
+        if arch not in models:
+            models[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), arch)
+        return models[arch]
+
+    return build
 
 
 @pytest.fixture(scope="module")
-def moe_vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("moe-vl"), "qwen3_5_moe_vl")
-
-
-@pytest.fixture(scope="module")
-def qwen3_vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("qwen3-vl"), "qwen3_vl")
-
-
-@pytest.fixture(scope="module")
-def qwen3_vl_moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("qwen3-vl-moe"), "qwen3_vl_moe")
+def vl_model(built: Callable[[Arch], Path]) -> Path:
+    return built("qwen3_5_vl")
 
 
 # the engine tests run on the dense Qwen3.5 composite, the MoE one (routed and shared
 # experts), Qwen3-VL (its tower's deepstack features enter the first decoder layers) and
 # Qwen3-VL-MoE
 COMPOSITES = pytest.mark.parametrize(
-    "composite", ["vl_model", "moe_vl_model", "qwen3_vl_model", "qwen3_vl_moe_model"]
+    "composite", ["qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl", "qwen3_vl_moe"]
 )
 
 
@@ -160,42 +158,51 @@ def _decoded(engine: Engine, body: bytes, forward_only: bool = False) -> FwdBwdR
     return request
 
 
-@COMPOSITES
-def test_the_engines_logprobs_with_an_image_are_the_composites(
-    composite: str, request: pytest.FixtureRequest
-) -> None:
-    """A fresh adapter adds nothing, so a forward pass's logprobs of a datum with an image are
-    the stock composite model's for those ids and that image."""
-    vl_model = request.getfixturevalue(composite)
-    engine = _engine(vl_model)
-    engine.create("a", LoraConfig(rank=4, seed=1))
-    png = encoded(96, 64, "png")
-    body = request_with(
-        [
-            ("text", [7, 8, VISION_START_ID]),
-            ("image", (png, "png", 6)),
-            ("text", [VISION_END_ID, 9]),
-        ],
+PNG = encoded(96, 64, "png")  # 6 vision tokens
+
+
+def _image_body(engine: Engine, after: list[int]) -> bytes:
+    """Tenant "a"'s request of one datum: text, `PNG`, then `after`."""
+    return request_with(
+        [("text", [7, 8, VISION_START_ID]), ("image", (PNG, "png", 6)), ("text", after)],
         model_id="a",
         vocab=engine.vocab_size,
     )
+
+
+def _forward(engine: Engine, body: bytes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tenant "a"'s forward-only logprobs of `body`'s datum, with its ids and targets."""
     request = _decoded(engine, body, forward_only=True)
     [out] = engine.forward_backward([("a", request)])
     assert not isinstance(out, Exception), out
-    got = torch.from_numpy(out.loss_fn_outputs[0]["logprobs"])
-
     datum = request.datums[0]
-    ids = torch.from_numpy(datum.tokens.astype(np.int64))
-    targets = torch.from_numpy(datum.inputs["target_tokens"])
-    want = composite_logprobs(vl_model, ids, png, targets)
+    return (
+        torch.from_numpy(out.loss_fn_outputs[0]["logprobs"]),
+        torch.from_numpy(datum.tokens.astype(np.int64)),
+        torch.from_numpy(datum.inputs["target_tokens"]),
+    )
+
+
+@COMPOSITES
+def test_the_engines_logprobs_with_an_image_are_the_composites(
+    composite: Arch, built: Callable[[Arch], Path]
+) -> None:
+    """A fresh adapter adds nothing, so a forward pass's logprobs of a datum with an image are
+    the stock composite model's for those ids and that image."""
+    vl_model = built(composite)
+    engine = _engine(vl_model)
+    engine.create("a", LoraConfig(rank=4, seed=1))
+    body = _image_body(engine, [VISION_END_ID, 9])
+    got, ids, targets = _forward(engine, body)
+    want = composite_logprobs(vl_model, ids, PNG, targets)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 @COMPOSITES
 def test_a_tenant_with_images_beside_one_without_gets_its_solo_gradient(
-    composite: str, request: pytest.FixtureRequest
+    composite: Arch, built: Callable[[Arch], Path]
 ) -> None:
-    vl_model = request.getfixturevalue(composite)
+    vl_model = built(composite)
     with_image = request_with(
         [("text", [7, VISION_START_ID]), ("image", (encoded(64, 160, "jpeg"), "jpeg", 10))],
         [("text", [11, 12, 13, VISION_START_ID]), ("image", (encoded(96, 64, "png"), "png", 6))],
@@ -266,39 +273,24 @@ def test_a_vl_model_named_by_its_hub_id_loads_its_tower_from_the_hub_cache(
 
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING)
 def test_a_qwen3_vl_adapter_loads_in_peft_on_the_stock_composite(
-    qwen3_vl_model: Path, tmp_path: Path
+    built: Callable[[Arch], Path], tmp_path: Path
 ) -> None:
     """Qwen3-VL has no text-only class: the engine trains the composite's language model, and
     its sampler checkpoint names the composite's modules, so PEFT loads it on the stock
     composite and gives the engine's logprobs for a sequence with an image."""
     from peft import PeftModel
 
+    qwen3_vl_model = built("qwen3_vl")
     engine = _engine(qwen3_vl_model)
     engine.create("a", LoraConfig(rank=4, seed=1))
-    png = encoded(96, 64, "png")
-    body = request_with(
-        [
-            ("text", [7, 8, VISION_START_ID]),
-            ("image", (png, "png", 6)),
-            ("text", [VISION_END_ID, 9, 10]),
-        ],
-        model_id="a",
-        vocab=engine.vocab_size,
-    )
+    body = _image_body(engine, [VISION_END_ID, 9, 10])
     engine.forward_backward([("a", _decoded(engine, body))])
     engine.optim_step([("a", AdamParams(learning_rate=0.05))])
     engine.save("a", tmp_path / "sampler", kind="sampler_weights", meta={})
-    request = _decoded(engine, body, forward_only=True)
-    [out] = engine.forward_backward([("a", request)])
-    assert not isinstance(out, Exception), out
-    got = torch.from_numpy(out.loss_fn_outputs[0]["logprobs"])
-
-    datum = request.datums[0]
-    ids = torch.from_numpy(datum.tokens.astype(np.int64))
-    targets = torch.from_numpy(datum.inputs["target_tokens"])
+    got, ids, targets = _forward(engine, body)
     stock = AutoModelForImageTextToText.from_pretrained(qwen3_vl_model)
     peft = PeftModel.from_pretrained(stock, tmp_path / "sampler").eval()
-    want = composite_logprobs(qwen3_vl_model, ids, png, targets, composite=peft)
+    want = composite_logprobs(qwen3_vl_model, ids, PNG, targets, composite=peft)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    base = composite_logprobs(qwen3_vl_model, ids, png, targets)
+    base = composite_logprobs(qwen3_vl_model, ids, PNG, targets)
     assert float((got - base).abs().max()) > 1e-3  # the trained adapter changed them

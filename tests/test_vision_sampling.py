@@ -7,20 +7,17 @@ decode fails only its own request."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
 from protocol import api
 from protocol.errors import UserError
 from protocol.images import VisionGeometry
 from protocol.sampling import SampleSpec, sample_spec
 from protocol.tensors import check_images, scan_forward_backward
-from tests.image_helpers import encoded, png_declaring, request_with
+from tests.image_helpers import composite_log_softmax, encoded, png_declaring, request_with
 from workers.sampler.torch_sampler import TorchSampler
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, build_tiny_model
 from workers.trainer.engine import Engine
@@ -140,22 +137,6 @@ def sampler(vl_model: Path) -> TorchSampler:
     return TorchSampler(Engine(str(vl_model), max_slots=2, max_rank=8))
 
 
-def _composite_logprobs(model: Path, ids: list[int], image: bytes) -> torch.Tensor:
-    """The stock composite's log-softmax `[T, vocab]` over a sequence with one image."""
-    processor = AutoImageProcessor.from_pretrained(model)
-    pixels = processor(images=[Image.open(io.BytesIO(image))], return_tensors="pt")
-    composite = AutoModelForImageTextToText.from_pretrained(model)
-    tensor = torch.tensor(ids)
-    with torch.no_grad():
-        logits = composite(
-            input_ids=tensor[None],
-            pixel_values=pixels["pixel_values"],
-            image_grid_thw=pixels["image_grid_thw"],
-            mm_token_type_ids=(tensor == IMAGE_PAD_ID).long()[None],
-        ).logits[0]
-    return torch.log_softmax(logits.float(), -1)
-
-
 def _image_prompt(sampler: TorchSampler, image: bytes = PNG) -> SampleSpec:
     body = api.SampleRequest(
         prompt=api.ModelInput(
@@ -180,7 +161,7 @@ def test_sampling_from_a_prompt_with_an_image_follows_the_composite(
     [out] = sampler.sample([(spec, None)])
     [sequence] = out.sequences
     assert len(sequence.tokens) == 6
-    want = _composite_logprobs(vl_model, [*spec.prompt, *sequence.tokens], PNG)
+    want = composite_log_softmax(vl_model, torch.tensor([*spec.prompt, *sequence.tokens]), PNG)
     n = len(spec.prompt)
     prompt_want = want[torch.arange(n - 1), torch.tensor(spec.prompt[1:])]
     assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None

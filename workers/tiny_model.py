@@ -208,6 +208,33 @@ def _hybrid_layer_types(num_layers: int) -> list[str]:
     ]
 
 
+_VISION_TOKEN_IDS: dict[str, Any] = dict(
+    image_token_id=IMAGE_PAD_ID,
+    video_token_id=VIDEO_PAD_ID,
+    vision_start_token_id=VISION_START_ID,
+    vision_end_token_id=VISION_END_ID,
+)
+
+
+def _tower(hidden_size: int, **options: Any) -> dict[str, Any]:
+    """A tiny vision tower's config with the real geometry (16-pixel patches, 2×2 merge, two
+    frames per temporal patch), its output as wide as the text model, an 8×8 grid of position
+    embeddings interpolated to each image's; `options` override."""
+    return {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "out_hidden_size": hidden_size,
+        "patch_size": PATCH_SIZE,
+        "spatial_merge_size": MERGE_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "num_position_embeddings": 64,
+        "initializer_range": 0.1,
+        **options,
+    }
+
+
 def _config(
     arch: Arch,
     *,
@@ -292,23 +319,8 @@ def _config(
         vl_composite = Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else Qwen3VLConfig
         return vl_composite(
             text_config=qwen3_vl_text.to_dict(),
-            vision_config=dict(
-                depth=2,
-                hidden_size=32,
-                num_heads=2,
-                intermediate_size=64,
-                out_hidden_size=hidden_size,
-                patch_size=PATCH_SIZE,
-                spatial_merge_size=MERGE_SIZE,
-                temporal_patch_size=TEMPORAL_PATCH_SIZE,
-                num_position_embeddings=64,
-                deepstack_visual_indexes=[0, 1],
-                initializer_range=0.1,
-            ),
-            image_token_id=IMAGE_PAD_ID,
-            video_token_id=VIDEO_PAD_ID,
-            vision_start_token_id=VISION_START_ID,
-            vision_end_token_id=VISION_END_ID,
+            vision_config=_tower(hidden_size, depth=2, deepstack_visual_indexes=[0, 1]),
+            **_VISION_TOKEN_IDS,
             tie_word_embeddings=True,
         )
     if arch in VL_ARCHS:
@@ -331,26 +343,12 @@ def _config(
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
         }
-        vision = dict(
-            depth=1,
-            hidden_size=32,
-            num_heads=2,
-            intermediate_size=64,
-            out_hidden_size=hidden_size,
-            patch_size=PATCH_SIZE,
-            spatial_merge_size=MERGE_SIZE,
-            temporal_patch_size=TEMPORAL_PATCH_SIZE,
-            num_position_embeddings=64,  # an 8×8 grid, interpolated to each image's
-            initializer_range=0.1,
-        )
+        vision = _tower(hidden_size, depth=1)
         composite = Qwen3_5MoeConfig if arch == "qwen3_5_moe_vl" else Qwen3_5Config
         return composite(
             text_config=text.to_dict(),
             vision_config=vision,
-            image_token_id=IMAGE_PAD_ID,
-            video_token_id=VIDEO_PAD_ID,
-            vision_start_token_id=VISION_START_ID,
-            vision_end_token_id=VISION_END_ID,
+            **_VISION_TOKEN_IDS,
             tie_word_embeddings=True,
         )
     if arch == "gpt_oss":

@@ -13,7 +13,10 @@ It then prints what the experts' LoRA costs, for the same tokens:
   cross-entropy and its backward to the input embeddings (so every layer's backward runs).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/moe_merge.py [--repeats 5] [--token-budget N]
-        [--skip-merge] [--max-slots 17]
+        [--skip-merge] [--max-slots 17] [--adapters full|experts]
+
+`--adapters experts` gives the tenants MLP-only adapters (`train_attn=False,
+train_unembed=False`): the pass's LoRA is then the experts' alone.
 """
 
 from __future__ import annotations
@@ -103,6 +106,12 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--skip-merge", action="store_true", help="only the expert LoRA cost")
     parser.add_argument(
+        "--adapters",
+        choices=("full", "experts"),
+        default="full",
+        help="the tenants' adapters: every layer group, or the experts (MLP) alone",
+    )
+    parser.add_argument(
         "--max-slots", type=int, default=17, help="the adapter bank's slots (a worker's: 64)"
     )
     args = parser.parse_args()
@@ -118,12 +127,19 @@ def main() -> None:
             print(f"measured pass size {found.pass_tokens} tokens (tokens/s by size: {curve})")
         else:
             engine.pass_tokens = args.token_budget
+        experts_only = args.adapters == "experts"
         for i in range(16):
-            engine.create(f"t{i}", LoraConfig(rank=16, seed=i))
+            engine.create(
+                f"t{i}",
+                LoraConfig(
+                    rank=16, seed=i, train_attn=not experts_only, train_unembed=not experts_only
+                ),
+            )
         engine.create("base", LoraConfig(rank=16, seed=99, train_mlp=False))
         print(
             f"random Qwen3-MoE hidden 256, 4 layers, 16 experts top-4, moe_intermediate 128,"
-            f" vocab {args.vocab}, rank 16, {torch.get_num_threads()} thread,"
+            f" vocab {args.vocab}, rank 16 ({args.adapters} adapters),"
+            f" {torch.get_num_threads()} thread,"
             f" median of {args.repeats}",
             flush=True,
         )

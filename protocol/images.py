@@ -250,3 +250,21 @@ def read_image(
             f"model, not the {expected_tokens} its expected_tokens says"
         )
     return header, n_tokens
+
+
+def read_request_image(
+    data: bytes,
+    declared: str,
+    geometry: VisionGeometry,
+    expected_tokens: int | None,
+    where: str,
+    seen: int,
+) -> tuple[ImageHeader, int]:
+    """`read_image` for a request's image number `seen` (from 0), after the per-request image
+    limit."""
+    if seen >= geometry.max_images:
+        raise UserError(
+            f"{where}: more than {geometry.max_images} images in one request (the limit per"
+            " request)"
+        )
+    return read_image(data, declared, geometry, expected_tokens, where)

@@ -26,7 +26,7 @@ import numpy as np
 from protocol import api
 from protocol import tinker_wire_pb2 as pb
 from protocol.errors import UserError
-from protocol.images import DatumImage, VisionGeometry, read_image
+from protocol.images import DatumImage, VisionGeometry, read_request_image
 
 MAX_NUM_SAMPLES = 128
 DEFAULT_MAX_TOKENS = 128
@@ -168,13 +168,8 @@ def prompt_tokens(
             )
         if vision is None:
             raise UserError(f"{where} is an image, and {no_images}")
-        if len(images) >= vision.max_images:
-            raise UserError(
-                f"{where}: more than {vision.max_images} images in one request (the limit per"
-                " request)"
-            )
-        header, n_tokens = read_image(
-            chunk.data, chunk.format, vision, chunk.expected_tokens, where
+        header, n_tokens = read_request_image(
+            chunk.data, chunk.format, vision, chunk.expected_tokens, where, len(images)
         )
         images.append(DatumImage(header, chunk.data, len(tokens), n_tokens))
         tokens.extend([vision.image_token_id] * n_tokens)

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped] 
 from protocol import tinker_wire_pb2 as pb
 from protocol.custom_loss import CustomLoss
 from protocol.errors import PayloadTooLarge, UserError
-from protocol.images import DatumImage, ImageHeader, VisionGeometry, read_image
+from protocol.images import DatumImage, ImageHeader, VisionGeometry, read_request_image
 from protocol.sampling import MAX_LOGPROBS_K
 
 # Wire dtype -> how its bytes read; the widened result is float32 or int64.
@@ -214,14 +214,9 @@ def _image_ref(chunk: pb.Chunk, where: str) -> ImageRef:
 def _read_image_ref(ref: ImageRef, vision: VisionGeometry, seen: int) -> tuple[ImageHeader, int]:
     """The header and token count of the request's image number `seen` (from 0), checked:
     the per-request image limit, the header, the pixel limit and `expected_tokens`."""
-    if seen >= vision.max_images:
-        raise UserError(
-            f"{ref.where}: more than {vision.max_images} images in one request (the limit per"
-            " request)"
-        )
-    if ref.override_dimensions:
+    if ref.override_dimensions and seen < vision.max_images:  # past the limit: that error
         raise UserError(f"{ref.where}: override_dimensions is not supported")
-    return read_image(ref.data, ref.format, vision, ref.expected_tokens, ref.where)
+    return read_request_image(ref.data, ref.format, vision, ref.expected_tokens, ref.where, seen)
 
 
 def _datum_tokens(

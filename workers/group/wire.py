@@ -5,8 +5,8 @@ msgpack message (msgspec), arrays and tensors as raw little-endian bytes with th
 shape, and decode it on the other ranks. No pickle: a message is data, never code.
 
 Messages are `Call` structs tagged by their name. A forward_backward carries its requests whole
-(datums, loss inputs, images, a custom loss's graph, its element budget) and the pass size, so every
-rank packs the same passes; a load carries the checkpoint rank 0 read and checked, in one
+(datums, loss inputs, images, a custom loss's graph, its element budget) and the pass size, so
+every rank packs the same passes; a load carries the checkpoint rank 0 read and checked, in one
 device's layout; an adopt carries the state rank 0 read from a snapshot, likewise.
 """
 

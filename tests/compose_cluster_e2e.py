@@ -21,7 +21,7 @@ import urllib.request
 import tinker
 from tinker import types
 
-from tests.compose_e2e import MODEL, compose, free_port, log, wait_healthy
+from tests.compose_e2e import MODEL, compose, free_port, log, up, wait_healthy
 from tests.sdk_helpers import toy_batch, train_steps
 
 NODES = ["nats-1", "nats-2", "nats-3"]
@@ -61,7 +61,7 @@ def run_cluster_profile(port: int) -> None:
     api_key = os.environ["TWINKLE_API_KEY"]
     _cluster("down", "-v", "--remove-orphans", quiet=True)
     try:
-        _cluster("up", "-d", *SERVICES)
+        up("--profile", "cluster", "up", "-d", *SERVICES)
         wait_healthy(SERVICES)
         gateways = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port_2}"]
         tenants = [_train(url, api_key, seed) for seed, url in enumerate(gateways, start=1)]

@@ -68,8 +68,10 @@ def run(*argv: str | Path, timeout: float = 600, check: bool = True, quiet: bool
     if not quiet or (check and result.returncode):
         sys.stdout.write(result.stdout[-6000:])
     if check and result.returncode:
+        # the output's end goes into the message too: logs printed after it can bury it
         raise RuntimeError(
-            f"{argv[0]} {argv[1] if len(argv) > 1 else ''} exited {result.returncode}"
+            f"{' '.join(str(a) for a in argv[:8])} exited {result.returncode}:\n"
+            f"{result.stdout[-2000:]}"
         )
     return result.stdout
 
@@ -266,6 +268,21 @@ def compose(*argv: str, timeout: float = 900, quiet: bool = False) -> str:
     )
 
 
+def up(*argv: str) -> None:
+    """`docker-compose [--profile P] up -d SERVICES`, tried twice. Compose 1.29 gives up where a
+    busy daemon answers slowly (an API read past its timeout) or a dependency restarts while its
+    health is read; a second `up` starts what is still missing. The first failure's output and
+    the daemon's log are shown."""
+    try:
+        compose(*argv)
+    except RuntimeError as err:
+        log(f"`up` failed; once more. {err}")
+        daemon_log = CACHE / "dockerd.log"
+        if daemon_log.exists():
+            print(daemon_log.read_text()[-4000:], flush=True)
+        compose(*argv)
+
+
 def container(service: str) -> dict[str, Any]:
     cid = compose("ps", "-q", service, quiet=True).strip()
     found: list[dict[str, Any]] = json.loads(run("docker", "inspect", cid, quiet=True))
@@ -392,6 +409,8 @@ def main() -> int:
         TWINKLE_LEASE_S="3",
         TWINKLE_TORCH_INDEX="https://pypi.org/simple",
         TWINKLE_EXTRA_CA_CERTS=extra_ca_certs(),
+        # compose 1.29 waits 60 s for an API answer by default: too short for a loaded host
+        COMPOSE_HTTP_TIMEOUT="300",
     )
     try:
         with dockerd():
@@ -406,7 +425,7 @@ def main() -> int:
             run("docker", "image", "prune", "-f", quiet=True)  # earlier builds' layers
             compose("down", "-v", "--remove-orphans", quiet=True)
             try:
-                compose("up", "-d", "nats", "gateway", "worker")
+                up("up", "-d", "nats", "gateway", "worker")
                 wait_healthy(["nats", "gateway", "worker"])
                 saved = drive(f"http://127.0.0.1:{port}", api_key)
                 administer(f"http://127.0.0.1:{port}", admin_key, saved)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tests.s3_server import S3Server
 
 ADMIN_KEY = "twa-test-admin-key"  # every test cluster's admin key (`/admin/v1`, twinkle-admin)
+TEST_PASS_TOKENS = 2048  # a test cluster's pass size: what calibration picks most often here
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +136,12 @@ def start_cluster(
     timeout_s: float = 240.0,
     env: dict[str, str] | None = None,
     keys: dict[str, str] | None = None,
+    calibrate: bool = False,
 ) -> Cluster:
     """`up` with the test keys, `keys` (key -> tenant) more tenants in its key file
-    (`<data_dir>/keys.txt`)."""
+    (`<data_dir>/keys.txt`). Passes of `TEST_PASS_TOKENS` unless `extra` sets `--token-budget`
+    or `calibrate` asks for the workers' own measurement (5-25 s a cluster on 2 cores; the
+    session's `cluster` measures, so the default path stays covered end to end)."""
     ready = data_dir / "ready.json"
     data_dir.mkdir(parents=True, exist_ok=True)
     key_file = data_dir / "keys.txt"
@@ -171,6 +175,8 @@ def start_cluster(
         "INFO",
         *extra,
     ]
+    if not calibrate and "--token-budget" not in extra:
+        cmd += ["--token-budget", str(TEST_PASS_TOKENS)]
     for model in base_models:
         cmd += ["--base-model", str(model)]
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +223,9 @@ def cluster(
     tiny_model_moe: Path,
 ) -> Iterator[Cluster]:
     running = start_cluster(
-        tmp_path_factory.mktemp("cluster") / "data", [tiny_model, tiny_model_35, tiny_model_moe]
+        tmp_path_factory.mktemp("cluster") / "data",
+        [tiny_model, tiny_model_35, tiny_model_moe],
+        calibrate=True,
     )
     try:
         yield running

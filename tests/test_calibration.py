@@ -1,12 +1,15 @@
-"""The measured pass size: a size from the measured curve, no slot left behind, cached once."""
+"""The measured pass size: a size from the measured curve, no slot left behind, cached once;
+the workers of `up` measure it when no --token-budget is given."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from protocol.api import LoraConfig
+from tests.conftest import Cluster
 from workers.trainer.calibration import cached_or_measured, measure
 from workers.trainer.engine import Engine
 
@@ -49,3 +52,13 @@ def _fixed(size: int):  # type: ignore[no-untyped-def]
     from workers.trainer.calibration import Calibration
 
     return Calibration(size, ((size, 1000.0),))
+
+
+def test_the_session_clusters_workers_measured_their_pass_size(cluster: Cluster) -> None:
+    """`up` with no --token-budget: each trainer measures before it serves, and serves passes
+    of the size it chose (the other test clusters are given a fixed size)."""
+    log = (cluster.data_dir.parent / f"{cluster.data_dir.name}.log").read_text()
+    for model in cluster.base_models:
+        chosen = re.search(rf"calibrated {re.escape(model)}: passes of (\d+) tokens", log)
+        assert chosen, model
+        assert f"engine {model} on cpu (torch.float32): passes of {chosen[1]} tokens" in log

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,40 +290,47 @@ def test_downloads_load_in_peft(
 def test_tinker_cli_commands(
     cluster: Cluster, trained: Trained, rest: tinker.RestClient, tmp_path: Path
 ) -> None:
-    listed = cli(cluster, "checkpoint", "list", "--limit", "0")
+    # The CLI takes seconds to start: the calls that only read run beside the ones that write.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        reads = {
+            args: pool.submit(cli, cluster, *args)
+            for args in (
+                ("checkpoint", "list", "--limit", "0"),
+                ("checkpoint", "list", "--run-id", trained.run_id),
+                ("checkpoint", "info", trained.state),
+                ("run", "list", "--limit", "0"),
+                ("run", "info", trained.run_id),
+            )
+        }
+        trace = ("session", "export-trace", trained.session_id, "-o", str(tmp_path / "t"))
+        refused = pool.submit(cli_fails, cluster, *trace)
+
+        def shown(path: str) -> types.Checkpoint:
+            return by_path(rest, trained.run_id)[path]
+
+        assert cli(cluster, "checkpoint", "publish", trained.export) is None
+        assert shown(trained.export).public
+        cli(cluster, "checkpoint", "unpublish", trained.export)
+        assert not shown(trained.export).public
+        cli(cluster, "checkpoint", "set-ttl", trained.export, "--ttl", "86400")
+        assert shown(trained.export).expires_at is not None
+        cli(cluster, "checkpoint", "set-ttl", trained.export, "--remove")
+        assert shown(trained.export).expires_at is None
+
+        doomed = trained.client.save_weights_for_sampler("cli-doomed").result().path
+        deleted = cli(cluster, "checkpoint", "delete", "-y", doomed)
+        assert deleted == {"deleted_count": 1, "failed": []}
+        assert not checkpoint_dir(cluster, doomed).exists()
+        listed, by_run, info, runs, run = (future.result() for future in reads.values())
+        assert "not supported" in refused.result()
+        assert "Resource not found" not in refused.result()
+
     assert {trained.state, trained.sampler} <= {c["tinker_path"] for c in listed["checkpoints"]}
-    listed = cli(cluster, "checkpoint", "list", "--run-id", trained.run_id)
-    assert listed["run_id"] == trained.run_id
-    assert trained.export in {c["tinker_path"] for c in listed["checkpoints"]}
-    info = cli(cluster, "checkpoint", "info", trained.state)
+    assert by_run["run_id"] == trained.run_id
+    assert trained.export in {c["tinker_path"] for c in by_run["checkpoints"]}
     assert info["checkpoint_type"] == "training" and info["lora_rank"] == 4
-
-    def shown(path: str) -> types.Checkpoint:
-        return by_path(rest, trained.run_id)[path]
-
-    assert cli(cluster, "checkpoint", "publish", trained.export) is None
-    assert shown(trained.export).public
-    cli(cluster, "checkpoint", "unpublish", trained.export)
-    assert not shown(trained.export).public
-    cli(cluster, "checkpoint", "set-ttl", trained.export, "--ttl", "86400")
-    assert shown(trained.export).expires_at is not None
-    cli(cluster, "checkpoint", "set-ttl", trained.export, "--remove")
-    assert shown(trained.export).expires_at is None
-
-    doomed = trained.client.save_weights_for_sampler("cli-doomed").result().path
-    deleted = cli(cluster, "checkpoint", "delete", "-y", doomed)
-    assert deleted == {"deleted_count": 1, "failed": []}
-    assert not checkpoint_dir(cluster, doomed).exists()
-
-    runs = cli(cluster, "run", "list", "--limit", "0")
     assert trained.run_id in {r["training_run_id"] for r in runs["runs"]}
-    run = cli(cluster, "run", "info", trained.run_id)
     assert run["training_run_id"] == trained.run_id and run["lora_rank"] == 4
-
-    refused = cli_fails(
-        cluster, "session", "export-trace", trained.session_id, "-o", str(tmp_path / "t")
-    )
-    assert "not supported" in refused and "Resource not found" not in refused
 
 
 # -- tenants -----------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import pytest
 import safetensors.numpy
 import tinker
 from tinker import types
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
 from tests.conftest import API_KEY, OTHER_TENANT_KEY, Cluster
 from tests.sdk_helpers import toy_batch, train_steps
@@ -285,6 +286,20 @@ def test_downloads_load_in_peft(
 
 
 # -- the tinker command line --------------------------------------------------------------------
+
+
+def test_sdk_clients_use_httpx_own_transport(rest: tinker.RestClient) -> None:
+    # The gateway's client config turns pyqwest off: its runtime threads abort a client process
+    # that exits while one of them calls into Python (about 1 `tinker` CLI run in 50, loaded).
+    assert rest.holder.get_client_config().use_pyqwest_transport is False
+
+    async def transport() -> object:  # a pool's client, on the holder's own loop
+        with rest.holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+            return client._client._transport
+
+    used = rest.holder.run_coroutine_threadsafe(transport()).result(timeout=30)
+    assert isinstance(used, httpx.AsyncHTTPTransport), type(used)
+
 
 
 def test_tinker_cli_commands(

@@ -21,6 +21,11 @@ async def client_config(request: web.Request) -> web.Response:
     return json_response(
         api.ClientConfigResponse(
             pjwt_auth_enabled=False,
+            # httpx's own transport, not pyqwest's: a pyqwest runtime thread that calls into
+            # Python while the interpreter shuts down is ended by pthread_exit, which aborts a
+            # client process on exit (SIGABRT; seen in about 1 `tinker` CLI run in 50 on a
+            # loaded machine, Python 3.11).
+            use_pyqwest_transport=False,
             proto_compress_fwdbwd=False,
             parallel_fwdbwd_chunks=True,
             fwdbwd_max_chunk_len=settings.fwdbwd_max_chunk_len,

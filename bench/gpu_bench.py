@@ -16,6 +16,9 @@ Rows of the table:
   runs through every layer: the ceiling for any LoRA kind.
 - `solo`: the same N tenants as N one-tenant passes, with the device's default kind: what
   merging saves.
+- `per-expert` (MoE model, where the grouped GEMM runs): the default kind with the experts'
+  frozen products as one matmul per expert instead of one grouped GEMM; before the table, the
+  two are compared on one pass's LoRA gradients.
 
 FLOPs and MFU. P = parameters of every linear layer (the tied lm_head counted once, the
 embedding lookup not at all) plus, on a MoE model, the active experts' (top-k of E), T = tokens of the pass, s = sequence length.
@@ -50,7 +53,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 
-from workers.engine import lora_kernels  # noqa: E402
+from workers.engine import lora_kernels, moe_kernels  # noqa: E402
 from workers.engine.kernels import linear_attention_path, lora_path  # noqa: E402
 from workers.engine.lora import BASE_SLOT, LoraBank, Segment, SlotRouting  # noqa: E402
 
@@ -239,15 +242,50 @@ class Row:
     note: str = ""
 
 
+@contextlib.contextmanager
+def experts_per_expert(enabled: bool) -> Any:
+    """The experts' frozen products one matmul per expert (`enabled`), or as the device runs them."""
+    default = moe_kernels.grouped_experts
+    if enabled:
+        moe_kernels.grouped_experts = lambda *_: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        moe_kernels.grouped_experts = default  # type: ignore[assignment]
+
+
+def compare_expert_products(bench: Bench, args: argparse.Namespace, tenants: int) -> str:
+    """One merged pass's LoRA gradients with the experts' products grouped and per expert."""
+    ids = torch.randint(0, bench.vocab, (tenants * args.seqs, args.seq_len), device=bench.device)
+    segments = [Segment(i, i * args.seqs, (i + 1) * args.seqs) for i in range(tenants)]
+    bench.bank.set_kind(None)
+    grads = []
+    for per_expert in (False, True):
+        bench.bank.grads.zero_()
+        with experts_per_expert(per_expert):
+            train_pass(bench, ids, segments)
+        grads.append(bench.bank.grads.float().clone())
+    bench.bank.grads.zero_()
+    error = (grads[0] - grads[1]).abs().max().item() / max(grads[1].abs().max().item(), 1e-30)
+    return (
+        f"[{bench.name}] experts' products grouped vs per expert ({args.dtype}, {tenants} "
+        f"tenants): max relative difference of the LoRA gradients {error:.1e}"
+    )
+
+
 def measure(bench: Bench, mode: str, tenants: int, args: argparse.Namespace) -> Row:
     tokens = tenants * args.seqs * args.seq_len
     row = Row(bench.name, mode, tenants, tokens)
     ids = torch.randint(0, bench.vocab, (tenants * args.seqs, args.seq_len), device=bench.device)
     segments = [Segment(i, i * args.seqs, (i + 1) * args.seqs) for i in range(tenants)]
-    bench.bank.set_kind(None if mode in ("base", "solo") else mode)  # type: ignore[arg-type]
+    kind = None if mode in ("base", "solo", "per-expert") else mode
+    bench.bank.set_kind(kind)  # type: ignore[arg-type]
 
     def work() -> None:
-        if mode == "solo":
+        if mode == "per-expert":
+            with experts_per_expert(True):
+                train_pass(bench, ids, segments)
+        elif mode == "solo":
             for i, rows in enumerate(ids.split(args.seqs)):
                 train_pass(bench, rows, [Segment(i, 0, args.seqs)])
         else:
@@ -272,7 +310,7 @@ def measure(bench: Bench, mode: str, tenants: int, args: argparse.Namespace) -> 
 
 
 def format_row(row: Row, bench: Bench, args: argparse.Namespace) -> str:
-    head = f"{row.model:<10} {row.mode:<8} {row.tenants:>3} {row.tokens:>7}"
+    head = f"{row.model:<10} {row.mode:<10} {row.tenants:>3} {row.tokens:>7}"
     if row.seconds is None:
         return f"{head}  {row.note}".rstrip()
     t = row.tokens
@@ -295,7 +333,7 @@ def format_row(row: Row, bench: Bench, args: argparse.Namespace) -> str:
 
 
 HEADER = (
-    f"{'model':<10} {'mode':<8} {'N':>3} {'tokens':>7} {'ms/pass':>9} {'tok/s':>10} "
+    f"{'model':<10} {'mode':<10} {'N':>3} {'tokens':>7} {'ms/pass':>9} {'tok/s':>10} "
     f"{'TFLOP/s':>8} {'MFU6':>7} {'MFUlora':>7} {'peakGB':>6}"
 )
 
@@ -409,6 +447,12 @@ def main() -> None:
             print(f"[{name}] could not be built: {type(exc).__name__}: {exc}", flush=True)
             continue
         modes = kinds if key == "qwen3" else [lora_path(device, dtype)]
+        if key == "qwen3_moe" and "grouped" in kinds:
+            modes.append("per-expert")
+            try:
+                print(compare_expert_products(bench, args, min(4, max(tenants))), flush=True)
+            except Exception as exc:  # reported, and the table still runs
+                print(f"[{name}] grouped vs per expert: {type(exc).__name__}: {exc}", flush=True)
         print(HEADER, flush=True)
         for mode in ["base", *modes, "solo"]:
             for n in tenants:

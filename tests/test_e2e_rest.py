@@ -301,7 +301,6 @@ def test_sdk_clients_use_httpx_own_transport(rest: tinker.RestClient) -> None:
     assert isinstance(used, httpx.AsyncHTTPTransport), type(used)
 
 
-
 def test_tinker_cli_commands(
     cluster: Cluster, trained: Trained, rest: tinker.RestClient, tmp_path: Path
 ) -> None:

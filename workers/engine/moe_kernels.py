@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from protocol.errors import ServerError
+from workers.engine import lora_kernels
 from workers.engine.lora_kernels import slot_span
 
 
@@ -54,7 +55,21 @@ class ExpertLinear(torch.autograd.Function):
         return rows, None, None, None, None
 
 
+def grouped_experts(rows: torch.Tensor, matrices: torch.Tensor) -> bool:
+    """Whether the experts' frozen products run as one grouped GEMM: on CUDA in bf16 where
+    torch has the kernel (`lora_kernels.grouped_unavailable_reason`). A 128-expert block is
+    then one launch instead of 128 (and as many again in the backward)."""
+    in_features, out_features = matrices.shape[1:]
+    shapes = (int(in_features), int(out_features))
+    return lora_kernels.grouped_unavailable_reason(rows.device, rows.dtype, shapes) is None
+
+
 def _expert_products(rows: torch.Tensor, matrices: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    """`rows [routed, in]` (by expert) times their expert's `matrices [E, in, out]`: one grouped
+    GEMM where the device has it (`grouped_experts`), else one matmul per expert with rows."""
+    if grouped_experts(rows, matrices):
+        assert lora_kernels._GROUPED_MM is not None
+        return lora_kernels._GROUPED_MM(rows, matrices.to(rows.dtype), offs=plan.expert_offsets)
     out = rows.new_empty(rows.shape[0], matrices.shape[-1])
     for expert, start, stop in plan.expert_ranges:
         torch.mm(rows[start:stop], matrices[expert], out=out[start:stop])
@@ -128,6 +143,7 @@ class RoutePlan:
         self.expert_ranges = [
             (e, end - n, end) for e, (n, end) in enumerate(zip(expert_rows, ends, strict=True)) if n
         ]
+        self.expert_offsets = torch.tensor(ends, dtype=torch.int32, device=device)
 
         # Tiles: group (e, a)'s row i sits in a's grid if i < L, else in its extra tile i // L - 1.
         sizes = sizes[:, :n_active]

@@ -5,7 +5,8 @@
 - hostile images fail their request with an error that names what was wrong (a decompression
   bomb refused from its header, a truncated file, a wrong `expected_tokens`, data that does not
   decode), and the tenant's next request runs;
-- an image counts toward its tenant's `max_tokens_per_request` by its vision tokens;
+- an image counts toward its tenant's `max_tokens_per_request` and token rate by its vision
+  tokens;
 - sampling and `compute_logprobs` take prompts with images: the logprobs are the composite's,
   and a sample's logprobs are what `compute_logprobs` gives its tokens;
 - two tenants in the same passes, one with images and one without, each train as alone;
@@ -29,6 +30,7 @@ from tinker import types
 
 from tests.conftest import ADMIN_KEY, Cluster, build_model, start_cluster, stop_cluster
 from tests.image_helpers import composite_logprobs, encoded, png_declaring
+from tests.wire import Wire
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
 MAX_PIXELS = 512 * 512  # the cluster's --max-image-pixels
@@ -43,7 +45,13 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def vl_cluster(tmp_path_factory: pytest.TempPathFactory, vl_model: Path) -> Iterator[Cluster]:
     limits = {"TWINKLE_MAX_IMAGE_PIXELS": str(MAX_PIXELS), "TWINKLE_MAX_IMAGES_PER_REQUEST": "8"}
-    running = start_cluster(tmp_path_factory.mktemp("vl") / "data", [vl_model], env=limits)
+    running = start_cluster(
+        tmp_path_factory.mktemp("vl") / "data",
+        [vl_model],
+        "--long-poll-s",
+        "5",  # a rate-limited request's poll answers "paused" in 5 s
+        env=limits,
+    )
     try:
         yield running
     finally:
@@ -240,6 +248,34 @@ def test_an_image_counts_toward_max_tokens_per_request_by_its_vision_tokens(
         assert training.forward([within], "cross_entropy").result().loss_fn_outputs
     finally:
         capped.close("success").result()
+
+
+def test_an_image_counts_toward_the_token_rate_by_its_vision_tokens(
+    vl_cluster: Cluster, vl_model: Path
+) -> None:
+    # 16 tokens a minute, a minute's worth of burst: the first request's 16 tokens (12 of them
+    # its images') take it all, so the second's wait a minute, past the cluster's 5 s long
+    # poll. Counted by their text tokens alone (4 a request), neither would wait.
+    key = _tenant(vl_cluster, "slow-vl", {"tokens_per_minute": 16})
+    wire = Wire(vl_cluster.base_url, key)
+    try:
+        model_id = wire.create_model(wire.session(), str(vl_model), rank=4)
+        data = [_datum([], _png(COLOURS["red"], seed), [40]) for seed in (1, 2)]  # 2 x (1 + 6 + 1)
+        ids = [
+            wire.forward_backward(wire.fwdbwd_body(model_id, seq, data, forward_only=True)).json()[
+                "request_id"
+            ]
+            for seq in (1, 2)
+        ]
+        assert wire.fwdbwd_output(wire.result(ids[0])).loss_fn_outputs
+        polled = wire.post("retrieve_future", {"request_id": ids[1]})
+        assert "json" in polled.headers["content-type"], "the second request ran unpaused"
+        queued = polled.json()
+        assert queued["type"] == "try_again", queued
+        assert queued["queue_state"] == "paused_rate_limit", queued
+        assert "tokens per minute" in queued["queue_state_reason"]
+    finally:
+        wire.close()
 
 
 def _text_datum(seed: int) -> types.Datum:

@@ -1,6 +1,7 @@
 """Images through the official SDK on a vision-language model (the tiny Qwen3.5 composite,
 `make-tiny-model --arch qwen3_5_vl`), behind a real gateway, NATS and worker:
-- `forward` with an `ImageChunk` gives the stock transformers composite's logprobs;
+- `forward` with an `ImageChunk` gives the stock transformers composite's logprobs, also for
+  the datum tinker-cookbook's Qwen3.5 renderer makes of a chat with an image (a jpeg chunk);
 - a caption task (each synthetic image's colour named after it) trains: its loss falls;
 - hostile images fail their request with an error that names what was wrong (a decompression
   bomb refused from its header, a truncated file, a wrong `expected_tokens`, data that does not
@@ -121,6 +122,53 @@ def test_forward_with_an_image_gives_the_stock_models_logprobs(
     client: tinker.TrainingClient, vl_model: Path
 ) -> None:
     _forward_is_the_composites(client, vl_model)
+
+
+def test_a_cookbook_rendered_image_conversation_is_scored_as_the_composite(
+    client: tinker.TrainingClient, vl_model: Path
+) -> None:
+    """What tinker-cookbook's Qwen3.5 renderer makes of a chat with an image (a jpeg chunk, its
+    `expected_tokens` from the model's image processor) runs as it is: the forward logprobs
+    are the stock composite's over the same tokens."""
+    from tinker_cookbook import renderers
+    from tinker_cookbook.supervised.data import conversation_to_datum
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    renderer = renderers.get_renderer(
+        "qwen3_5_disable_thinking",
+        AutoTokenizer.from_pretrained(vl_model),
+        image_processor=AutoImageProcessor.from_pretrained(vl_model),
+    )
+    picture = Image.open(io.BytesIO(_png(COLOURS["green"], seed=9)))
+    conversation = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": picture}, {"type": "text", "text": "colour?"}],
+        },
+        {"role": "assistant", "content": "green"},
+    ]
+    datum = conversation_to_datum(
+        conversation,
+        renderer,
+        max_length=None,
+        train_on_what=renderers.TrainOnWhat.LAST_ASSISTANT_MESSAGE,
+    )
+    [image] = [c for c in datum.model_input.chunks if isinstance(c, types.ImageChunk)]
+    assert image.format == "jpeg" and image.expected_tokens
+    ids = [
+        token
+        for chunk in datum.model_input.chunks
+        for token in (
+            [IMAGE_PAD_ID] * image.expected_tokens
+            if isinstance(chunk, types.ImageChunk)
+            else chunk.tokens
+        )
+    ]
+    out = client.forward([datum], "cross_entropy").result()
+    got = np.asarray(out.loss_fn_outputs[0]["logprobs"].data)
+    targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
+    want = composite_logprobs(vl_model, torch.tensor(ids), image.data, targets).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def test_a_caption_task_with_images_trains(client: tinker.TrainingClient) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -227,14 +227,105 @@ def _gather(
         # they receive zero gradient and add exactly 0 to every gradient.
         x_padded = x.index_select(0, plan.padded_rows.view(-1)).view(n, longest, x.shape[1])
         valid = plan.valid_positions
-    a = select_rows(lora_A, plan.slots, into_grad=into_grad, span=plan.span).to(x.dtype)
-    b = select_rows(lora_B, plan.slots, into_grad=into_grad, span=plan.span).to(x.dtype)
-    shrunk = torch.bmm(x_padded, a.transpose(1, 2))
-    shrunk = (shrunk * plan.segment_scales.view(n, 1, 1)).to(x.dtype)
-    expanded = torch.bmm(shrunk, b.transpose(1, 2)).reshape(n * longest, -1)
+    expanded = cast(
+        torch.Tensor,
+        _BatchedLora.apply(  # type: ignore[no-untyped-call]
+            x_padded, lora_A, lora_B, plan.slots, plan.span, plan.segment_scales, into_grad
+        ),
+    ).reshape(n * longest, -1)
     if valid is not None:
         expanded = expanded.index_select(0, valid)
     return _place(expanded, x.shape[0], first, last, back_to_back, plan.rows)
+
+
+class _BatchedLora(torch.autograd.Function):
+    """`gather`'s maths on a padded batch `x [n, L, in]`, segment k on slot `slots[k]`:
+    `(scales[k] · x[k] · A[slot]ᵀ) · B[slot]ᵀ`, as two `bmm`, with a backward of its own.
+
+    One node in the graph where autograd's way took seven (two row selections, two casts, the
+    scale, two `bmm`), and the backward adds each factor's gradient rows straight into the
+    factor's `.grad` rows when `into_grad` holds (a view of the bank's gradient buffer), as
+    `select_rows` does. Paired runs of a 16-tenant pass of 32 tokens each
+    (`bench/engine_merge.py`'s model, one thread): about 2 % faster. A factor this backward
+    does not reach (`torch.autograd.grad` of other inputs) is left alone.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        lora_A: torch.Tensor,
+        lora_B: torch.Tensor,
+        slots: torch.Tensor,
+        span: tuple[int, int] | None,
+        scales: torch.Tensor,
+        into_grad: bool,
+    ) -> torch.Tensor:
+        a = _factor_rows(lora_A, slots, span).to(x.dtype)
+        b = _factor_rows(lora_B, slots, span).to(x.dtype)
+        shrunk = torch.bmm(x, a.transpose(1, 2))
+        shrunk = (shrunk * scales.view(-1, 1, 1)).to(x.dtype)
+        ctx.save_for_backward(x, a, b, shrunk, slots, scales)
+        ctx.factors, ctx.span, ctx.into_grad = (lora_A, lora_B), span, into_grad
+        return torch.bmm(shrunk, b.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, a, b, shrunk, slots, scales = ctx.saved_tensors
+        lora_A, lora_B = ctx.factors
+        need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        grad_b = (
+            _factor_grad(ctx, 2, lora_B, slots, grad.transpose(1, 2), shrunk) if need_b else None
+        )
+        grad_x = grad_a = None
+        if need_x or need_a:
+            grad_shrunk = (torch.bmm(grad, b) * scales.view(-1, 1, 1)).to(x.dtype)
+            if need_a:
+                grad_a = _factor_grad(ctx, 1, lora_A, slots, grad_shrunk.transpose(1, 2), x)
+            if need_x:
+                grad_x = torch.bmm(grad_shrunk, a)
+        return grad_x, grad_a, grad_b, None, None, None, None
+
+
+def _factor_rows(
+    factor: torch.Tensor, slots: torch.Tensor, span: tuple[int, int] | None
+) -> torch.Tensor:
+    return factor.narrow(0, *span) if span is not None else factor.index_select(0, slots)
+
+
+def _factor_grad(
+    ctx: Any,
+    position: int,
+    factor: torch.Tensor,
+    slots: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+) -> torch.Tensor | None:
+    """`left @ right` (one gradient row per segment) added to the factor's slots' rows: into
+    its `.grad` (returns None) or into a zero full-size gradient (returns it); None where this
+    backward does not reach the factor. Under `torch.autograd.grad` a factor that is a leaf
+    always gets the full-size gradient (torch cannot tell here whether it was asked for)."""
+    node = ctx.next_functions[position][0]
+    if node is None:
+        return None
+    try:
+        reached = torch._C._will_engine_execute_node(node)
+        adding = ctx.into_grad and factor.is_leaf
+    except RuntimeError:  # `torch.autograd.grad` is running: it takes gradients, adds none
+        reached, adding = True, False
+    if not reached:
+        return None
+    into = factor.grad if adding else None
+    full = None
+    if into is None:
+        into = full = torch.zeros(factor.shape, dtype=factor.dtype, device=factor.device)
+    span = ctx.span
+    product = torch.bmm(left, right).to(into.dtype)
+    if span is not None:
+        into.narrow(0, *span).add_(product)
+    else:
+        into.index_add_(0, slots, product)
+    return full
 
 
 def _grouped(

@@ -198,7 +198,13 @@ class MultiSlotLoraLinear(nn.Module):
         """
         y: torch.Tensor = self.base_layer(x)
         update = self.update(x, segments)
-        return y if update is None else y + update
+        if update is None:
+            return y
+        if type(self.base_layer) is nn.Linear and y._base is None and y.dtype == update.dtype:
+            # A linear's backward needs its input, not its output: add in place (no second
+            # [rows, out] tensor; the output layer's is [chunk, vocab]).
+            return y.add_(update)
+        return y + update
 
     def update(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor | None:
         """The LoRA term of rows `x`, or None where no row has one. The maths is

@@ -9,7 +9,9 @@ tokens), one run times, side by side:
 It prints the median of `--repeats` for each (the ways take turns, so a drift of the machine's
 speed weighs on all alike), merged ÷ separate as a throughput ratio (higher is
 better: merging gains) and merged ÷ same-tokens as a time ratio (lower is better: the merge's
-own cost). `--sweep` instead prints training tokens/s of one tenant's pass by pass size, which is
+own cost). Each ratio is the median of the turns' own ratios (`paired`), the two ways of a turn
+having run seconds apart. The same-tokens way steps one adapter where merged steps N, so its
+ratio counts N - 1 adapters' AdamW too; "(pass only)" leaves the steps out. `--sweep` instead prints training tokens/s of one tenant's pass by pass size, which is
 how the worker's default token budget is chosen.
 
 The model is a random Qwen3 built here (hidden 256, 4 layers, vocab 4096; `--vocab`), rank-16
@@ -89,8 +91,8 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 def case(
     engine: Engine, n: int, datums: int, length: int, vocab: int, repeats: int
-) -> dict[str, float]:
-    """Median seconds of each way to run N tenants' requests: see the module docstring."""
+) -> dict[str, list[float]]:
+    """Seconds of each way to run N tenants' requests, per turn: see the module docstring."""
     ids = [f"t{i}" for i in range(n)]
     batch = [(m, request(m, datums, length, vocab, i)) for i, m in enumerate(ids)]
     same = [("t0", req) for _, req in batch]
@@ -123,12 +125,24 @@ def case(
         "merged_pass": merged_pass,
         "same_pass": same_pass,
     }
-    return interleaved(modes, repeats)
+    return turns(modes, repeats)
 
 
 def interleaved(modes: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median seconds of each mode, the modes taking turns (in a rotating order) so that a
     drift of the machine's speed during the run weighs on all of them alike."""
+    return {name: statistics.median(values) for name, values in turns(modes, repeats).items()}
+
+
+def paired(times: dict[str, list[float]], top: str, bottom: str) -> float:
+    """The median over the turns of `top`'s seconds ÷ `bottom`'s in the same turn. The two ran
+    within seconds of each other, at the machine's speed of the moment, so a drift of that
+    speed (a shared VM's) cancels in each ratio instead of adding to the spread."""
+    return statistics.median(a / b for a, b in zip(times[top], times[bottom], strict=True))
+
+
+def turns(modes: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each mode's seconds, once per turn, the modes taking turns in a rotating order."""
     for fn in modes.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in modes}
@@ -138,7 +152,7 @@ def interleaved(modes: dict[str, Callable[[], object]], repeats: int) -> dict[st
             started = time.perf_counter()
             modes[name]()
             times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
 
 
 def compare(engine: Engine, vocab: int, repeats: int) -> None:
@@ -148,11 +162,13 @@ def compare(engine: Engine, vocab: int, repeats: int) -> None:
     )
     for name, (datums, length) in SIZES.items():
         for n in (1, 2, 4, 8, 16):
-            t = case(engine, n, datums, length, vocab, repeats)
+            times = case(engine, n, datums, length, vocab, repeats)
+            t = {mode: statistics.median(values) for mode, values in times.items()}
             print(
                 f"{name:>6} {n:>3} {t['merged']:>9.4f} {t['separate']:>10.4f} {t['same']:>10.4f}"
-                f" {t['separate'] / t['merged']:>21.2f}x {t['merged'] / t['same']:>20.2f}x"
-                f" {t['merged_pass'] / t['same_pass']:>11.2f}x",
+                f" {paired(times, 'separate', 'merged'):>21.2f}x"
+                f" {paired(times, 'merged', 'same'):>20.2f}x"
+                f" {paired(times, 'merged_pass', 'same_pass'):>11.2f}x",
                 flush=True,
             )
 
@@ -194,7 +210,8 @@ def main() -> None:
             engine.create(f"t{i}", LoraConfig(rank=16, seed=i))
         print(
             f"random Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab},"
-            f" rank 16, {torch.get_num_threads()} thread, median of {args.repeats}",
+            f" rank 16, {torch.get_num_threads()} thread, median of {args.repeats} turns"
+            " (a ratio: of each turn's own)",
             flush=True,
         )
         if args.sweep:

@@ -22,12 +22,13 @@ train_unembed=False`): the pass's LoRA is then the experts' alone.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from engine_merge import compare, interleaved, request  # type: ignore[import-not-found]
+from engine_merge import compare, paired, request, turns  # type: ignore[import-not-found]
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from protocol.api import LoraConfig
@@ -83,7 +84,7 @@ def expert_cost(engine: Engine, vocab: int, repeats: int) -> None:
         for n in (1, 4, 16):
             batch = [(f"t{i}", request(f"t{i}", datums, length, vocab, i)) for i in range(n)]
             attention_only = [("base", req) for _, req in batch]
-            t = interleaved(
+            times = turns(
                 {
                     "adapters": lambda b=batch: engine.forward_backward(b),
                     "attention": lambda b=attention_only: engine.forward_backward(b),
@@ -91,10 +92,11 @@ def expert_cost(engine: Engine, vocab: int, repeats: int) -> None:
                 },
                 repeats,
             )
+            t = {mode: statistics.median(values) for mode, values in times.items()}
             print(
                 f"{name:>6} {n:>3} {t['adapters']:>13.4f} {t['attention']:>17.4f}"
-                f" {t['none']:>13.4f} {t['adapters'] / t['attention']:>17.2f}x"
-                f" {t['adapters'] / t['none']:>13.2f}x",
+                f" {t['none']:>13.4f} {paired(times, 'adapters', 'attention'):>17.2f}x"
+                f" {paired(times, 'adapters', 'none'):>13.2f}x",
                 flush=True,
             )
 
@@ -140,7 +142,7 @@ def main() -> None:
             f"random Qwen3-MoE hidden 256, 4 layers, 16 experts top-4, moe_intermediate 128,"
             f" vocab {args.vocab}, rank 16 ({args.adapters} adapters),"
             f" {torch.get_num_threads()} thread,"
-            f" median of {args.repeats}",
+            f" median of {args.repeats} turns (a ratio: of each turn's own)",
             flush=True,
         )
         if not args.skip_merge:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from protocol.api import AdamParams
-from workers import optimizer
+from workers.engine import optimizer
 from workers.engine.optimizer import SlotAdamW
 
 

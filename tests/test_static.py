@@ -153,3 +153,60 @@ def test_worker_modules_live_in_a_room() -> None:
     }
     loose = {p.stem for p in (ROOT / "workers").glob("*.py")} - shared
     assert not loose, f"modules outside engine/, trainer/, sampler/, group/: {sorted(loose)}"
+
+
+OURS = ("protocol", "twinkle_async", "workers", "admin_cli")
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of one of our modules (a package's `__init__.py`), or None if there is none."""
+    base = ROOT.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The names a module binds at its top level (definitions, assignments, imports)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def test_every_import_of_our_modules_resolves() -> None:
+    """Scripts no test runs (bench/, examples/) still import what exists: a module moved to
+    another package breaks `from workers import optimizer` only when the script runs."""
+    broken = []
+    for package in [*OURS, "tests", "bench", "examples"]:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    wanted = [(alias.name, None) for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    wanted = [(node.module, alias.name) for alias in node.names]
+                else:
+                    continue
+                for module, name in wanted:
+                    if module.split(".")[0] not in OURS:
+                        continue
+                    where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                    found = _module_file(module)
+                    if found is None:
+                        broken.append(f"{where}: no module {module}")
+                    elif not (
+                        name is None
+                        or name == "*"
+                        or _module_file(f"{module}.{name}") is not None
+                        or name in _top_level_names(found)
+                    ):
+                        broken.append(f"{where}: {module} has no {name}")
+    assert not broken, "\n".join(broken)

@@ -11,8 +11,9 @@ speed weighs on all alike), merged ÷ separate as a throughput ratio (higher is
 better: merging gains) and merged ÷ same-tokens as a time ratio (lower is better: the merge's
 own cost). Each ratio is the median of the turns' own ratios (`paired`), the two ways of a turn
 having run seconds apart. The same-tokens way steps one adapter where merged steps N, so its
-ratio counts N - 1 adapters' AdamW too; "(pass only)" leaves the steps out. `--sweep` instead prints training tokens/s of one tenant's pass by pass size, which is
-how the worker's default token budget is chosen.
+ratio counts N - 1 adapters' AdamW too; "(pass only)" leaves the steps out. `--sweep` instead
+prints training tokens/s of one tenant's pass by pass size, which is how the worker's default
+token budget is chosen.
 
 The model is a random Qwen3 built here (hidden 256, 4 layers, vocab 4096; `--vocab`), rank-16
 adapters on every layer group, one torch thread, fp32.

@@ -261,8 +261,8 @@ class _BatchedLora(torch.autograd.Function):
         scales: torch.Tensor,
         into_grad: bool,
     ) -> torch.Tensor:
-        a = _factor_rows(lora_A, slots, span).to(x.dtype)
-        b = _factor_rows(lora_B, slots, span).to(x.dtype)
+        a = _rows(lora_A, slots, span).to(x.dtype)
+        b = _rows(lora_B, slots, span).to(x.dtype)
         shrunk = torch.bmm(x, a.transpose(1, 2))
         shrunk = (shrunk * scales.view(-1, 1, 1)).to(x.dtype)
         ctx.save_for_backward(x, a, b, shrunk, slots, scales)
@@ -287,12 +287,6 @@ class _BatchedLora(torch.autograd.Function):
         return grad_x, grad_a, grad_b, None, None, None, None
 
 
-def _factor_rows(
-    factor: torch.Tensor, slots: torch.Tensor, span: tuple[int, int] | None
-) -> torch.Tensor:
-    return factor.narrow(0, *span) if span is not None else factor.index_select(0, slots)
-
-
 def _factor_grad(
     ctx: Any,
     position: int,
@@ -308,24 +302,14 @@ def _factor_grad(
     node = ctx.next_functions[position][0]
     if node is None:
         return None
+    into_grad = ctx.into_grad
     try:
-        reached = torch._C._will_engine_execute_node(node)
-        adding = ctx.into_grad and factor.is_leaf
+        if not torch._C._will_engine_execute_node(node):
+            return None
     except RuntimeError:  # `torch.autograd.grad` is running: it takes gradients, adds none
-        reached, adding = True, False
-    if not reached:
-        return None
-    into = factor.grad if adding else None
-    full = None
-    if into is None:
-        into = full = torch.zeros(factor.shape, dtype=factor.dtype, device=factor.device)
-    span = ctx.span
-    product = torch.bmm(left, right).to(into.dtype)
-    if span is not None:
-        into.narrow(0, *span).add_(product)
-    else:
-        into.index_add_(0, slots, product)
-    return full
+        into_grad = False
+    product = torch.bmm(left, right).to(factor.dtype)
+    return _add_rows(factor, slots, ctx.span, product, into_grad=into_grad)
 
 
 def _grouped(
@@ -409,10 +393,7 @@ class _SelectRows(torch.autograd.Function):
         ctx.save_for_backward(index)
         ctx.source, ctx.dim, ctx.length = source, dim, length  # type: ignore[attr-defined]
         ctx.into_grad, ctx.span = into_grad, span  # type: ignore[attr-defined]
-        narrowed = source if dim is None else source.narrow(dim, 0, length)
-        if span is not None:
-            return narrowed.narrow(0, *span)
-        return narrowed.index_select(0, index)
+        return _rows(source if dim is None else source.narrow(dim, 0, length), index, span)
 
     @staticmethod
     def backward(
@@ -424,16 +405,38 @@ class _SelectRows(torch.autograd.Function):
         length: int = ctx.length  # type: ignore[attr-defined]
         into_grad: bool = ctx.into_grad  # type: ignore[attr-defined]
         span: tuple[int, int] | None = ctx.span  # type: ignore[attr-defined]
-        into = source.grad if into_grad and source.is_leaf else None
-        full = None
-        if into is None:  # autograd's way: a full-size gradient
-            into = full = grad.new_zeros(source.shape)
-        target = into if dim is None else into.narrow(dim, 0, length)
-        if span is not None:
-            target.narrow(0, *span).add_(grad)
-        else:
-            target.index_add_(0, index, grad.to(target.dtype))
+        full = _add_rows(source, index, span, grad, into_grad=into_grad, dim=dim, length=length)
         return full, None, None, None, None, None
+
+
+def _rows(source: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+    """Rows `index` of `source`: a view where they are the span `(first, n)`."""
+    return source.narrow(0, *span) if span is not None else source.index_select(0, index)
+
+
+def _add_rows(
+    source: torch.Tensor,
+    index: torch.Tensor,
+    span: tuple[int, int] | None,
+    grad: torch.Tensor,
+    *,
+    into_grad: bool,
+    dim: int | None = None,
+    length: int = 0,
+) -> torch.Tensor | None:
+    """`grad`, the gradient of `_rows(source narrowed to length along dim, index, span)`,
+    added into `source.grad` where `into_grad` holds and `source` is a leaf whose `.grad` is set
+    (returns None), else into a zero full-size gradient, autograd's way (returns it)."""
+    into = source.grad if into_grad and source.is_leaf else None
+    full = None
+    if into is None:
+        into = full = grad.new_zeros(source.shape)
+    target = into if dim is None else into.narrow(dim, 0, length)
+    if span is not None:
+        target.narrow(0, *span).add_(grad)
+    else:
+        target.index_add_(0, index, grad.to(target.dtype))
+    return full
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -21,7 +21,7 @@ from protocol import subjects
 from protocol.jobs import ForwardBackwardJob, Job, OptimStepJob, decode_outcome
 from twinkle_async.nats_server import NatsServer
 from workers.settings import WorkerSettings
-from workers.trainer import service as trainer_service
+from workers.trainer import snapshots as trainer_snapshots
 from workers.trainer.operations import Result, done_outcome
 from workers.trainer.sequencer import Pending
 from workers.trainer.service import TrainerService
@@ -140,6 +140,7 @@ async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_
 def _snapshotting(service: TrainerService, released: list[str]) -> None:
     """An engine that holds every model and captures a stub state; `snapshot_every` 1."""
     service.settings = dataclasses.replace(service.settings, snapshot_every=1)
+    service.snapshots.settings = service.settings
     service.engine = SimpleNamespace(  # type: ignore[assignment]
         pass_tokens=16384,
         has=lambda model_id: model_id not in released,
@@ -176,7 +177,7 @@ async def test_the_journal_lists_a_snapshot_after_an_op_until_it_is_written(
         during.append(_journal(bus)[-1])
         return directory / f"state-{seq_id}.json"
 
-    monkeypatch.setattr(trainer_service, "write_state", write)
+    monkeypatch.setattr(trainer_snapshots, "write_state", write)
     await service._run(_step(service), _ran)
 
     assert during == [["req-b", snapshot_step("m-b")]]
@@ -196,7 +197,7 @@ async def test_a_snapshot_that_stopped_the_worker_max_attempts_times_fails_its_m
     def write(*args: Any) -> Path:
         raise AssertionError("written again")
 
-    monkeypatch.setattr(trainer_service, "write_state", write)
+    monkeypatch.setattr(trainer_snapshots, "write_state", write)
     await service._run(_step(service), _ran)
 
     assert released == ["m-b"]
@@ -228,6 +229,7 @@ async def test_an_outcome_that_cannot_be_stored_fails_its_op_and_the_model_it_ch
     released: list[str] = []
     _snapshotting(service, released)
     service.settings = dataclasses.replace(service.settings, snapshot_every=100)
+    service.snapshots.settings = service.settings
     await service._run(_step(service), _ran)
 
     [(_, _, stored)] = [w for w in bus.writes if w[1] == subjects.future_key("req-b")]

@@ -25,19 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 
-from protocol import paths, records, subjects
+from protocol import records, subjects
 from protocol.errors import Gone, ServerError, Unavailable
 from protocol.jobs import (
     CreateModelJob,
@@ -46,16 +42,13 @@ from protocol.jobs import (
     LoadWeightsJob,
     OptimStepJob,
     Outcome,
-    SaveWeightsJob,
     TombstoneJob,
     UnloadModelJob,
     decode_job,
     decode_outcome,
     encode_outcome,
-    request_type_of,
 )
-from protocol.records import CheckpointRecord, SnapshotRecord, WorkerRecord
-from workers.artifacts import staging_dir
+from protocol.records import CheckpointRecord, WorkerRecord
 from workers.bus import WorkerBus
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
@@ -71,9 +64,10 @@ from workers.trainer.parking import SlotState
 from workers.trainer.recovery import ModelLog, changes_state
 from workers.trainer.scheduler import Cycle, FairShare, plan
 from workers.trainer.sequencer import Pending, Sequencer
-from workers.trainer.snapshots import prune, read_state, state_dir, write_state
+from workers.trainer.snapshots import Snapshots
+from workers.trainer.takeover import take_over
 from workers.usage import UsageBook
-from workers.watchdog import CrashJournal, snapshot_step, stop_process
+from workers.watchdog import CrashJournal, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +127,17 @@ class TrainerService:
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
         self._redelivered: dict[int, float] = {}  # shard -> when its ops were last redelivered
         self.journal = CrashJournal(bus, settings.worker_id)
-        self._steps_since_snapshot: dict[str, int] = {}
-        # models changed since their snapshot: their last applied op, and when it was applied
-        self._unsnapped: dict[str, tuple[Item, float]] = {}
         self.fair_share = FairShare()  # tokens served per tenant and model: who goes first
+        self.snapshots = Snapshots(
+            bus,
+            settings,
+            self.ops.store,
+            self.journal,
+            self.sequencer,
+            capture=self._capture,
+            has=lambda model_id: self.engine.has(model_id),
+            fail_model=self._fail_model,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -210,8 +211,7 @@ class TrainerService:
         ]
         for model_id in gone:
             self.sequencer.forget(model_id)
-            self._steps_since_snapshot.pop(model_id, None)
-            self._unsnapped.pop(model_id, None)  # its new owner snapshots it
+            self.snapshots.forget(model_id)  # its new owner snapshots it
             self.ops.failed.pop(model_id, None)  # its new owner finds out for itself
         loop = asyncio.get_running_loop()
         for model_id in gone:
@@ -252,93 +252,26 @@ class TrainerService:
         self._wake.set()
 
     async def _take_over(self, model_id: str) -> None:
-        """A model this worker has no line for: restore its snapshot, queue its logged ops.
+        """A model this worker has no line for: restore its snapshot, queue its logged ops
+        (`workers.trainer.takeover`)."""
+        loop = asyncio.get_running_loop()
 
-        See `workers.trainer.recovery`. The ops are offered in log order; the sequencer runs them in
-        seq order and drops what it already has.
-        """
-        started = time.perf_counter()
-        snapshot = await self.log_reader.snapshot(model_id)
-        after = 0
-        if snapshot is not None:
-            loop = asyncio.get_running_loop()
-            try:
-                state = await asyncio.to_thread(self._read_snapshot, snapshot)
-                await loop.run_in_executor(self.executor, self.engine.adopt, model_id, state)
-            except Exception:
-                log.exception(
-                    "model %s: its snapshot cannot be restored; replaying its log", model_id
-                )
-                snapshot = None
-                # nothing half-adopted stays: the replay starts from its creation
-                await loop.run_in_executor(self.executor, self.engine.release, model_id)
-            else:
-                self.sequencer.start(model_id, applied_seq=snapshot.applied_seq)
-                after = snapshot.stream_seq
-        if snapshot is None:
-            self.sequencer.start(model_id, applied_seq=-1)
-        logged: list[Item] = []
-        async for job, stream_seq in self.log_reader.ops_after(model_id, after):
-            mode = await self.log_reader.mode(job)
-            if mode == "skip":
-                job = TombstoneJob(
-                    request_id=job.request_id,
-                    model_id=job.model_id,
-                    tenant_id=job.tenant_id,
-                    seq_id=job.seq_id,
-                    request_type=request_type_of(job),
-                )
-            elif mode == "quiet" and isinstance(job, UnloadModelJob):
-                job = msgspec.structs.replace(job, save_as="")  # its checkpoint exists
-            logged.append(
-                Pending(
-                    job=job,
-                    handle=None,
-                    received_at=time.monotonic(),
-                    stream_seq=stream_seq,
-                    replay=mode,
-                )
-            )
-        first_seq = min((item.job.seq_id for item in logged), default=0)
-        expected = 0 if snapshot is None else snapshot.applied_seq + 1
-        # A hole the log's limits made (one before the first op ever logged, with no snapshot,
-        # is one too); other holes are ops never published, which the sequencer fails alone.
-        hole = first_seq > expected and (
-            snapshot is None or await self.log_reader.trimmed_after(snapshot.stream_seq)
-        )
-        if (
-            hole
-            and snapshot is not None
-            and not await self.log_reader.changed_between(model_id, expected, first_seq)
-        ):
-            # What the log lost past the snapshot changed nothing (sampler saves, forward-only
-            # passes, refused calls): the snapshot is the state before `first_seq`.
-            self.sequencer.start(model_id, applied_seq=first_seq - 1)
-        elif hole:
-            # The log no longer reaches back to the model's creation or to its snapshot: ops
-            # the client saw succeed are gone with it. Its ops fail at once, saying so.
-            self.ops.failed[model_id] = (
-                "could not be recovered after its worker stopped (its ops log no longer reaches"
-                " back to its last snapshot)"
-            )
-            self.sequencer.start(model_id, applied_seq=first_seq - 1)
-            log.error(
-                "model %s cannot be recovered: it needs its logged ops from seq %d (%s),"
-                " the log starts at seq %d (ops_max_bytes / ops_max_age_s dropped the rest)",
-                model_id,
-                expected,
-                "it has no snapshot" if snapshot is None else "after its snapshot",
-                first_seq,
-            )
-        replayed = sum(self.sequencer.offer(item) for item in logged)
-        self._wake.set()
-        log.info(
-            "took model %s over: snapshot at seq %s, %d logged ops to replay (%.0f ms)",
+        async def adopt(model_id: str, state: SlotState) -> None:
+            await loop.run_in_executor(self.executor, self.engine.adopt, model_id, state)
+
+        async def release(model_id: str) -> None:
+            await loop.run_in_executor(self.executor, self.engine.release, model_id)
+
+        await take_over(
             model_id,
-            snapshot.applied_seq if snapshot else "none",
-            replayed,
-            (time.perf_counter() - started) * 1e3,
+            log_reader=self.log_reader,
+            sequencer=self.sequencer,
+            snapshots=self.snapshots,
+            adopt=adopt,
+            release=release,
+            failed=self.ops.failed,
         )
+        self._wake.set()
 
     async def _answer_late(self, job: Job) -> None:
         """An op at or below its model's applied seq: a redelivery, or one the line moved past.
@@ -420,7 +353,7 @@ class TrainerService:
             self._wake.clear()
             await self._fail_stalled()
             await self._redeliver_gaps()
-            await self._snapshot_idle()
+            await self.snapshots.idle()
             while True:
                 cycles = self._plan()
                 wakes = [cycle.wake_at for cycle in cycles if cycle.wake_at is not None]
@@ -635,11 +568,10 @@ class TrainerService:
             # would outlive the handover, and a line this worker opened since is not this op's.
             return
         self.sequencer.applied(job)
-        if job.model_id in self._unsnapped:  # the idle snapshot stands at the last op
-            self._unsnapped[job.model_id] = (item, time.monotonic())
+        self.snapshots.applied(item)  # the idle snapshot stands at the last op
         if outcome.state == "done":
             try:
-                await self._after(item)
+                await self.snapshots.after(item)
             except Unavailable:
                 raise
             except Exception:
@@ -690,13 +622,17 @@ class TrainerService:
         the failure), and meets the fault again if it is the model's own."""
         log.error("model %s %s; its later requests here fail", model_id, why)
         self.ops.failed[model_id] = why
-        self._steps_since_snapshot.pop(model_id, None)
-        self._unsnapped.pop(model_id, None)
+        self.snapshots.forget(model_id)
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self.executor, self.engine.release, model_id)
         except Exception:
             log.exception("model %s: releasing its adapter failed", model_id)
+
+    async def _capture(self, model_id: str) -> SlotState:
+        """A host copy of the model's state (on the engine thread), for its snapshot."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.engine.capture, model_id)
 
     def _count(self, job: Job) -> None:
         """Usage of a completed op, by its tenant."""
@@ -711,148 +647,6 @@ class TrainerService:
         if item.replay in ("", "publish"):
             await self._store(outcome)
         await self._ack(item)
-
-    # -- snapshots ---------------------------------------------------------------------------
-
-    async def _after(self, item: Item) -> None:
-        """Snapshot a model after every `snapshot_every`-th optim_step and every save_state."""
-        job = item.job
-        if changes_state(job) and not isinstance(job, UnloadModelJob):
-            self._unsnapped[job.model_id] = (item, time.monotonic())
-        if isinstance(job, OptimStepJob):
-            count = self._steps_since_snapshot.get(job.model_id, 0) + 1
-            self._steps_since_snapshot[job.model_id] = count
-            if count >= self.settings.snapshot_every:
-                await self._snapshot(item)
-        elif isinstance(job, SaveWeightsJob) and job.kind == "weights":
-            await self._snapshot(item)
-        elif isinstance(job, UnloadModelJob):
-            self._steps_since_snapshot.pop(job.model_id, None)
-            self._unsnapped.pop(job.model_id, None)
-            await self.bus.delete(subjects.BUCKET_RUNS, subjects.snapshot_key(job.model_id))
-
-    async def _snapshot(self, item: Item, current: Callable[[], bool] = lambda: True) -> None:
-        """Write the model's state as of this op, then point its snapshot record at it.
-
-        `current`: whether the op is still the model's latest here (asked again after each
-        wait; an idle snapshot runs between cycles, and the shard may move meanwhile). The write
-        is on the crash journal by its model: one that stopped the worker `max_attempts` times
-        in a row fails the model instead of stopping it again.
-        """
-        model_id = item.job.model_id
-        if not item.stream_seq or not self.engine.has(model_id):
-            return
-        step = snapshot_step(model_id)
-        strikes = self.journal.strikes.get(step, 0)
-        if strikes >= self.settings.max_attempts:
-            await self._fail_model(
-                model_id,
-                f"stopped training: writing its state snapshot stopped the worker each of the"
-                f" last {strikes} times",
-            )
-            return
-        await self.journal.enter(step)
-        try:
-            await self._write_snapshot(item, current)
-        except Exception:
-            await self.journal.leave(step)
-            raise
-        # Not in a `finally`: a stop (a cancel, or worse) leaves the step on the list.
-        await self.journal.leave(step)
-        await self.journal.forgive(step)
-
-    def _read_snapshot(self, snapshot: SnapshotRecord) -> SlotState:
-        """A snapshot's state, from the artifact store (through the cache) or the local disk."""
-        if not snapshot.store_key:
-            return read_state(Path(snapshot.directory))
-        store = self.ops.store
-        if store is None:
-            raise ServerError(
-                f"snapshot {snapshot.store_key!r} is in an artifact store; this worker has none"
-                " (--artifact-store)"
-            )
-        directory = store.download(snapshot.store_key)
-        return read_state(directory / f"state-{snapshot.applied_seq}.json")
-
-    def _store_snapshot(
-        self, model_id: str, seq_id: int, state: SlotState, meta: dict[str, Any]
-    ) -> tuple[str, str]:
-        """Write a snapshot's files: (directory file, store key); one of them is empty."""
-        store = self.ops.store
-        if store is None:
-            directory = state_dir(self.settings.checkpoint_root, model_id)
-            return str(write_state(directory, seq_id, state, meta)), ""
-        staging = staging_dir(self.settings.data_dir, "state")
-        try:
-            write_state(staging, seq_id, state, meta)
-            key = paths.snapshot_key(model_id, seq_id, uuid.uuid4().hex[:12])
-            store.upload(key, staging)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return "", key
-
-    def _prune_snapshots(self, model_id: str, written: str, key: str) -> None:
-        """Remove a model's snapshots older than the one just recorded."""
-        store = self.ops.store
-        if store is None:
-            prune(state_dir(self.settings.checkpoint_root, model_id), Path(written))
-            return
-        kept = paths.snapshot_seq(key)
-        for older in store.children(paths.snapshot_prefix(model_id)):
-            seq = paths.snapshot_seq(older)
-            if seq is not None and kept is not None and seq < kept:
-                store.delete(older)
-
-    async def _write_snapshot(self, item: Item, current: Callable[[], bool]) -> None:
-        model_id = item.job.model_id
-        loop = asyncio.get_running_loop()
-        state = await loop.run_in_executor(self.executor, self.engine.capture, model_id)
-        meta = {"model_id": model_id, "seq_id": item.job.seq_id, "stream_seq": item.stream_seq}
-        written, key = await asyncio.to_thread(
-            self._store_snapshot, model_id, item.job.seq_id, state, meta
-        )
-        if not current():
-            return  # its files go with the next prune
-        record = SnapshotRecord(
-            model_id=model_id,
-            applied_seq=item.job.seq_id,
-            stream_seq=item.stream_seq,
-            directory=written,
-            step=state.step,
-            created_at=time.time(),
-            worker_id=self.settings.worker_id,
-            store_key=key,
-        )
-        await self.bus.put(
-            subjects.BUCKET_RUNS, subjects.snapshot_key(model_id), records.encode(record)
-        )
-        await asyncio.to_thread(self._prune_snapshots, model_id, written, key)
-        self._steps_since_snapshot[model_id] = 0
-        self._unsnapped.pop(model_id, None)
-
-    async def _snapshot_idle(self) -> None:
-        """Snapshot each model idle for `snapshot_idle_s` since an op changed it. Its ops after
-        its snapshot must stay in the log until the next one, and the log keeps only what its
-        limits allow, whatever tenant filled it: an idle model would otherwise need ops from
-        long ago (and be lost on a takeover if they were trimmed: `_take_over`)."""
-        now = time.monotonic()
-        for model_id, (item, applied_at) in list(self._unsnapped.items()):
-            if now - applied_at < self.settings.snapshot_idle_s:
-                continue
-            if self.sequencer.pending(model_id):
-                continue  # not idle: its next op snapshots when it is
-
-            def current(model_id: str = model_id, item: Item = item) -> bool:
-                found = self._unsnapped.get(model_id)
-                return found is not None and found[0] is item and self.sequencer.known(model_id)
-
-            try:
-                await self._snapshot(item, current)
-            except Exception:
-                log.exception("model %s: idle snapshot failed; trying again later", model_id)
-                if current():
-                    self._unsnapped[model_id] = (item, time.monotonic())
-            return  # one model per look: the others' cycles wait for no more than one write
 
     async def _redeliver_gaps(self) -> None:
         """Have a shard's un-acked ops delivered again, in order, when one of its models has

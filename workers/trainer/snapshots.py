@@ -11,23 +11,49 @@ Layout: `<checkpoint root>/<run_id>/.state/state-<seq>.safetensors` (one tensor 
 buffer row) and `state-<seq>.json` (everything else). Files are written under temporary names
 and renamed; then the `SnapshotRecord` in KV moves to them (the commit point); then older files
 go. A reader trusts only the record, so a crash at any point leaves the previous snapshot whole.
-The directory starts with '.', which no checkpoint kind or name does.
+The directory starts with '.', which no checkpoint kind or name does. With an artifact store
+(`workers.artifacts`) the same files go up under a key of their own
+(`protocol.paths.snapshot_key`), and the record names the key.
+
+`Snapshots` decides when a model is snapshotted (after ops, and when idle) and writes, reads and
+prunes its snapshots; the trainer service (`workers.trainer.service`) calls it after each op
+and between cycles. A write is on the crash journal by its model (`workers.watchdog`): one that
+stopped the worker `max_attempts` times in a row fails the model instead of stopping it again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
+import shutil
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import safetensors.torch
 
+from protocol import paths, records, subjects
 from protocol.api import LoraConfig
 from protocol.errors import ServerError
+from protocol.jobs import OptimStepJob, SaveWeightsJob, UnloadModelJob
+from protocol.records import SnapshotRecord
+from workers.artifacts import ArtifactStore, staging_dir
+from workers.bus import WorkerBus
 from workers.engine.lora import LAYER_GROUPS, LayerGroup
+from workers.settings import WorkerSettings
 from workers.trainer.parking import HostRow, SlotState
+from workers.trainer.recovery import changes_state
+from workers.trainer.sequencer import Pending, Sequencer
+from workers.watchdog import CrashJournal, snapshot_step
+
+log = logging.getLogger(__name__)
+
+Item = Pending[Any]
 
 STATE_DIR = ".state"
 
@@ -98,3 +124,178 @@ def _seq_of(name: str) -> int | None:
     """The seq in a snapshot file's name (`state-<seq>.json`, `.safetensors`, `.tmp`)."""
     digits = name.removeprefix("state-").split(".", 1)[0]
     return int(digits) if digits.isdigit() else None
+
+
+class Snapshots:
+    """When each model of this worker is snapshotted, and its snapshots' files and record.
+
+    `capture` copies a model's state on the engine thread; `has` says whether the model has an
+    adapter here; `fail_model` fails a model whose snapshot keeps stopping the worker.
+    """
+
+    def __init__(
+        self,
+        bus: WorkerBus,
+        settings: WorkerSettings,
+        store: ArtifactStore | None,
+        journal: CrashJournal,
+        sequencer: Sequencer[Any],
+        *,
+        capture: Callable[[str], Awaitable[SlotState]],
+        has: Callable[[str], bool],
+        fail_model: Callable[[str, str], Awaitable[None]],
+    ) -> None:
+        self.bus = bus
+        self.settings = settings
+        self.store = store
+        self.journal = journal
+        self.sequencer = sequencer
+        self.capture = capture
+        self.has = has
+        self.fail_model = fail_model
+        self._steps_since: dict[str, int] = {}
+        # models changed since their snapshot: their last applied op, and when it was applied
+        self._unsnapped: dict[str, tuple[Item, float]] = {}
+
+    def forget(self, model_id: str) -> None:
+        """The model is no longer this worker's to snapshot (handed over, failed, unloaded)."""
+        self._steps_since.pop(model_id, None)
+        self._unsnapped.pop(model_id, None)
+
+    def applied(self, item: Item) -> None:
+        """An op of the model ran: an idle snapshot now stands at it."""
+        if item.job.model_id in self._unsnapped:
+            self._unsnapped[item.job.model_id] = (item, time.monotonic())
+
+    async def after(self, item: Item) -> None:
+        """Snapshot a model after every `snapshot_every`-th optim_step and every save_state."""
+        job = item.job
+        if changes_state(job) and not isinstance(job, UnloadModelJob):
+            self._unsnapped[job.model_id] = (item, time.monotonic())
+        if isinstance(job, OptimStepJob):
+            count = self._steps_since.get(job.model_id, 0) + 1
+            self._steps_since[job.model_id] = count
+            if count >= self.settings.snapshot_every:
+                await self.take(item)
+        elif isinstance(job, SaveWeightsJob) and job.kind == "weights":
+            await self.take(item)
+        elif isinstance(job, UnloadModelJob):
+            self.forget(job.model_id)
+            await self.bus.delete(subjects.BUCKET_RUNS, subjects.snapshot_key(job.model_id))
+
+    async def take(self, item: Item, current: Callable[[], bool] = lambda: True) -> None:
+        """Write the model's state as of this op, then point its snapshot record at it.
+
+        `current`: whether the op is still the model's latest here (asked again after each
+        wait; an idle snapshot runs between cycles, and the shard may move meanwhile).
+        """
+        model_id = item.job.model_id
+        if not item.stream_seq or not self.has(model_id):
+            return
+        step = snapshot_step(model_id)
+        strikes = self.journal.strikes.get(step, 0)
+        if strikes >= self.settings.max_attempts:
+            await self.fail_model(
+                model_id,
+                f"stopped training: writing its state snapshot stopped the worker each of the"
+                f" last {strikes} times",
+            )
+            return
+        await self.journal.enter(step)
+        try:
+            await self._write(item, current)
+        except Exception:
+            await self.journal.leave(step)
+            raise
+        # Not in a `finally`: a stop (a cancel, or worse) leaves the step on the list.
+        await self.journal.leave(step)
+        await self.journal.forgive(step)
+
+    def read(self, snapshot: SnapshotRecord) -> SlotState:
+        """A snapshot's state, from the artifact store (through the cache) or the local disk."""
+        if not snapshot.store_key:
+            return read_state(Path(snapshot.directory))
+        if self.store is None:
+            raise ServerError(
+                f"snapshot {snapshot.store_key!r} is in an artifact store; this worker has none"
+                " (--artifact-store)"
+            )
+        directory = self.store.download(snapshot.store_key)
+        return read_state(directory / f"state-{snapshot.applied_seq}.json")
+
+    def _store_files(
+        self, model_id: str, seq_id: int, state: SlotState, meta: dict[str, Any]
+    ) -> tuple[str, str]:
+        """Write a snapshot's files: (directory file, store key); one of them is empty."""
+        if self.store is None:
+            directory = state_dir(self.settings.checkpoint_root, model_id)
+            return str(write_state(directory, seq_id, state, meta)), ""
+        staging = staging_dir(self.settings.data_dir, "state")
+        try:
+            write_state(staging, seq_id, state, meta)
+            key = paths.snapshot_key(model_id, seq_id, uuid.uuid4().hex[:12])
+            self.store.upload(key, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return "", key
+
+    def _prune(self, model_id: str, written: str, key: str) -> None:
+        """Remove a model's snapshots older than the one just recorded."""
+        if self.store is None:
+            prune(state_dir(self.settings.checkpoint_root, model_id), Path(written))
+            return
+        kept = paths.snapshot_seq(key)
+        for older in self.store.children(paths.snapshot_prefix(model_id)):
+            seq = paths.snapshot_seq(older)
+            if seq is not None and kept is not None and seq < kept:
+                self.store.delete(older)
+
+    async def _write(self, item: Item, current: Callable[[], bool]) -> None:
+        model_id = item.job.model_id
+        state = await self.capture(model_id)
+        meta = {"model_id": model_id, "seq_id": item.job.seq_id, "stream_seq": item.stream_seq}
+        written, key = await asyncio.to_thread(
+            self._store_files, model_id, item.job.seq_id, state, meta
+        )
+        if not current():
+            return  # its files go with the next prune
+        record = SnapshotRecord(
+            model_id=model_id,
+            applied_seq=item.job.seq_id,
+            stream_seq=item.stream_seq,
+            directory=written,
+            step=state.step,
+            created_at=time.time(),
+            worker_id=self.settings.worker_id,
+            store_key=key,
+        )
+        await self.bus.put(
+            subjects.BUCKET_RUNS, subjects.snapshot_key(model_id), records.encode(record)
+        )
+        await asyncio.to_thread(self._prune, model_id, written, key)
+        self._steps_since[model_id] = 0
+        self._unsnapped.pop(model_id, None)
+
+    async def idle(self) -> None:
+        """Snapshot each model idle for `snapshot_idle_s` since an op changed it. Its ops after
+        its snapshot must stay in the log until the next one, and the log keeps only what its
+        limits allow, whatever tenant filled it: an idle model would otherwise need ops from
+        long ago (and be lost on a takeover if they were trimmed: `workers.trainer.takeover`)."""
+        now = time.monotonic()
+        for model_id, (item, applied_at) in list(self._unsnapped.items()):
+            if now - applied_at < self.settings.snapshot_idle_s:
+                continue
+            if self.sequencer.pending(model_id):
+                continue  # not idle: its next op snapshots when it is
+
+            def current(model_id: str = model_id, item: Item = item) -> bool:
+                found = self._unsnapped.get(model_id)
+                return found is not None and found[0] is item and self.sequencer.known(model_id)
+
+            try:
+                await self.take(item, current)
+            except Exception:
+                log.exception("model %s: idle snapshot failed; trying again later", model_id)
+                if current():
+                    self._unsnapped[model_id] = (item, time.monotonic())
+            return  # one model per look: the others' cycles wait for no more than one write

@@ -25,10 +25,9 @@ from protocol.api import AdamParams, LoraConfig
 from protocol.errors import TwinkleError
 from protocol.sampling import SampleSpec
 from protocol.tensors import DatumArrays, FwdBwdRequest
+from tests.engine_helpers import Trainer
 from workers.engine.collective import Collective
 from workers.group.runtime import GroupSpec, join, leave
-from workers.sampler.torch_sampler import TorchSampler
-from workers.trainer.engine import Engine
 
 # Adam divides by the gradient's own scale: a gradient entry near 0, whose rounding differs
 # between a sum over ranks and one over a device, moves its weight by up to LR whatever its size.
@@ -63,7 +62,9 @@ def _record(out: dict[str, torch.Tensor], key: str, result: object) -> None:
     out[f"{key}.loss"] = torch.tensor([result.metrics["loss:sum"]])  # type: ignore[attr-defined]
 
 
-def scenario(engine: Engine, workdir: Path, foreign: Path | None = None) -> dict[str, torch.Tensor]:
+def scenario(
+    engine: Trainer, workdir: Path, foreign: Path | None = None
+) -> dict[str, torch.Tensor]:
     """The same calls on every rank; what rank 0 saw, by name. `foreign`: a checkpoint saved
     by another group size, loaded at the end (else this run's own)."""
     out: dict[str, torch.Tensor] = {
@@ -129,7 +130,7 @@ def scenario(engine: Engine, workdir: Path, foreign: Path | None = None) -> dict
     # the torch sampler, seeded, from the base model and from a sampler checkpoint
     engine.save("t3", workdir / "sampler-t3", kind="sampler_weights", meta={})
     _barrier(engine)
-    sampler = TorchSampler(engine)
+    sampler = engine.sampler()
     sampler.load_adapter("snap", workdir / "sampler-t3")
     prompt = tuple(int(t) for t in rng.integers(0, vocab, 5))
     specs = [
@@ -145,7 +146,7 @@ def scenario(engine: Engine, workdir: Path, foreign: Path | None = None) -> dict
     return out
 
 
-def cross_check(engine: Engine, checkpoint: Path) -> dict[str, torch.Tensor]:
+def cross_check(engine: Trainer, checkpoint: Path) -> dict[str, torch.Tensor]:
     """Load `checkpoint` (with its optimizer) as a new tenant, then one pass and one step."""
     out: dict[str, torch.Tensor] = {}
     rng = np.random.default_rng(99)
@@ -160,14 +161,14 @@ def cross_check(engine: Engine, checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _barrier(engine: Engine) -> None:
+def _barrier(engine: Trainer) -> None:
     if engine.collective.parallel:
         torch.distributed.barrier()
 
 
 def run_alone(model: Path, workdir: Path) -> dict[str, torch.Tensor]:
     """The scenario on one device (the reference)."""
-    engine = Engine(str(model), max_slots=4, max_rank=16, collective=Collective())
+    engine = Trainer(str(model), max_slots=4, max_rank=16, collective=Collective())
     return scenario(engine, workdir)
 
 
@@ -200,7 +201,7 @@ def main() -> None:
             leave()
         return
     try:
-        engine = Engine(str(args.model), max_slots=4, max_rank=16, collective=collective)
+        engine = Trainer(str(args.model), max_slots=4, max_rank=16, collective=collective)
         out = scenario(engine, args.workdir, args.foreign)
         if args.rank == 0:
             safetensors.torch.save_file({k: v.contiguous() for k, v in out.items()}, str(args.out))

@@ -16,10 +16,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from tests.engine_helpers import Trainer
 from tests.group_harness import cross_check, run_alone
 from workers.group.runtime import free_port
 from workers.tiny_model import build_tiny_model
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -98,7 +98,7 @@ def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path
         assert int(group["meta.base"]) < int(alone["meta.base"])
         assert_same(alone, group)
         # and one device loads what the group saved
-        engine = Engine(str(model), max_slots=4, max_rank=16)
+        engine = Trainer(str(model), max_slots=4, max_rank=16)
         again = cross_check(engine, tmp_path / f"group-{world}" / "final-t3")
         assert_same({k: v for k, v in alone.items() if k.startswith("cross.")}, again)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from workers.trainer.engine import Engine
-from workers.trainer.memory import MAX_SLOTS_CAP, plan_slots, slot_bytes
+from workers.engine.memory import MAX_SLOTS_CAP, plan_slots, slot_bytes
 
 
 def test_half_the_free_memory_holds_slots_of_five_fp32_copies() -> None:

@@ -118,12 +118,14 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-# room of workers/ -> the rooms it may not import (DESIGN.md §10)
+# room of workers/ -> the rooms it may not import (docs/architecture.md)
 FORBIDDEN_ROOMS: dict[str, set[str]] = {
     "engine": {"trainer", "sampler", "group"},
     "trainer": {"sampler", "group"},
-    "sampler": {"group"},
-    "group": set(),  # a group runs the trainer's engine, and its torch sampler, on N devices
+    # the sampler stands on the model and a protocol for snapshot slots, which the trainer's
+    # residency implements; `workers.__main__` puts the two together
+    "sampler": {"trainer", "group"},
+    "group": set(),  # a group runs the trainer's operations, and its torch sampler, on N devices
 }
 
 

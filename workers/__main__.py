@@ -27,6 +27,8 @@ from workers.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from workers.bus import WorkerBus
+    from workers.engine.model import MultiSlotModel
+    from workers.sampler.torch_sampler import TorchSampler
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +226,39 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     return worker_settings.parse(worker_options, argv, PROG)
 
 
+def build_model(settings: WorkerSettings, max_slots: int | None) -> MultiSlotModel:
+    """This process's multi-slot model on `settings.device`, its images limited as configured."""
+    from workers.engine.model import MultiSlotModel
+
+    model = MultiSlotModel(
+        settings.base_model,
+        max_slots=max_slots,
+        max_rank=settings.max_rank,
+        device=settings.device,
+    )
+    if model.vision is not None:
+        model.vision.limit(settings.max_image_pixels, settings.max_images)
+    return model
+
+
+def standalone_torch_sampler(settings: WorkerSettings, max_slots: int) -> TorchSampler:
+    """A sampler process's torch sampler (`workers.sampler.main --backend torch`): its own
+    model, whose slots hold snapshots only (the trainer's residency, with no tenant)."""
+    from workers.sampler.torch_sampler import TorchSampler
+    from workers.trainer.residency import Residency
+
+    model = build_model(settings, max_slots)
+    return TorchSampler(model, Residency(model))
+
+
 async def serve(settings: WorkerSettings) -> None:
     import torch
     from prometheus_client import CollectorRegistry
 
     from workers.bus import WorkerBus
     from workers.metrics import SamplerMetrics, TrainerMetrics, serve_metrics
-    from workers.trainer.engine import Engine
+    from workers.trainer.operations import EngineOps, TrainerOps
+    from workers.trainer.residency import Residency
     from workers.trainer.service import TrainerService
 
     if settings.threads:
@@ -242,53 +270,41 @@ async def serve(settings: WorkerSettings) -> None:
     registry = CollectorRegistry()
     metrics_server = serve_metrics(registry, settings.metrics_host, settings.metrics_port)
     try:
+        ops: TrainerOps
         if settings.devices > 1:
             from workers.group.launch import start_group
 
-            group = await asyncio.to_thread(start_group, settings)
-            engine = group.engine
+            group = await asyncio.to_thread(start_group, settings, TrainerMetrics(registry))
+            ops = group.ops
         else:
-            engine = Engine(
-                settings.base_model,
-                max_slots=settings.max_slots,
-                max_rank=settings.max_rank,
-                max_parked=settings.max_parked,
-                device=settings.device,
-            )
-        if engine.vision is not None:
-            engine.vision.limit(settings.max_image_pixels, settings.max_images)
+            model = build_model(settings, settings.max_slots)
+            residency = Residency(model, max_parked=settings.max_parked)
+            ops = EngineOps(model, residency, settings, TrainerMetrics(registry))
+        model = ops.model
         if settings.token_budget:
-            engine.pass_tokens = settings.token_budget
+            model.pass_tokens = settings.token_budget
         else:
             from workers.trainer.calibration import cached_or_measured
 
+            measure = group.ops.calibrate if group is not None else cached_or_measured
             found = await asyncio.to_thread(
-                cached_or_measured,
-                engine,
-                settings.data_dir / "calibration",
-                torch.get_num_threads(),
+                measure, model, settings.data_dir / "calibration", torch.get_num_threads()
             )
-            engine.pass_tokens = found.pass_tokens
+            model.pass_tokens = found.pass_tokens
         from workers.engine.kernels import linear_attention_path, lora_path
 
         log.info(
             "engine %s on %s (%s): passes of %d tokens, linear attention %s, LoRA %s",
             settings.base_model,
-            engine.device,
-            engine.dtype,
-            engine.pass_tokens,
-            linear_attention_path(engine.model),
-            lora_path(engine.device),
+            model.device,
+            model.dtype,
+            model.pass_tokens,
+            linear_attention_path(model.model),
+            lora_path(model.device),
         )
         bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
         await bus.connect()
-        service = TrainerService(
-            bus,
-            engine,
-            settings,
-            metrics=TrainerMetrics(registry),
-            metrics_url=metrics_server.url,
-        )
+        service = TrainerService(bus, ops, settings, metrics_url=metrics_server.url)
         runs = [service.run()]
         if settings.sampler == "torch":
             from workers.sampler.backends import TorchBackend
@@ -296,9 +312,10 @@ async def serve(settings: WorkerSettings) -> None:
             from workers.sampler.torch_sampler import TorchSampler
 
             # a group's sampler steps run on every rank (the model is split between them)
-            steps = group.engine.sample_step if group is not None else None
-            backend = TorchBackend(TorchSampler(engine), engine, service.executor, steps)
-            sampler = SamplerService(
+            steps = group.ops.sample_step if group is not None else None
+            sampler = TorchSampler(model, ops.residency)  # the residency keeps its snapshots
+            backend = TorchBackend(sampler, service.executor, steps)
+            sampling = SamplerService(
                 bus,
                 backend,
                 settings.pool,
@@ -307,9 +324,9 @@ async def serve(settings: WorkerSettings) -> None:
                 metrics=SamplerMetrics(registry),
                 max_attempts=settings.max_attempts,
                 sample_timeout_s=settings.sample_timeout_s,
-                store=service.ops.store,
+                store=ops.store,
             )
-            runs.append(sampler.run())
+            runs.append(sampling.run())
         task = asyncio.ensure_future(asyncio.gather(*runs))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

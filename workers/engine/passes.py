@@ -47,7 +47,7 @@ from workers.engine.custom_loss import (
 )
 from workers.engine.custom_loss import failed as custom_failed
 from workers.engine.lora import MultiSlotLoraLinear, Segment, SlotRouting
-from workers.engine.losses import LossFn, Settings, get_loss, resolve_config
+from workers.engine.losses import LossFn, Settings
 from workers.engine.packing import PassLayout, Piece, layout
 from workers.engine.vision import VisionTower
 
@@ -68,13 +68,22 @@ class _Custom:
 ItemLoss = tuple[LossFn, Settings] | _Custom
 
 
-def _item_loss(req: FwdBwdRequest) -> ItemLoss:
-    if req.loss_fn == CUSTOM:
-        assert req.custom_loss is not None  # checked by `Engine.validate`
-        budget = ElementBudget(req.max_elements * BUDGET_FACTOR)
-        return _Custom(LossProgram(req.custom_loss), budget)
-    loss = get_loss(req.loss_fn)
-    return loss, resolve_config(loss, req.loss_fn_config)
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed `MultiSlotModel.validate`, with its loss looked up there (None: a
+    custom loss, whose program the request carries and each run builds afresh)."""
+
+    request: FwdBwdRequest
+    loss: tuple[LossFn, Settings] | None
+
+
+def _item_loss(item: Checked) -> ItemLoss:
+    if item.loss is not None:
+        return item.loss
+    req = item.request
+    assert req.custom_loss is not None  # checked by `MultiSlotModel.validate`
+    budget = ElementBudget(req.max_elements * BUDGET_FACTOR)
+    return _Custom(LossProgram(req.custom_loss), budget)
 
 
 @dataclass
@@ -111,28 +120,27 @@ class PassRunner:
         # torch path, so sequences sharing a row would leak into each other: pad those instead.
         self.packs = not any(name.endswith("linear_attn") for name, _ in model.named_modules())
 
-    def run(self, batch: Sequence[tuple[str, FwdBwdRequest]], slots: Sequence[int]) -> PassResults:
-        """Every item of `batch` (validated; `slots[i]` holds item i's adapter)."""
+    def run(self, items: Sequence[Checked], slots: Sequence[int]) -> PassResults:
+        """Every item (validated, its loss looked up; `slots[i]` holds item i's adapter)."""
+        batch = [item.request for item in items]
         n_items = len(batch)
-        outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in req.datums] for _, req in batch]
-        losses: list[list[torch.Tensor]] = [
-            [torch.zeros(()) for _ in req.datums] for _, req in batch
-        ]
+        outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in req.datums] for req in batch]
+        losses: list[list[torch.Tensor]] = [[torch.zeros(()) for _ in req.datums] for req in batch]
         contributed: set[int] = set()
         passes = layout(
             [
                 (slot, [int(d.tokens.shape[0]) for d in req.datums])
-                for (_, req), slot in zip(batch, slots, strict=True)
+                for req, slot in zip(batch, slots, strict=True)
             ],
             self.pass_tokens,
             pack=self.packs,
         )
-        losses_of = [_item_loss(req) for _, req in batch]
+        losses_of = [_item_loss(item) for item in items]
         for one_pass in passes:
             self._run_one(batch, losses_of, one_pass, outputs, losses, contributed)
         results: list[FwdBwdOutput | TwinkleError] = []
         for index in range(n_items):
-            req = batch[index][1]
+            req = batch[index]
             item_loss = losses_of[index]
             if isinstance(item_loss, _Custom) and item_loss.error is not None:
                 results.append(item_loss.error)
@@ -155,7 +163,7 @@ class PassRunner:
 
     def _run_one(
         self,
-        batch: Sequence[tuple[str, FwdBwdRequest]],
+        batch: Sequence[FwdBwdRequest],
         losses_of: Sequence[ItemLoss],
         one_pass: PassLayout,
         outputs: list[list[dict[str, np.ndarray]]],
@@ -163,13 +171,13 @@ class PassRunner:
         contributed: set[int],
     ) -> None:
         pieces = one_pass.pieces()
-        training = any(not batch[piece.item][1].forward_only for piece in pieces)
+        training = any(not batch[piece.item].forward_only for piece in pieces)
         input_ids, position_ids, attention_mask = self._rows(batch, one_pass)
         segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
         with torch.set_grad_enabled(training):
             model_inputs: dict[str, Any] = {"input_ids": input_ids}
             if self.vision is not None and any(
-                batch[p.item][1].datums[p.datum].images for p in pieces
+                batch[p.item].datums[p.datum].images for p in pieces
             ):
                 model_inputs, position_ids = self._with_images(
                     batch, one_pass, input_ids, position_ids
@@ -193,7 +201,7 @@ class PassRunner:
             datum_losses: list[torch.Tensor] = []
             start = 0
             for piece in pieces:
-                _, req = batch[piece.item]
+                req = batch[piece.item]
                 datum = req.datums[piece.datum]
                 target = datum.inputs[TARGET_TOKENS]
                 stop = start + piece.length
@@ -221,7 +229,7 @@ class PassRunner:
                 item_loss = losses_of[piece.item]
                 if isinstance(item_loss, _Custom) and item_loss.error is not None:
                     continue  # failed on some datum: none of its datums adds gradient
-                if ok and not batch[piece.item][1].forward_only:
+                if ok and not batch[piece.item].forward_only:
                     backward.append(loss)
                     contributed.add(piece.item)
         if backward:
@@ -233,7 +241,7 @@ class PassRunner:
                     total.backward()  # type: ignore[no-untyped-call]
 
     def _rows(
-        self, batch: Sequence[tuple[str, FwdBwdRequest]], one_pass: PassLayout
+        self, batch: Sequence[FwdBwdRequest], one_pass: PassLayout
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(input ids, position ids or None, attention mask or None) of one pass's rows."""
         n_rows, width = len(one_pass.rows), one_pass.width
@@ -241,7 +249,7 @@ class PassRunner:
         if not self.packs:
             mask = np.zeros((n_rows, width), dtype=np.int64)
             for row, (piece,) in enumerate(one_pass.rows):
-                tokens = batch[piece.item][1].datums[piece.datum].tokens
+                tokens = batch[piece.item].datums[piece.datum].tokens
                 input_ids[row, : piece.length] = tokens
                 mask[row, : piece.length] = 1
             return self._long(input_ids), None, self._long(mask)
@@ -251,7 +259,7 @@ class PassRunner:
         for row, pieces in enumerate(one_pass.rows):
             end = 0
             for piece in pieces:
-                tokens = batch[piece.item][1].datums[piece.datum].tokens
+                tokens = batch[piece.item].datums[piece.datum].tokens
                 input_ids[row, piece.offset : piece.offset + piece.length] = tokens
                 positions[row, piece.offset : piece.offset + piece.length] = np.arange(piece.length)
                 end = piece.offset + piece.length
@@ -260,7 +268,7 @@ class PassRunner:
 
     def _with_images(
         self,
-        batch: Sequence[tuple[str, FwdBwdRequest]],
+        batch: Sequence[FwdBwdRequest],
         one_pass: PassLayout,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
@@ -273,7 +281,7 @@ class PassRunner:
         assert self.vision is not None
         n_rows, width = input_ids.shape
         placed = [piece for row in one_pass.rows for piece in row]  # the flat ids' order
-        images = [image for p in placed for image in batch[p.item][1].datums[p.datum].images]
+        images = [image for p in placed for image in batch[p.item].datums[p.datum].images]
         pixel_values, grids = self.vision.pixels(images)
         embedding = cast(nn.Module, self.decoder.get_input_embeddings())  # type: ignore[operator]
         inputs = self.vision.decoder_inputs(embedding, input_ids, pixel_values, grids)
@@ -282,7 +290,7 @@ class PassRunner:
         positions = position_ids.unsqueeze(0).repeat(4, 1, 1)
         grid_list = grids.tolist()
         for p in placed:
-            datum = batch[p.item][1].datums[p.datum]
+            datum = batch[p.item].datums[p.datum]
             if not datum.images:
                 continue
             n = len(datum.images)
@@ -294,7 +302,7 @@ class PassRunner:
 
     def _selected(
         self,
-        batch: Sequence[tuple[str, FwdBwdRequest]],
+        batch: Sequence[FwdBwdRequest],
         one_pass: PassLayout,
         pieces: list[Piece],
         hidden: torch.Tensor,
@@ -309,7 +317,7 @@ class PassRunner:
         )
         flat = hidden.reshape(-1, hidden.shape[-1])
         selected = flat.index_select(0, self._long(index))
-        targets_k = max(_k(batch[p.item][1].datums[p.datum].inputs[TARGET_TOKENS]) for p in pieces)
+        targets_k = max(_k(batch[p.item].datums[p.datum].inputs[TARGET_TOKENS]) for p in pieces)
         targets = np.zeros((index.shape[0], targets_k), dtype=np.int64)
         token_segments: list[Segment] = []
         start = 0
@@ -319,7 +327,7 @@ class PassRunner:
             while piece_at < len(pieces) and pieces[piece_at].row < row_stop:
                 piece = pieces[piece_at]
                 assert piece.row >= row_start
-                target = batch[piece.item][1].datums[piece.datum].inputs[TARGET_TOKENS]
+                target = batch[piece.item].datums[piece.datum].inputs[TARGET_TOKENS]
                 block = target.reshape(piece.length, -1)
                 targets[start : start + piece.length, : block.shape[1]] = block
                 start += piece.length

@@ -2,10 +2,10 @@
 worker group,
 started by rank 0 (`workers.group.launch`).
 
-Builds the same engine as rank 0 (ENGINE: its options as JSON) on its own device with its
-share of the experts, joins the group of WORLD ranks at rank 0's PORT on loopback (a
-collective waiting longer than TIMEOUT_S fails), then runs
-rank 0's calls until told to stop (`workers.group.mirror.follow`). It has no NATS connection.
+Builds the same model as rank 0 (ENGINE: its options as JSON) on its own device with its share
+of the experts, and the same operations, which write no files; joins the group of WORLD ranks
+at rank 0's PORT on loopback (a collective waiting longer than TIMEOUT_S fails), then runs rank
+0's calls until told to stop (`workers.group.mirror.follow`). It has no NATS connection.
 It exits with rank 0, and with a status other than 0 if the group broke.
 """
 
@@ -28,12 +28,18 @@ def main() -> int:
         level=str(options.get("log_level", "INFO")).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    import dataclasses
+    from pathlib import Path
+
     import torch
 
+    from workers.engine.model import MultiSlotModel
     from workers.engine.passes import tune_malloc
     from workers.group.mirror import Channel, GroupBroken, follow
     from workers.group.runtime import GroupSpec, join, leave, ready
-    from workers.trainer.engine import Engine
+    from workers.settings import WorkerSettings
+    from workers.trainer.operations import EngineOps
+    from workers.trainer.residency import Residency
 
     log = logging.getLogger("workers.group.follower")
     if options.get("threads"):
@@ -43,19 +49,31 @@ def main() -> int:
     device = spec.device(options["device"])
     collective = join(spec, device)
     try:
-        engine = Engine(
+        model = MultiSlotModel(
             options["base_model"],
             max_slots=options["max_slots"],
             max_rank=options["max_rank"],
-            max_parked=options["max_parked"],
             device=str(device),
             collective=collective,
         )
-        if engine.vision is not None:  # it decodes what rank 0 took, under the same limits
-            engine.vision.limit(int(options["max_image_pixels"]), int(options["max_images"]))
+        if model.vision is not None:  # it decodes what rank 0 took, under the same limits
+            model.vision.limit(int(options["max_image_pixels"]), int(options["max_images"]))
+        settings = WorkerSettings(
+            base_model=options["base_model"],
+            data_dir=Path(options["data_dir"]),
+            artifact_store=options["artifact_store"],
+            artifact_cache_bytes=int(options["artifact_cache_bytes"]),
+        )
+        ops = EngineOps(
+            model, Residency(model, max_parked=options["max_parked"]), settings, writes=False
+        )
+        if ops.store is not None:  # a cache of its own: ranks download side by side
+            ops.store = dataclasses.replace(
+                settings, data_dir=settings.data_dir / f"rank-{rank}"
+            ).open_store()
         ready(spec, collective)
         log.info("rank %d of %d ready on %s", spec.rank, spec.world, device)
-        follow(engine, Channel(collective.host_group))
+        follow(ops, Channel(collective.host_group))
     except GroupBroken as broken:
         log.error("rank %d leaves the group: %s", spec.rank, broken)
         return 1

@@ -3,7 +3,8 @@
 Rank 0 is the worker process itself, the group's only NATS client (leases, consumers,
 outcomes, heartbeat: to the cluster the group is one worker). It starts ranks 1 .. N-1 as child
 processes (`python -m workers.group.follower`), each told the engine to build and where the
-group meets, joins the process group with them, and builds its `GroupEngine`.
+group meets, joins the process group with them, and builds its model, residency and operations,
+which it runs on every rank through `GroupOps` (`workers.group.mirror`).
 
 One failure domain: a child that exits takes rank 0 down at once (a watcher thread), and the
 children die with rank 0 (a parent-death signal, and rank 0's exit closes the group). The
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.group.runtime import GroupSpec, free_port, join, leave, ready
+from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,10 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
         "log_level": settings.log_level,
         "max_image_pixels": settings.max_image_pixels,
         "max_images": settings.max_images,
+        # the other ranks read the checkpoints rank 0 writes (the same disk, or store)
+        "data_dir": str(settings.data_dir),
+        "artifact_store": settings.artifact_store,
+        "artifact_cache_bytes": settings.artifact_cache_bytes,
     }
 
 
@@ -55,9 +61,10 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Group:
-    """Rank 0's view of its group: the engine and the other ranks' processes."""
+    """Rank 0's view of its group: its operations, run on every rank, and the other ranks'
+    processes."""
 
-    engine: Any  # `workers.group.mirror.GroupEngine`
+    ops: Any  # `workers.group.mirror.GroupOps`
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     stopping: bool = False
 
@@ -80,7 +87,7 @@ class Group:
     def stop(self, timeout_s: float = 15.0) -> None:
         """A clean stop: the other ranks leave, then this one."""
         self.stopping = True
-        self.engine.stop_group()
+        self.ops.stop_group()
         deadline = time.monotonic() + timeout_s
         for child in self.children:
             try:
@@ -90,9 +97,13 @@ class Group:
         leave()
 
 
-def start_group(settings: WorkerSettings) -> Group:
-    """Start ranks 1 .. N-1, join them, and build rank 0's engine (blocks until all joined)."""
-    from workers.group.mirror import Channel, GroupEngine
+def start_group(settings: WorkerSettings, metrics: TrainerMetrics | None = None) -> Group:
+    """Start ranks 1 .. N-1, join them, and build rank 0's model and operations (blocks until
+    all joined)."""
+    from workers.engine.model import MultiSlotModel
+    from workers.group.mirror import Channel, GroupOps
+    from workers.trainer.operations import EngineOps
+    from workers.trainer.residency import Residency
 
     world = settings.devices
     port = free_port()
@@ -113,18 +124,23 @@ def start_group(settings: WorkerSettings) -> Group:
         )
         for rank in range(1, world)
     ]
-    group = Group(engine=None, children=children)
+    group = Group(ops=None, children=children)
     group.watch()
     spec = GroupSpec(rank=0, world=world, port=port, timeout_s=settings.group_timeout_s)
     collective = join(spec, spec.device(settings.device))
-    group.engine = GroupEngine(
+    model = MultiSlotModel(
         settings.base_model,
         max_slots=settings.max_slots,
         max_rank=settings.max_rank,
-        max_parked=settings.max_parked,
         device=str(spec.device(settings.device)),
         collective=collective,
-        channel=Channel(collective.host_group),
+    )
+    if model.vision is not None:
+        model.vision.limit(settings.max_image_pixels, settings.max_images)
+    residency = Residency(model, max_parked=settings.max_parked)
+    group.ops = GroupOps(
+        EngineOps(model, residency, settings, metrics),
+        Channel(collective.host_group),
         keepalive_s=settings.group_timeout_s / 8,
     )
     ready(spec, collective)

@@ -1,16 +1,19 @@
-"""Rank 0 of a worker group runs the worker; every engine call that changes state runs on
-every rank, in the same order, with the same arguments.
+"""Rank 0 of a worker group runs the worker; every call on the engine thread runs on every
+rank, in the same order, with the same arguments.
 
-Job: `GroupEngine` is rank 0's engine. Each state-changing call (create, release, a shared pass,
-a fused step, save, load, capture, adopt, restoring a parked adapter, a torch sampler step) is first sent to the
-other ranks (`workers.group.wire`, over gloo on the host), then run here while they run it
-too: the collectives inside (expert parallelism, gathered checkpoints) meet. `follow` is the
-loop of every other rank: receive a call, run it on its own engine, repeat. Reads (`has`,
-`spec`, `validate`, sizes) stay on rank 0, whose bookkeeping is the same as every rank's.
+Job: `GroupOps` is rank 0's `workers.trainer.operations.TrainerOps`. It composes this rank's
+`EngineOps` (no subclass): each call (a cycle's jobs, a release, a capture, an adopt, a torch
+sampler step, a calibration) is first sent to the other ranks (`workers.group.wire`, over gloo
+on the host), then run here while they run it too, so the collectives inside (expert
+parallelism, gathered checkpoints) meet. A cycle's jobs travel as the bytes the bus delivered,
+and every rank decodes, validates and runs them with the same code as a single-device worker
+(`EngineOps`); the other ranks' `EngineOps` write no files (`writes=False`). `follow` is the loop
+of every other rank: receive a call, run it, repeat. Reads (sizes, `has`, `spec`) stay on rank 0,
+whose bookkeeping is the same as every rank's.
 
-What rank 0 alone reads (a checkpoint's files, a snapshot's state from the store) is sent with
-the call, in one device's layout; each rank keeps its share. Seeds are fixed on rank 0 before
-a create is sent, so a create without one draws the same adapter on every rank.
+Seeds: a create without one draws its seed from its request id (`EngineOps`), and a sampler
+request without one gets one here before it is sent, so every rank draws alike. What rank 0
+alone reads (a snapshot's state, for an adopt) is sent with the call, in one device's layout.
 
 One failure domain: after each call the ranks agree on whether it raised (a request's own error
 raises alike everywhere). If they disagree, or a rank is gone (the agreement itself fails), the
@@ -30,21 +33,23 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-import msgspec
 import torch
 import torch.distributed as dist
 
-from protocol.api import AdamParams, LoraConfig
-from protocol.errors import ServerError, TwinkleError
-from protocol.tensors import FwdBwdOutput, FwdBwdRequest
+from protocol.errors import ServerError
+from protocol.jobs import Job, decode_job, encode_job
 from workers.engine.collective import ProcessGroupCollective
+from workers.engine.model import MultiSlotModel
 from workers.group import wire
+from workers.metrics import TrainerMetrics
 from workers.sampler.backends import Stepped, Submit, run_step
 from workers.sampler.torch_sampler import TorchSampler
-from workers.trainer.engine import Engine
+from workers.trainer.calibration import Calibration, cached, measure, store_calibration
+from workers.trainer.operations import EngineOps, Result
 from workers.trainer.parking import SlotState
+from workers.trainer.residency import Residency
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +89,29 @@ def _agree(collective: ProcessGroupCollective, failed: bool) -> None:
         raise GroupBroken("the ranks of the group disagree on whether a call failed")
 
 
-class GroupEngine(Engine):
-    """Rank 0's engine: state-changing calls run on every rank of the group."""
+class GroupOps:
+    """Rank 0's engine-thread calls, run on every rank of the group; see the module docstring."""
 
-    def __init__(
-        self, *args: Any, channel: Channel, keepalive_s: float = 30.0, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, ops: EngineOps, channel: Channel, keepalive_s: float = 30.0) -> None:
+        self.ops = ops
+        self.model: MultiSlotModel = ops.model
+        self.residency: Residency = ops.residency
+        self.metrics: TrainerMetrics = ops.metrics
+        self.store = ops.store
+        self.failed = ops.failed  # the same dict: the service's entries are sent with each call
         self.keepalive_s = keepalive_s  # 0: none (a group that times out when idle)
-        assert isinstance(self.collective, ProcessGroupCollective)
-        self.group_collective: ProcessGroupCollective = self.collective
+        collective = ops.model.collective
+        assert isinstance(collective, ProcessGroupCollective)
+        self.collective: ProcessGroupCollective = collective
         self.channel = channel
         self._lock = threading.Lock()  # the engine thread against the keepalive
         self._last_sent = time.monotonic()
         self._stopped = False
         self._inside = False  # a mirrored call is running (on the engine thread)
         threading.Thread(target=self._keepalive, name="group-keepalive", daemon=True).start()
+
+    def failure(self, model_id: str) -> ServerError | None:
+        return self.ops.failure(model_id)
 
     def _mirror(self, call: wire.Call, run: Callable[[], T]) -> T:
         if self._inside:  # made by a call every rank runs: every rank makes it too
@@ -116,11 +128,11 @@ class GroupEngine(Engine):
             try:
                 result = run()
             except BaseException:
-                _agree(self.group_collective, failed=True)
+                _agree(self.collective, failed=True)
                 raise
             finally:
                 self._inside = False
-            _agree(self.group_collective, failed=False)
+            _agree(self.collective, failed=False)
             return result
 
     def _keepalive(self) -> None:
@@ -153,61 +165,43 @@ class GroupEngine(Engine):
 
     # -- the calls ---------------------------------------------------------------------------
 
-    def create(self, model_id: str, spec: LoraConfig) -> None:
-        if spec.seed is None:  # drawn here, once, so every rank draws the same adapter
-            spec = _with_seed(spec, secrets.randbits(31))
-        self._mirror(wire.Create(model_id, spec), lambda: Engine.create(self, model_id, spec))
+    def _jobs(self, kind: str, jobs: list[Job], run: Callable[[list[Job]], T]) -> T:
+        call = wire.Jobs(
+            kind, [encode_job(job) for job in jobs], self.model.pass_tokens, dict(self.failed)
+        )
+        return self._mirror(call, lambda: run(jobs))
+
+    def shared_pass(self, jobs: list[Job]) -> list[Result]:
+        return self._jobs("shared_pass", jobs, self.ops.shared_pass)
+
+    def optim_steps(self, jobs: list[Job]) -> list[Result]:
+        return self._jobs("optim_steps", jobs, self.ops.optim_steps)
+
+    def other(self, jobs: list[Job]) -> list[Result]:
+        return self._jobs("other", jobs, self.ops.other)
 
     def release(self, model_id: str) -> None:
-        self._mirror(wire.Release(model_id), lambda: Engine.release(self, model_id))
+        self._mirror(wire.Release(model_id), lambda: self.ops.release(model_id))
 
-    def forward_backward(
-        self, batch: list[tuple[str, FwdBwdRequest]]
-    ) -> list[FwdBwdOutput | TwinkleError]:
-        call = wire.ForwardBackward(
-            self.pass_tokens, [(model_id, wire.pack_request(req)) for model_id, req in batch]
-        )
-        return self._mirror(call, lambda: Engine.forward_backward(self, batch))
+    def capture(self, model_id: str) -> SlotState:
+        return self._mirror(wire.Capture(model_id), lambda: self.ops.capture(model_id))
 
-    def optim_step(
-        self, steps: list[tuple[str, AdamParams]]
-    ) -> list[dict[str, float] | TwinkleError]:
-        return self._mirror(wire.OptimStep(steps), lambda: Engine.optim_step(self, steps))
-
-    def save(
-        self,
-        model_id: str,
-        directory: Path,
-        *,
-        kind: Literal["weights", "sampler_weights"],
-        meta: dict[str, Any],
-    ) -> int:
-        return self._mirror(
-            wire.Save(model_id, kind),
-            lambda: Engine.save(self, model_id, directory, kind=kind, meta=meta),
+    def adopt(self, model_id: str, state: SlotState) -> None:
+        self._mirror(
+            wire.Adopt(model_id, wire.pack_state(state)), lambda: self.ops.adopt(model_id, state)
         )
 
-    def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> LoraConfig:
-        stored = self.slots.files.read(directory, with_optimizer=with_optimizer)  # rank 0 reads
-        return self._mirror(
-            wire.Load(model_id, with_optimizer, wire.pack_stored(stored)),
-            lambda: self.slots.load_stored(model_id, stored, with_optimizer=with_optimizer),
-        )
+    def calibrate(self, model: MultiSlotModel, directory: Path, threads: int) -> Calibration:
+        """The pass size: from rank 0's cache, else measured by every rank in step."""
+        found = cached(model, directory, threads)
+        if found is None:
+            found = self._mirror(wire.Calibrate(), lambda: measure(model))
+            store_calibration(model, directory, threads, found)
+        return found
 
-    def load_snapshot(self, key: str, directory: Path) -> None:
-        self._sampling()
-        Engine.load_snapshot(self, key, directory)  # every rank reads the files (one host)
-
-    def snapshot_slot(self, key: str) -> int:
-        self._sampling()
-        return Engine.snapshot_slot(self, key)
-
-    def _sampling(self) -> None:
-        """Snapshots move only inside a sampler step, which every rank runs."""
-        if not self._inside:
-            raise ServerError("a worker group moves sampler snapshots only in a sampler step")
-
-    def sample_step(self, sampler: Any, submits: list[Submit], cancels: list[int]) -> Stepped:
+    def sample_step(
+        self, sampler: TorchSampler, submits: list[Submit], cancels: list[int]
+    ) -> Stepped:
         """One torch sampler step on every rank: the same requests, seeds fixed here first (a
         request without one would draw other tokens on each rank), the same snapshots loaded
         from the same files, the same tokens drawn from the same summed logits."""
@@ -221,26 +215,10 @@ class GroupEngine(Engine):
         )
         return self._mirror(call, lambda: run_step(sampler, fixed, cancels))
 
-    def slot(self, model_id: str) -> int:
-        return self._mirror(wire.Slot(model_id), lambda: Engine.slot(self, model_id))
 
-    def capture(self, model_id: str) -> SlotState:
-        return self._mirror(wire.Capture(model_id), lambda: Engine.capture(self, model_id))
-
-    def adopt(self, model_id: str, state: SlotState) -> None:
-        self._mirror(
-            wire.Adopt(model_id, wire.pack_state(state)),
-            lambda: Engine.adopt(self, model_id, state),
-        )
-
-
-def _with_seed(spec: LoraConfig, seed: int) -> LoraConfig:
-    return msgspec.structs.replace(spec, seed=seed)
-
-
-def follow(engine: Engine, channel: Channel) -> None:
-    """Run rank 0's calls on this rank's engine until it says stop (or is gone)."""
-    collective = engine.collective
+def follow(ops: EngineOps, channel: Channel) -> None:
+    """Run rank 0's calls on this rank's operations until it says stop (or is gone)."""
+    collective = ops.model.collective
     assert isinstance(collective, ProcessGroupCollective)
     samplers: list[TorchSampler] = []  # this rank's, made at the first sampler step
     while True:
@@ -255,14 +233,14 @@ def follow(engine: Engine, channel: Channel) -> None:
         try:
             if isinstance(call, wire.SampleStep):
                 if not samplers:
-                    samplers.append(TorchSampler(engine))
+                    samplers.append(TorchSampler(ops.model, ops.residency))
                 submits = [
                     (spec, key, None if path is None else Path(path))
                     for spec, key, path in call.submits
                 ]
                 run_step(samplers[0], submits, call.cancels)
             else:
-                _apply(engine, call)
+                _apply(ops, call)
         except BaseException as error:
             if isinstance(error, GroupBroken | KeyboardInterrupt | SystemExit):
                 raise
@@ -272,29 +250,19 @@ def follow(engine: Engine, channel: Channel) -> None:
         _agree(collective, failed=False)
 
 
-def _apply(engine: Engine, call: wire.AnyCall) -> None:
-    if isinstance(call, wire.Create):
-        engine.create(call.model_id, call.spec)
-    elif isinstance(call, wire.Release):
-        engine.release(call.model_id)
-    elif isinstance(call, wire.ForwardBackward):
-        engine.pass_tokens = call.pass_tokens
-        engine.forward_backward([(m, wire.unpack_request(r)) for m, r in call.items])
-    elif isinstance(call, wire.OptimStep):
-        engine.optim_step(call.steps)
-    elif isinstance(call, wire.Save):
-        kind: Literal["weights", "sampler_weights"] = (
-            "weights" if call.kind == "weights" else "sampler_weights"
-        )
-        engine.save(call.model_id, Path("."), kind=kind, meta={})  # rank 0 writes the files
-    elif isinstance(call, wire.Load):
-        stored = wire.unpack_stored(call.stored)
-        engine.slots.load_stored(call.model_id, stored, with_optimizer=call.with_optimizer)
-    elif isinstance(call, wire.Slot):
-        engine.slot(call.model_id)
-    elif isinstance(call, wire.Capture):
-        engine.capture(call.model_id)
-    elif isinstance(call, wire.Adopt):
-        engine.adopt(call.model_id, wire.unpack_state(call.state))
-    else:
-        raise GroupBroken(f"unknown group call {type(call).__name__}")
+def _apply(ops: EngineOps, call: wire.AnyCall) -> Any:
+    if isinstance(call, wire.Jobs):
+        ops.model.pass_tokens = call.pass_tokens
+        ops.failed.clear()
+        ops.failed.update(call.failed)
+        run = {"shared_pass": ops.shared_pass, "optim_steps": ops.optim_steps, "other": ops.other}
+        return run[call.kind]([decode_job(data) for data in call.jobs])
+    if isinstance(call, wire.Release):
+        return ops.release(call.model_id)
+    if isinstance(call, wire.Capture):
+        return ops.capture(call.model_id)
+    if isinstance(call, wire.Adopt):
+        return ops.adopt(call.model_id, wire.unpack_state(call.state))
+    if isinstance(call, wire.Calibrate):
+        return measure(ops.model)
+    raise GroupBroken(f"unknown group call {type(call).__name__}")

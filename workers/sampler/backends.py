@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nats.aio.msg import Msg
 
@@ -27,6 +27,10 @@ from protocol.images import VisionGeometry
 from protocol.jobs import SampleJob
 from protocol.sampling import TEXT_ONLY, SampleOutput, SampleSpec
 from workers.sampler.guard import Pending
+
+if TYPE_CHECKING:  # the backends' engines import torch and vLLM; the service needs neither
+    from workers.sampler.torch_sampler import TorchSampler
+    from workers.sampler.vllm_sampler import VllmSampler
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +84,15 @@ class TorchBackend:
     concurrent = True
 
     def __init__(
-        self, sampler: Any, engine: Any, executor: Executor, steps: StepRunner | None = None
+        self, sampler: TorchSampler, executor: Executor, steps: StepRunner | None = None
     ) -> None:
         self.sampler = sampler
         self.executor = executor
         # how one step runs: here, or on every rank of a worker group (`workers.group.mirror`)
         self.steps: StepRunner = steps or run_step
-        self.vocab_size = int(engine.vocab_size)
-        self.max_context = int(engine.max_context)
-        self.vision: VisionGeometry | None = engine.geometry
+        self.vocab_size = sampler.model.vocab_size
+        self.max_context = sampler.model.max_context
+        self.vision: VisionGeometry | None = sampler.model.geometry
         self.no_images = TEXT_ONLY
         self._queued: list[tuple[Prepared, Answer]] = []
         self._submitting: list[tuple[Prepared, Answer]] = []  # in the step now running
@@ -200,7 +204,7 @@ class TorchBackend:
 Submit = tuple[SampleSpec, str | None, Path | None]  # a request, its adapter key and directory
 
 
-def run_step(sampler: Any, submits: list[Submit], cancels: list[int]) -> Stepped:
+def run_step(sampler: TorchSampler, submits: list[Submit], cancels: list[int]) -> Stepped:
     """Drop `cancels`, submit `submits`, then take one step of the torch sampler: what the
     driver needs back. A step that raises drops everything the sampler held."""
     cancelled = [(ticket, sampler.cancel(ticket) or 0) for ticket in cancels]
@@ -213,7 +217,7 @@ def run_step(sampler: Any, submits: list[Submit], cancels: list[int]) -> Stepped
         return Stepped(tickets, [], busy=False, failed=True, cancelled=cancelled)
 
 
-StepRunner = Callable[[Any, list[Submit], list[int]], "Stepped"]
+StepRunner = Callable[["TorchSampler", list[Submit], list[int]], "Stepped"]
 
 
 @dataclass
@@ -233,7 +237,7 @@ class VllmBackend:
     name = "vllm"
     concurrent = True
 
-    def __init__(self, sampler: Any, vocab_size: int, max_context: int) -> None:
+    def __init__(self, sampler: VllmSampler, vocab_size: int, max_context: int) -> None:
         self.sampler = sampler
         self.vocab_size = vocab_size
         self.max_context = max_context

@@ -139,18 +139,14 @@ async def serve(settings: WorkerSettings) -> None:
             closer = sampler.close
             backend = VllmBackend(sampler, int(text.vocab_size), int(text.max_position_embeddings))
         else:
-            from workers.sampler.torch_sampler import TorchSampler
-            from workers.trainer.engine import Engine
+            # the model and the slots its snapshots take are built where both rooms meet
+            from workers.__main__ import standalone_torch_sampler
 
-            engine = Engine(
-                settings.base_model,
-                max_slots=(settings.max_slots or DEFAULT_SAMPLER_SLOTS),
-                max_rank=settings.max_rank,
+            torch_sampler = await asyncio.to_thread(
+                standalone_torch_sampler, settings, settings.max_slots or DEFAULT_SAMPLER_SLOTS
             )
-            if engine.vision is not None:
-                engine.vision.limit(settings.max_image_pixels, settings.max_images)
             backend = TorchBackend(
-                TorchSampler(engine), engine, ThreadPoolExecutor(1, thread_name_prefix="engine")
+                torch_sampler, ThreadPoolExecutor(1, thread_name_prefix="engine")
             )
         bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
         await bus.connect()

@@ -1,15 +1,16 @@
-"""Sampling inside the trainer: generation on the engine's own multi-slot model (DESIGN.md §5),
-so a tenant samples its snapshot weights without exporting them to another process.
+"""Sampling on the trainer's own multi-slot model (`workers.engine.model`), so a tenant samples
+its snapshot weights without exporting them to another process.
 
 Job: generate for `SampleSpec`s, each from the base model or from a snapshot adapter, with
 continuous batching: requests are `submit`ted at any time and join the running generation at
 its next step, and each is answered as soon as its last sample finishes. `step` does one step:
 
 Step 1 (admit): waiting requests join in arrival order while their snapshots fit in the slots no
-        tenant holds (`Engine.snapshot_capacity`) together with the running rows'; a request
+        tenant holds (`SnapshotSlots.snapshot_capacity`) together with the running rows'; a request
         whose snapshot does not fit waits, and so does every later one that needs a new
         snapshot (base-model requests pass), so none waits forever. A sampler checkpoint becomes
-        an inference-only snapshot slot of the engine's bank (`Engine.load_snapshot`), by key.
+        an inference-only snapshot slot of the model's bank, by key, through whoever assigns
+        the slots (`workers.sampler.snapshots.SnapshotSlots`: the trainer's residency).
 Step 2 (prefill): one row per admitted request, left-padded, rows grouped by slot so each slot
         is one routing segment; position ids count real tokens only. The decoder's last
         hidden states go through the output layer at each row's last position (each request's
@@ -34,7 +35,7 @@ between two steps (`workers.sampler.backends.TorchBackend`).
 Invariants:
 - Logprobs are raw: log_softmax of the model's logits, before temperature, top-k and top-p,
   exactly what the trainer's forward computes for the same tokens (the same decoder and
-  output layer, `Engine.passes`). A temperature below
+  output layer, `MultiSlotModel.decoder` and `.head`). A temperature below
   `protocol.sampling.GREEDY_TEMPERATURE` is greedy.
 - A row's tokens depend only on its request, its adapter and (seed, sample index): its noise
   comes from its own generator, and other rows, padding and the step at which it joined change
@@ -66,8 +67,9 @@ from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTraine
 from protocol.errors import NotFound, ServerError, TwinkleError, UserError
 from protocol.sampling import SampleOutput, SampleSpec
 from workers.engine.lora import BASE_SLOT, MultiSlotLoraLinear, Segment
+from workers.engine.model import MultiSlotModel
 from workers.sampler.batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
-from workers.trainer.engine import Engine
+from workers.sampler.snapshots import SnapshotSlots
 
 # A stop string of n characters spans at most 4n tokens (a character has at most four bytes, a
 # token at least one); the margin is slack. Only this tail of a row is detokenized each step.
@@ -82,15 +84,21 @@ Finished = tuple[int, SampleOutput | TwinkleError]  # (ticket, answer)
 
 
 class TorchSampler:
-    """Continuously batched sampling from the base model and snapshot adapters of one `Engine`."""
+    """Continuously batched sampling from the base model and snapshot adapters of one model."""
 
-    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(engine.base_model)
-        self.eos_token_ids = _eos_token_ids(engine.model, self.tokenizer)
+    def __init__(
+        self,
+        model: MultiSlotModel,
+        snapshots: SnapshotSlots,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        self.model = model
+        self.snapshots = snapshots
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.base_model)
+        self.eos_token_ids = _eos_token_ids(model.model, self.tokenizer)
         # Where each key was loaded from, so an evicted snapshot can come back.
         self._directories: dict[str, Path] = {}
-        self._merges = mergeable(engine.model.config)
+        self._merges = mergeable(model.model.config)
         self._waiting: deque[Request] = deque()
         self._running: RunningBatch | None = None
         self._tickets = 0
@@ -100,12 +108,12 @@ class TorchSampler:
 
         May evict the least recently used snapshot; never a tenant's adapter.
         """
-        self.engine.load_snapshot(key, directory)
+        self.snapshots.load_snapshot(key, directory)
         self._directories[key] = directory
 
     def has_adapter(self, key: str) -> bool:
         """Whether snapshot `key` is in a slot now."""
-        return self.engine.has_snapshot(key)
+        return self.snapshots.has_snapshot(key)
 
     # -- continuous batching -----------------------------------------------------------------
 
@@ -185,7 +193,7 @@ class TorchSampler:
         """Waiting requests that join now, their snapshots loaded; failed loads are answered."""
         if self._running is not None and not self._merges:
             return []
-        capacity = max(1, self.engine.snapshot_capacity())
+        capacity = max(1, self.snapshots.snapshot_capacity())
         running = [] if self._running is None else [row.key for row in self._running.rows]
         in_use = {key for key in running if key is not None}
         joining: list[Request] = []
@@ -215,17 +223,17 @@ class TorchSampler:
         the error that stopped it); loaded ones are marked used before any load."""
         wanted = [key for key in dict.fromkeys(keys) if key is not None]
         for key in wanted:
-            if self.engine.has_snapshot(key):
-                self.engine.snapshot_slot(key)
+            if self.snapshots.has_snapshot(key):
+                self.snapshots.snapshot_slot(key)
         slots: dict[str | None, int | TwinkleError] = {None: BASE_SLOT}
         for key in wanted:
             try:
-                if not self.engine.has_snapshot(key):
+                if not self.snapshots.has_snapshot(key):
                     directory = self._directories.get(key)
                     if directory is None:
                         raise NotFound(f"sampler adapter {key!r} was never loaded on this worker")
-                    self.engine.load_snapshot(key, directory)
-                slots[key] = self.engine.snapshot_slot(key)
+                    self.snapshots.load_snapshot(key, directory)
+                slots[key] = self.snapshots.snapshot_slot(key)
             except TwinkleError as err:
                 slots[key] = err
         return slots
@@ -248,7 +256,7 @@ class TorchSampler:
         """The admitted requests prefilled, one row per sample, with their prompt outputs
         filled; a request whose images do not decode or whose prompt outputs fail is answered
         with an error in `finished` and leaves (None when no request is left)."""
-        device = self.engine.device
+        device = self.model.device
         pixels: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for request in list(requests):
             if request.spec.images:
@@ -264,7 +272,7 @@ class TorchSampler:
         rows = [[self._row(r, index) for index in range(r.spec.num_samples)] for r in requests]
         self._slots([row for request_rows in rows for row in request_rows])
         slots = [request_rows[0].slot for request_rows in rows]  # one per request, in order
-        cache = DynamicCache(config=self.engine.model.config)
+        cache = DynamicCache(config=self.model.model.config)
         hidden, attention_mask, deltas = self._prefill(
             [r.spec for r in requests], slots, cache, [pixels.get(r.ticket) for r in requests]
         )
@@ -304,9 +312,9 @@ class TorchSampler:
     def _pixels(self, spec: SampleSpec) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt's images decoded: the processor's pixel values and patch grids (a
         `UserError` for one that does not decode to what its header declared)."""
-        vision = self.engine.vision
+        vision = self.model.vision
         if vision is None:  # `sample_spec` refuses images for a text model
-            raise UserError(f"{self.engine.base_model} is a text model and takes no images")
+            raise UserError(f"{self.model.base_model} is a text model and takes no images")
         return vision.pixels(spec.images)
 
     def _prefill(
@@ -327,7 +335,7 @@ class TorchSampler:
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
-        device = self.engine.device
+        device = self.model.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         inputs: dict[str, Any] = {"input_ids": input_ids}
@@ -335,7 +343,7 @@ class TorchSampler:
         if any(spec.images for spec in specs):
             inputs, position_ids, deltas = self._with_images(specs, pixels, input_ids, position_ids)
         with self._routed(slots):
-            hidden = self.engine.passes.decoder(
+            hidden = self.model.decoder(
                 **inputs,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
@@ -355,13 +363,13 @@ class TorchSampler:
         embeddings with each image's features at its placeholders, position ids
         `[4, rows, width]` (the text positions, then the multimodal ones), and each row's RoPE
         delta. `pixels`: each prompt's decoded images (`_pixels`), None for a text prompt."""
-        vision = self.engine.vision
+        vision = self.model.vision
         assert vision is not None  # `_pixels` decoded the images
         decoded = [p for p in pixels if p is not None]  # the rows' order
         pixel_values = torch.cat([values for values, _ in decoded])
         grids = torch.cat([grid for _, grid in decoded])
-        device = self.engine.device
-        embedding = cast(nn.Module, self.engine.passes.decoder.get_input_embeddings())  # type: ignore[operator]
+        device = self.model.device
+        embedding = cast(nn.Module, self.model.decoder.get_input_embeddings())  # type: ignore[operator]
         inputs = vision.decoder_inputs(embedding, input_ids, pixel_values, grids)
         rows, width = input_ids.shape
         positions = position_ids.unsqueeze(0).repeat(4, 1, 1)
@@ -381,7 +389,7 @@ class TorchSampler:
     def _head(self, hidden: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """The output layer on token rows `hidden` [T, hidden]: logits [T, vocab], each segment
         of rows with its slot's LoRA term (an adapter may train the output layer)."""
-        head = self.engine.passes.head
+        head = self.model.head
         if isinstance(head, MultiSlotLoraLinear):
             return head.with_segments(hidden, segments)
         logits: torch.Tensor = head(hidden)
@@ -403,7 +411,7 @@ class TorchSampler:
             self._running = None
             return finished
         batch.keep(keep)
-        capacity = max(1, self.engine.snapshot_capacity())
+        capacity = max(1, self.snapshots.snapshot_capacity())
         keys = [key for key in dict.fromkeys(row.key for row in batch.rows) if key is not None]
         if len(keys) <= capacity:
             self._decode(batch)
@@ -430,8 +438,8 @@ class TorchSampler:
             delta = torch.tensor([row.rope_delta for row in batch.rows], device=mask.device)
             position_ids = torch.stack([position_ids, *[position_ids + delta[:, None]] * 3])
         with self._routed(slots):
-            batch.next_logits = self.engine.model(
-                input_ids=torch.tensor(tokens, device=self.engine.device)[:, None],
+            batch.next_logits = self.model.model(
+                input_ids=torch.tensor(tokens, device=self.model.device)[:, None],
                 attention_mask=batch.attention_mask,
                 position_ids=position_ids,
                 past_key_values=batch.cache,
@@ -442,13 +450,13 @@ class TorchSampler:
         """Bind the rows' slots for one forward; base-only passes need no routing."""
         if all(slot == BASE_SLOT for slot in slots):
             return contextlib.nullcontext()
-        return self.engine.routing.bind(_segments(slots))
+        return self.model.bind(_segments(slots))
 
     def _row(self, request: Request, sample_index: int) -> Row:
         spec = request.spec
         generator = None
         if not spec.greedy:
-            generator = torch.Generator(device=self.engine.device)
+            generator = torch.Generator(device=self.model.device)
             if spec.seed is None:
                 generator.seed()
             else:

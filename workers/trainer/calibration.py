@@ -13,8 +13,12 @@ kernels.
 The result is cached per model, device and thread count under the data directory, so a worker
 measures once; `--token-budget` (TWINKLE_TOKEN_BUDGET) skips all of this.
 
-Invariants: runs on the engine's thread before the worker serves, on a slot it frees again;
-changes no tenant's state (it runs before any exists, and refuses to run once one does).
+It runs on the multi-slot model alone (`workers.engine.model`), on scratch slots it clears
+again. On a worker group every rank runs it in step (`workers.group.mirror`): each timing is
+the slowest rank's, so every rank makes the same choices and runs the same passes.
+
+Invariants: runs on the engine's thread before the worker serves, before any slot is assigned;
+leaves every slot it used zeroed, as it found it.
 """
 
 from __future__ import annotations
@@ -29,13 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from protocol.api import LoraConfig
 from protocol.tensors import DatumArrays, FwdBwdRequest
-from workers.trainer.engine import Engine
+from workers.engine.model import MultiSlotModel
 
 log = logging.getLogger(__name__)
 
-SCRATCH = "calibration"
 _ROW_TOKENS = 128  # a typical datum of a merged pass (4 x 128 tokens is bench/engine_merge's)
 _TENANTS = 4
 
@@ -49,7 +51,7 @@ class Calibration:
 
 
 def measure(
-    engine: Engine,
+    model: MultiSlotModel,
     *,
     smallest: int = 256,
     largest: int = 32768,
@@ -58,65 +60,93 @@ def measure(
     repeats: int = 3,
 ) -> Calibration:
     """Time merged passes of doubling size on scratch slots; see the module docstring."""
-    if engine.slots_used():
-        raise RuntimeError("calibration runs before any tenant is loaded")
     rng = np.random.default_rng(0)
-    placeholder = None if engine.vision is None else engine.vision.image_token_id
-    tenants = [f"{SCRATCH}-{i}" for i in range(min(_TENANTS, engine.max_slots))]
-    for index, model_id in enumerate(tenants):
-        engine.create(model_id, LoraConfig(rank=min(16, engine.max_rank), seed=index))
-    saved = engine.pass_tokens
+    placeholder = None if model.vision is None else model.vision.image_token_id
+    slots = list(range(min(_TENANTS, model.max_slots)))
+    rank = min(16, model.max_rank)
+    for slot in slots:
+        generator = torch.Generator().manual_seed(slot)
+        groups = model.bank.groups_present()
+        model.bank.init_slot(slot, rank=rank, groups=groups, lora_alpha=32.0, generator=generator)
+    saved = model.pass_tokens
     curve: list[tuple[int, float]] = []
     try:
         size = smallest
         while size <= largest:
-            row = min(_ROW_TOKENS, size, engine.max_context)
+            row = min(_ROW_TOKENS, size, model.max_context)
             rows = max(1, size // row)
-            batch = [
-                (model_id, _request(rng, model_id, share, row, engine.vocab_size, placeholder))
-                for model_id, share in zip(tenants, _shares(rows, len(tenants)), strict=True)
+            shared = [
+                (slot, model.validate(_request(rng, share, row, model.vocab_size, placeholder)))
+                for slot, share in zip(slots, _shares(rows, len(slots)), strict=True)
                 if share
             ]
-            engine.pass_tokens = size
+            items = [checked for _, checked in shared]
+            item_slots = [slot for slot, _ in shared]
+            model.pass_tokens = size
             try:
-                engine.forward_backward(batch)  # warm-up
+                model.forward_backward(items, item_slots)  # warm-up
                 timings = []
                 for _ in range(repeats):
                     started = time.perf_counter()
-                    engine.forward_backward(batch)
+                    model.forward_backward(items, item_slots)
                     timings.append(time.perf_counter() - started)
-                seconds = sorted(timings)[len(timings) // 2]
+                seconds = _slowest(model, sorted(timings)[len(timings) // 2])
             except torch.OutOfMemoryError:
                 log.info("calibration: a pass of %d tokens does not fit", size)
                 break
             finally:
-                engine.bank.grads.zero_()
+                model.bank.grads.zero_()
             curve.append((size, size / seconds))
             best = max(rate for _, rate in curve)
             if seconds > max_pass_s or all(rate < best for _, rate in curve[-2:]):
                 break
             size *= 2
     finally:
-        engine.pass_tokens = saved
-        for model_id in tenants:
-            engine.release(model_id)
+        model.pass_tokens = saved
+        for slot in slots:
+            model.bank.clear_slot(slot)
+            model.optimizer.reset_slot(slot)
     best = max(rate for _, rate in curve)
     chosen = min(size for size, rate in curve if rate >= (1 - tolerance) * best)
     return Calibration(chosen, tuple(curve))
 
 
-def cached_or_measured(engine: Engine, directory: Path, threads: int) -> Calibration:
+def _slowest(model: MultiSlotModel, seconds: float) -> float:
+    """The slowest rank's timing (in microseconds, agreed): every rank then chooses alike."""
+    return model.collective.agree_max([max(1, round(seconds * 1e6))])[0] / 1e6
+
+
+def cached_or_measured(model: MultiSlotModel, directory: Path, threads: int) -> Calibration:
     """This model and device's calibration from `directory`, measured and stored if absent."""
+    found = cached(model, directory, threads)
+    if found is None:
+        found = measure(model)
+        store_calibration(model, directory, threads, found)
+    return found
+
+
+def _path(model: MultiSlotModel, directory: Path, threads: int) -> tuple[str, Path]:
     # v3: past one slower size, and with the CPU allocator settings of `tune_malloc`
     # (v2: stopped at the first slower size; v1 timed one tenant in 256-token rows)
-    key = f"v3|{engine.base_model}|{engine.device}|{engine.dtype}|{threads}"
-    path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    key = f"v3|{model.base_model}|{model.device}|{model.dtype}|{threads}"
+    return key, directory / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def cached(model: MultiSlotModel, directory: Path, threads: int) -> Calibration | None:
+    """The stored calibration of this model, device and thread count; None if there is none."""
+    _, path = _path(model, directory, threads)
     try:
         data = json.loads(path.read_text())
         return Calibration(int(data["pass_tokens"]), tuple(map(tuple, data["curve"])))
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    found = measure(engine)
+        return None
+
+
+def store_calibration(
+    model: MultiSlotModel, directory: Path, threads: int, found: Calibration
+) -> None:
+    """Keep a measured calibration for the next start (written whole, then renamed)."""
+    key, path = _path(model, directory, threads)
     directory.mkdir(parents=True, exist_ok=True)
     record = {"key": key, "pass_tokens": found.pass_tokens, "curve": found.curve}
     temporary = path.with_suffix(".tmp")
@@ -124,11 +154,10 @@ def cached_or_measured(engine: Engine, directory: Path, threads: int) -> Calibra
     temporary.replace(path)
     log.info(
         "calibrated %s: passes of %d tokens (%s)",
-        engine.base_model,
+        model.base_model,
         found.pass_tokens,
         ", ".join(f"{size}: {rate:.0f} tok/s" for size, rate in found.curve),
     )
-    return found
 
 
 def _shares(rows: int, tenants: int) -> list[int]:
@@ -138,7 +167,6 @@ def _shares(rows: int, tenants: int) -> list[int]:
 
 def _request(
     rng: np.random.Generator,
-    model_id: str,
     rows: int,
     length: int,
     vocab: int,
@@ -157,4 +185,4 @@ def _request(
                 inputs={"target_tokens": tokens[1:].astype(np.int64)},
             )
         )
-    return FwdBwdRequest(model_id, 0, "cross_entropy", False, {}, datums)
+    return FwdBwdRequest("", 0, "cross_entropy", False, {}, datums)

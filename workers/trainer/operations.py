@@ -3,9 +3,20 @@
 `TrainerService` (transport, ordering, cycles) hands each planned group of jobs to one of these
 methods on the engine's single thread: `shared_pass` (every forward/forward_backward of a cycle,
 across tenants), `optim_steps` (the cycle's fused step), `other` (create, save, load, unload, a
-tombstone, an adapter import or a merged export: `workers.trainer.transfer`). Each returns one outcome per job, in order, with a checkpoint record where a save
-wrote one. A bad job fails alone with a `user` error; an engine call that raises is re-run in
-halves until the jobs that make it fail are alone (`workers.engine.isolation`).
+tombstone, an adapter import or a merged export: `workers.trainer.transfer`). Each returns one
+outcome per job, in order, with a checkpoint record where a save wrote one.
+
+The way of a forward_backward through here, each step once:
+Step 1: decode the job's body (`protocol.tensors.decode_forward_backward`, under the job's
+        element budget) and validate it on the model, which looks its loss up
+        (`MultiSlotModel.validate`); a bad job fails alone with a `user` error.
+Step 2: split the valid ones into transactions of at most `max_slots` tenants
+        (`Residency.sub_calls`).
+Step 3: per transaction, take the tenants' slots (`Residency.resident`, restoring parked ones)
+        and run one shared pass on them (`MultiSlotModel.forward_backward`); a transaction that
+        raises is re-run in halves until the jobs that make it fail are alone
+        (`workers.engine.isolation`).
+Step 4: encode each result as the job's outcome.
 
 Checkpoints are written in the PEFT layout under the checkpoint root (`protocol.paths`); an
 overwrite first moves the name's current content to its version directory, where sampling
@@ -16,13 +27,16 @@ and a load reads the content its job names through the worker's cache.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
+
+import msgspec
 
 from protocol import api, stability
 from protocol.errors import ServerError, TwinkleError, UserError
@@ -50,12 +64,16 @@ from protocol.paths import (
     version_dir,
 )
 from protocol.records import CheckpointRecord
-from protocol.tensors import FwdBwdRequest, decode_forward_backward, encode_forward_backward_output
-from workers.artifacts import staging_dir
+from protocol.rules import check_adam
+from protocol.tensors import FwdBwdOutput, decode_forward_backward, encode_forward_backward_output
+from workers.artifacts import ArtifactStore, staging_dir
 from workers.engine.isolation import isolate
+from workers.engine.model import MultiSlotModel
+from workers.engine.passes import Checked
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
-from workers.trainer.engine import Engine
+from workers.trainer.parking import SlotState
+from workers.trainer.residency import Residency
 from workers.trainer.transfer import export_merged, import_adapter
 
 Result = tuple[Outcome, CheckpointRecord | None]
@@ -88,13 +106,93 @@ def settled_outcome(job: TombstoneJob) -> Outcome:
     return _outcome(job, "error", error=job.error, category=job.category)
 
 
-class EngineOps:
-    """Runs planned jobs on the engine; see the module docstring."""
+def _seeded(job: CreateModelJob) -> api.LoraConfig:
+    """The job's LoRA config with a seed: its own, else one drawn from its request id. So a
+    create draws the same adapter on every rank of a worker group, and again when a new owner
+    replays it to rebuild the model."""
+    if job.lora.seed is not None:
+        return job.lora
+    seed = int.from_bytes(hashlib.sha256(job.request_id.encode()).digest()[:4], "big") >> 1
+    return msgspec.structs.replace(job.lora, seed=seed)
 
-    def __init__(self, engine: Engine, settings: WorkerSettings, metrics: TrainerMetrics) -> None:
-        self.engine = engine
+
+def run_passes(
+    model: MultiSlotModel, residency: Residency, calls: Sequence[tuple[str, Checked]]
+) -> list[FwdBwdOutput | TwinkleError]:
+    """Step 3 of one transaction: the calls' tenants take their slots, then one shared pass."""
+    tenants = residency.resident([model_id for model_id, _ in calls])
+    return model.forward_backward([checked for _, checked in calls], [t.slot for t in tenants])
+
+
+def run_steps(
+    model: MultiSlotModel, residency: Residency, steps: Sequence[tuple[str, api.AdamParams]]
+) -> list[dict[str, float] | TwinkleError]:
+    """One fused optimizer step of one transaction (each model once, its settings checked)."""
+    model_ids = [model_id for model_id, _ in steps]
+    if len(set(model_ids)) < len(model_ids):
+        raise ServerError(f"optim_step lists a model_id twice in one step: {model_ids}")
+    tenants = residency.resident(model_ids)
+    return model.optim_step([t.slot for t in tenants], [adam for _, adam in steps])
+
+
+def transactions(
+    residency: Residency,
+    run: Callable[[list[C]], Sequence[R]],
+    calls: list[C],
+    model_ids: list[str],
+    describe: Callable[[int], str] = str,
+) -> list[R | TwinkleError]:
+    """`run(calls)` one transaction at a time (Step 2: `Residency.sub_calls`, split once); a
+    transaction that raises has changed nothing and is re-run in halves until the calls that
+    make it fail are alone (`workers.engine.isolation`), so only those fail."""
+    results: dict[int, R | TwinkleError] = {}
+    for group in residency.sub_calls(model_ids):
+        outputs = isolate(
+            lambda indices: run([calls[i] for i in indices]), group, describe=describe
+        )
+        results.update(zip(group, outputs, strict=True))
+    return [results[i] for i in range(len(calls))]
+
+
+class TrainerOps(Protocol):
+    """Every call the trainer service makes on the engine thread: the jobs of a cycle, and the
+    state moves of a takeover, a handover and a snapshot. `EngineOps` runs them on this
+    process's model; a worker group's rank 0 runs them on every rank (`workers.group.mirror`)."""
+
+    model: MultiSlotModel
+    residency: Residency
+    metrics: TrainerMetrics
+    store: ArtifactStore | None
+    failed: dict[str, str]
+
+    def failure(self, model_id: str) -> ServerError | None: ...
+    def shared_pass(self, jobs: list[Job]) -> list[Result]: ...
+    def optim_steps(self, jobs: list[Job]) -> list[Result]: ...
+    def other(self, jobs: list[Job]) -> list[Result]: ...
+    def release(self, model_id: str) -> None: ...
+    def adopt(self, model_id: str, state: SlotState) -> None: ...
+    def capture(self, model_id: str) -> SlotState: ...
+
+
+class EngineOps:
+    """Runs planned jobs on the model and its slots; see the module docstring."""
+
+    def __init__(
+        self,
+        model: MultiSlotModel,
+        residency: Residency,
+        settings: WorkerSettings,
+        metrics: TrainerMetrics | None = None,
+        *,
+        writes: bool = True,
+    ) -> None:
+        self.model = model
+        self.residency = residency
         self.settings = settings
-        self.metrics = metrics
+        # Whether this process writes checkpoint files and uploads: every rank of a worker group
+        # runs the same jobs (`workers.group.mirror`) for the collectives inside; rank 0 writes.
+        self.writes = writes
+        self.metrics = metrics if metrics is not None else TrainerMetrics()
         self.store = settings.open_store()  # None: files under `settings.checkpoint_root`
         # Models whose every request fails here, and why: their state could not be recovered,
         # or stopped matching what their clients were told (`TrainerService._fail_model`).
@@ -110,44 +208,62 @@ class EngineOps:
             " new training client"
         )
 
+    # The state moves the service makes outside the jobs (they are the calls a group mirrors).
+
+    def release(self, model_id: str) -> None:
+        """Forget a model's adapter (handed over, failed, or half-adopted)."""
+        self.residency.release(model_id)
+
+    def adopt(self, model_id: str, state: SlotState) -> None:
+        """Take a snapshot's state as the model's adapter (a takeover)."""
+        self.residency.adopt(model_id, state)
+
+    def capture(self, model_id: str) -> SlotState:
+        """A host copy of the model's state, for its snapshot."""
+        return self.residency.capture(model_id)
+
     def _require_model(self, job: Job) -> None:
         failure = self.failure(job.model_id)
         if failure is not None:
             raise failure
-        if not self.engine.has(job.model_id):
+        if not self.residency.has(job.model_id):
             raise UserError(
                 f"model_id {job.model_id!r} is not loaded (its create_model or load failed)"
             )
 
     def shared_pass(self, jobs: list[Job]) -> list[Result]:
         outcomes: dict[int, Outcome] = {}
-        batch: list[tuple[str, FwdBwdRequest]] = []
-        batch_index: list[int] = []
+        calls: list[tuple[str, Checked]] = []
+        called: list[int] = []
         for i, job in enumerate(jobs):
             assert isinstance(job, ForwardBackwardJob)
-            try:
+            try:  # Step 1
                 self._require_model(job)
                 request = decode_forward_backward(
-                    job.body, job.max_elements, job.custom_loss, vision=self.engine.geometry
+                    job.body, job.max_elements, job.custom_loss, vision=self.model.geometry
                 )
                 if request.loss_fn == stability.LOSS_NAME:
                     stability.apply_slices(request, stability.decode_slices(job.provenance))
-                self.engine.validate(job.model_id, request)
+                calls.append((job.model_id, self.model.validate(request)))
             except TwinkleError as err:
                 outcomes[i] = failed_outcome(job, err)
                 continue
-            batch.append((job.model_id, request))
-            batch_index.append(i)
-        if batch:
-            called = [jobs[i] for i in batch_index]
+            called.append(i)
+        if calls:
             started = time.perf_counter()
-            results = self._transactions(self.engine.forward_backward, batch, called)
+            results = transactions(  # Steps 2 and 3
+                self.residency,
+                lambda group: run_passes(self.model, self.residency, group),
+                calls,
+                [model_id for model_id, _ in calls],
+                describe=lambda n: jobs[called[n]].request_id,
+            )
             self.metrics.observe_pass(
                 time.perf_counter() - started,
-                tokens=sum(request.n_tokens for _, request in batch),
-                tenants=len({model_id for model_id, _ in batch}),
+                tokens=sum(checked.request.n_tokens for _, checked in calls),
+                tenants=len({model_id for model_id, _ in calls}),
             )
-            for i, result in zip(batch_index, results, strict=True):
+            for i, result in zip(called, results, strict=True):  # Step 4
                 if isinstance(result, TwinkleError):
                     outcomes[i] = failed_outcome(jobs[i], result)
                     continue
@@ -160,23 +276,28 @@ class EngineOps:
     def optim_steps(self, jobs: list[Job]) -> list[Result]:
         outcomes: dict[int, Outcome] = {}
         steps: list[tuple[str, api.AdamParams]] = []
-        index: list[int] = []
+        called: list[int] = []
         for i, job in enumerate(jobs):
             assert isinstance(job, OptimStepJob)
             try:
                 self._require_model(job)
-                self.engine.validate_optim_step(job.model_id, job.adam)
+                check_adam(job.adam)
             except TwinkleError as err:
                 outcomes[i] = failed_outcome(job, err)
                 continue
             steps.append((job.model_id, job.adam))
-            index.append(i)
+            called.append(i)
         if steps:
-            called = [jobs[i] for i in index]
             started = time.perf_counter()
-            results = self._transactions(self.engine.optim_step, steps, called)
+            results = transactions(
+                self.residency,
+                lambda group: run_steps(self.model, self.residency, group),
+                steps,
+                [model_id for model_id, _ in steps],
+                describe=lambda n: jobs[called[n]].request_id,
+            )
             self.metrics.observe_optim_step(time.perf_counter() - started)
-            for i, result in zip(index, results, strict=True):
+            for i, result in zip(called, results, strict=True):
                 if isinstance(result, TwinkleError):
                     outcomes[i] = failed_outcome(jobs[i], result)
                 else:
@@ -185,28 +306,12 @@ class EngineOps:
                     )
         return [(outcomes[i], None) for i in range(len(jobs))]
 
-    def _transactions(
-        self, run: Callable[[list[C]], Sequence[R]], calls: list[C], jobs: list[Job]
-    ) -> list[R | TwinkleError]:
-        """`run(calls)` one engine transaction at a time (`Engine.sub_calls`); a transaction
-        that raises has changed nothing and is re-run in halves until the requests that make it
-        fail are alone (`workers.engine.isolation`), so only those fail."""
-        results: dict[int, R | TwinkleError] = {}
-        for group in self.engine.sub_calls([job.model_id for job in jobs]):
-            outputs = isolate(
-                lambda indices: run([calls[i] for i in indices]),
-                group,
-                describe=lambda i: jobs[i].request_id,
-            )
-            results.update(zip(group, outputs, strict=True))
-        return [results[i] for i in range(len(calls))]
-
     def other(self, jobs: list[Job]) -> list[Result]:
         (job,) = jobs
         try:
             if isinstance(job, CreateModelJob):
-                if not self.engine.has(job.model_id):
-                    self.engine.create(job.model_id, job.lora)
+                if not self.residency.has(job.model_id):
+                    self.residency.create(job.model_id, _seeded(job))
                 return [
                     (
                         done_outcome(
@@ -225,11 +330,18 @@ class EngineOps:
                 return [self._unload(job)]
             root = self.settings.checkpoint_root
             data_dir = self.settings.data_dir
+            if not self.writes and isinstance(job, ImportAdapterJob | ExportMergedJob):
+                # files only, no slot: rank 0 of a group writes them alone
+                return [(done_outcome(job, b"{}"), None)]
             if isinstance(job, ImportAdapterJob):
-                answer, record = import_adapter(self.engine, root, job, self.store, data_dir)
+                answer, record = import_adapter(
+                    self.model, self.residency, root, job, self.store, data_dir
+                )
                 return [(done_outcome(job, api.encode(answer)), record)]
             if isinstance(job, ExportMergedJob):
-                exported = export_merged(self.engine, root, job, self.store, data_dir)
+                exported = export_merged(
+                    self.model, self.residency, root, job, self.store, data_dir
+                )
                 return [(done_outcome(job, api.encode(exported)), None)]
             raise ServerError(f"op {type(job).__name__} cannot run here")
         except TwinkleError as err:
@@ -260,6 +372,8 @@ class EngineOps:
         else:
             directory = self._checkpoint_dir(path)
             exists = directory.exists()
+        # In a worker group rank 0's answer stands: the others look while rank 0 may be writing.
+        exists = bool(self.model.collective.agree_max([int(exists and self.writes)])[0])
         if exists and not job.overwrite:
             # Checked again here, in seq order: two pipelined saves of one name both pass the
             # gateway's check before either has run.
@@ -267,7 +381,7 @@ class EngineOps:
                 f"path: checkpoint {str(path)!r} already exists; choose another name or"
                 " pass overwrite=True"
             )
-        if exists and self.store is None:
+        if exists and self.store is None and self.writes:
             self._retire(path, directory)
         try:
             return self._write(job, path, directory)
@@ -292,10 +406,11 @@ class EngineOps:
         files: Literal["weights", "sampler_weights"] = (
             "weights" if job.kind == "weights" else "sampler_weights"
         )
-        size = self.engine.save(job.model_id, directory, kind=files, meta=meta)
-        (directory / CONTENT_ID_FILE).write_text(content_id)
+        size = self.residency.save(job.model_id, directory, kind=files, meta=meta)
         store_key = digest = ""
-        if self.store is not None:
+        if self.writes:
+            (directory / CONTENT_ID_FILE).write_text(content_id)
+        if self.store is not None and self.writes:
             store_key = checkpoint_key(path, content_id)
             uploaded = self.store.upload(store_key, directory)
             size, digest = uploaded.size_bytes, uploaded.sha256
@@ -309,7 +424,7 @@ class EngineOps:
             created_at=now,
             size_bytes=size,
             base_model=self.settings.base_model,
-            lora=self.engine.spec(job.model_id),
+            lora=self.residency.spec(job.model_id),
             with_optimizer=job.kind == "weights",
             expires_at=now + job.ttl_seconds if job.ttl_seconds else None,
             user_metadata=dict(job.user_metadata),
@@ -332,7 +447,7 @@ class EngineOps:
     def _unload(self, job: UnloadModelJob) -> tuple[Outcome, CheckpointRecord | None]:
         """Release the model's adapter, saving it first when asked (`save_as`)."""
         record = None
-        if self.engine.has(job.model_id):
+        if self.residency.has(job.model_id):
             if job.save_as:
                 save = SaveWeightsJob(
                     request_id=job.request_id,
@@ -344,7 +459,7 @@ class EngineOps:
                     overwrite=True,
                 )
                 _, record = self._save(save)
-            self.engine.release(job.model_id)
+            self.residency.release(job.model_id)
         body = api.encode(api.UnloadModelResponse(model_id=job.model_id))
         return done_outcome(job, body), record
 
@@ -360,7 +475,7 @@ class EngineOps:
             raise UserError(f"checkpoint {job.path!r} not found in the checkpoint store")
         if not job.create:
             self._require_model(job)
-        self.engine.load(job.model_id, directory, with_optimizer=job.with_optimizer)
+        self.residency.load(job.model_id, directory, with_optimizer=job.with_optimizer)
         return done_outcome(
             job, api.encode(api.LoadWeightsResponse(path=job.path, model_id=job.model_id))
         )

@@ -1,9 +1,11 @@
 """Slot residency: which tenant or snapshot holds each row of the adapter bank, and who is parked.
 
-Job: give each model_id a slot when it is created or loaded, bring parked tenants back when a
-call needs them, keep inference-only snapshots in the slots no tenant holds, and save or load a
-tenant's slot through `workers.trainer.slot_checkpoints`. The engine's passes and steps ask this class
-for slots (`resident`, `sub_calls`) and never assign rows themselves.
+Job: give each model_id a slot of the multi-slot model's bank (`workers.engine.model`) when it
+is created or loaded, bring parked tenants back when a call needs them, keep inference-only
+snapshots in the slots no tenant holds, and save or load a tenant's slot through
+`workers.trainer.slot_checkpoints`. The trainer's operations ask this class for slots
+(`resident`, `sub_calls`) and hand them to the model's passes and steps; nothing else assigns
+rows. It implements the samplers' `workers.sampler.snapshots.SnapshotSlots`.
 
 Slot pressure: a tenant that needs a slot takes a free one, else the least recently used
 snapshot's, else the least recently used resident tenant's, which is *parked*: its whole slot
@@ -38,8 +40,8 @@ import torch
 from protocol.api import LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
 from protocol.rules import check_lora_config
-from workers.engine.lora import LoraBank
-from workers.engine.optimizer import SlotAdamW
+from workers.engine.model import MultiSlotModel
+from workers.trainer.layouts import own_state, whole_state
 from workers.trainer.parking import ParkedAdapters, SlotState, Tenant, trained_groups
 from workers.trainer.slot_checkpoints import SlotCheckpoints, StoredAdapter
 
@@ -50,19 +52,23 @@ class Residency:
     """The assignment of a bank's slots to tenants and snapshots; see the module docstring."""
 
     def __init__(
-        self,
-        bank: LoraBank,
-        optimizer: SlotAdamW,
-        files: SlotCheckpoints,
-        *,
-        lora_alpha: float,
-        max_parked: int | None,
+        self, model: MultiSlotModel, *, lora_alpha: float = 32.0, max_parked: int | None = None
     ) -> None:
-        self.bank = bank
-        self.optimizer = optimizer
-        self.files = files
+        if max_parked is not None and max_parked < 0:
+            raise ValueError(f"max_parked={max_parked} must be >= 0 (or None: unbounded)")
+        self.bank = bank = model.bank
+        self.optimizer = optimizer = model.optimizer
+        self.parallel = model.collective.parallel
+        self.files = SlotCheckpoints(
+            bank,
+            optimizer,
+            base_model=model.base_model,
+            linear_paths=[
+                path for path, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)
+            ],
+        )
         self.max_slots = bank.max_slots
-        self.lora_alpha = lora_alpha
+        self.lora_alpha = float(lora_alpha)
         self.parked = ParkedAdapters(bank, optimizer, max_parked=max_parked)
         # Resident tenants, least recently used first; the parked ones are in `self.parked`.
         self._tenants: OrderedDict[str, Tenant] = OrderedDict()
@@ -147,19 +153,23 @@ class Residency:
 
     def capture(self, model_id: str) -> SlotState:
         """A host copy of the adapter's whole state (weights, moments, gradients, step), for a
-        snapshot; resident or parked, nothing moves."""
+        snapshot; resident or parked, nothing moves. In one device's layout whatever this
+        rank's share of the experts (`workers.trainer.layouts`): what a snapshot holds."""
         tenant = self._tenants.get(model_id)
         if tenant is not None:
-            return self.parked.copy(tenant)
-        parked = self.parked.get(model_id)
-        if parked is None:
-            raise NotFound(f"model_id {model_id!r} has no adapter on this worker")
-        return parked
+            state = self.parked.copy(tenant)
+        else:
+            parked = self.parked.get(model_id)
+            if parked is None:
+                raise NotFound(f"model_id {model_id!r} has no adapter on this worker")
+            state = parked
+        return whole_state(self.bank, state) if self.parallel else state
 
     def adopt(self, model_id: str, state: SlotState) -> None:
-        """Take a state from elsewhere (a snapshot) as this model's adapter, replacing any."""
+        """Take a state in one device's layout (a snapshot) as this model's adapter, replacing
+        any."""
         self.release(model_id)
-        self.parked.put(model_id, state)
+        self.parked.put(model_id, own_state(self.bank, state) if self.bank.slices else state)
 
     # -- checkpoints -------------------------------------------------------------------------
 

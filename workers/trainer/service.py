@@ -50,13 +50,11 @@ from protocol.jobs import (
 )
 from protocol.records import CheckpointRecord, WorkerRecord
 from workers.bus import WorkerBus
-from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
-from workers.trainer.engine import Engine
 from workers.trainer.leases import LeaseKeeper
 from workers.trainer.operations import (
-    EngineOps,
     Result,
+    TrainerOps,
     failed_outcome,
     settled_outcome,
 )
@@ -90,18 +88,19 @@ class TrainerService:
     def __init__(
         self,
         bus: WorkerBus,
-        engine: Engine,
+        ops: TrainerOps,
         settings: WorkerSettings,
         executor: ThreadPoolExecutor | None = None,
         *,
-        metrics: TrainerMetrics | None = None,
         metrics_url: str = "",
     ) -> None:
         self.bus = bus
-        self.engine = engine
+        # every call on the model and its slots, on the engine thread (`workers.trainer.operations`)
+        self.ops = ops
+        self.model = ops.model  # read here: sizes, the pass size, the image geometry
+        self.residency = ops.residency  # read here: slots used and parked
         self.settings = settings
-        self.metrics = metrics if metrics is not None else TrainerMetrics()
-        self.ops = EngineOps(engine, settings, self.metrics)
+        self.metrics = ops.metrics
         self.metrics_url = metrics_url  # reported in the heartbeat
         self.sequencer: Sequencer[Msg | None] = Sequencer()
         self._wake = asyncio.Event()
@@ -135,7 +134,7 @@ class TrainerService:
             self.journal,
             self.sequencer,
             capture=self._capture,
-            has=lambda model_id: self.engine.has(model_id),
+            has=lambda model_id: self.residency.has(model_id),
             fail_model=self._fail_model,
         )
 
@@ -215,7 +214,7 @@ class TrainerService:
             self.ops.failed.pop(model_id, None)  # its new owner finds out for itself
         loop = asyncio.get_running_loop()
         for model_id in gone:
-            await loop.run_in_executor(self.executor, self.engine.release, model_id)
+            await loop.run_in_executor(self.executor, self.ops.release, model_id)
         if gone:
             log.info("shard %d: handed %d models over", shard, len(gone))
 
@@ -257,10 +256,10 @@ class TrainerService:
         loop = asyncio.get_running_loop()
 
         async def adopt(model_id: str, state: SlotState) -> None:
-            await loop.run_in_executor(self.executor, self.engine.adopt, model_id, state)
+            await loop.run_in_executor(self.executor, self.ops.adopt, model_id, state)
 
         async def release(model_id: str) -> None:
-            await loop.run_in_executor(self.executor, self.engine.release, model_id)
+            await loop.run_in_executor(self.executor, self.ops.release, model_id)
 
         await take_over(
             model_id,
@@ -303,16 +302,16 @@ class TrainerService:
                 worker_id=self.settings.worker_id,
                 pool=self.settings.pool,
                 base_model=self.settings.base_model,
-                arch=self.engine.arch,
-                vocab_size=self.engine.vocab_size,
-                max_context=self.engine.max_context,
+                arch=self.model.arch,
+                vocab_size=self.model.vocab_size,
+                max_context=self.model.max_context,
                 max_rank=self.settings.max_rank,
-                slots_total=self.engine.max_slots,
-                slots_used=self.engine.slots_used(),
+                slots_total=self.model.max_slots,
+                slots_used=self.residency.slots_used(),
                 heartbeat_at=time.time(),
                 sampler_backend=self.settings.sampler,
                 metrics_url=self.metrics_url,
-                vision=self.engine.geometry,
+                vision=self.model.geometry,
             )
             self._update_slot_gauges()
             key = subjects.worker_key(self.settings.pool, self.settings.worker_id)
@@ -375,7 +374,7 @@ class TrainerService:
         groups = [ready] if self.settings.merge else [{key: run} for key, run in ready.items()]
         now = time.time()
         return [
-            plan(group, self.engine.pass_tokens, now, self.fair_share.finish) for group in groups
+            plan(group, self.model.pass_tokens, now, self.fair_share.finish) for group in groups
         ]
 
     async def _run_cycle(self, cycle: Cycle[Msg | None]) -> None:
@@ -412,9 +411,9 @@ class TrainerService:
 
     def _update_slot_gauges(self) -> None:
         self.metrics.set_slots(
-            used=self.engine.slots_used(),
-            parked=len(self.engine.parked),
-            total=self.engine.max_slots,
+            used=self.residency.slots_used(),
+            parked=len(self.residency.parked),
+            total=self.model.max_slots,
         )
 
     async def _run(self, items: list[Item], fn: Callable[[list[Job]], list[Result]]) -> None:
@@ -625,14 +624,14 @@ class TrainerService:
         self.snapshots.forget(model_id)
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self.executor, self.engine.release, model_id)
+            await loop.run_in_executor(self.executor, self.ops.release, model_id)
         except Exception:
             log.exception("model %s: releasing its adapter failed", model_id)
 
     async def _capture(self, model_id: str) -> SlotState:
         """A host copy of the model's state (on the engine thread), for its snapshot."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.engine.capture, model_id)
+        return await loop.run_in_executor(self.executor, self.ops.capture, model_id)
 
     def _count(self, job: Job) -> None:
         """Usage of a completed op, by its tenant."""

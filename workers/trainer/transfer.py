@@ -67,6 +67,7 @@ from protocol.records import CheckpointRecord
 from protocol.rules import check_lora_config
 from workers.artifacts import ArtifactStore, staging_dir
 from workers.engine.lora import LayerGroup, LayerLayout
+from workers.engine.model import MultiSlotModel, load_causal_lm
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, expert_shape, expert_weights
 from workers.trainer.checkpoints import (
     ADAPTER_CONFIG,
@@ -80,22 +81,22 @@ from workers.trainer.checkpoints import (
     tensor_shapes,
     write_checkpoint,
 )
-from workers.trainer.engine import Engine, load_causal_lm
 from workers.trainer.expert_files import DOWN, GATE_UP, PER_EXPERT_NAMES, from_file
 from workers.trainer.parking import GROUP_FLAGS
+from workers.trainer.residency import Residency
 from workers.trainer.slot_checkpoints import StoredAdapter
 
 _PREFIX = "base_model.model."
 _BASE_COPY = ".base_layer.weight"
 
 
-def _adaptable(engine: Engine) -> list[str]:
+def _adaptable(residency: Residency) -> list[str]:
     """The layers an adapter may target: linears, and fused experts by their projections'
     names (Tinker's `w1`, per-expert `gate_proj`, PEFT's `target_parameters`)."""
-    experts = list(engine.slots.files.model.experts)
+    experts = list(residency.files.model.experts)
     names = [*PER_EXPERT_NAMES.values(), GATE_UP, DOWN]
     return [
-        *(layout.path for layout in engine.bank.whole_layouts),
+        *(layout.path for layout in residency.bank.whole_layouts),
         *(f"{path}.{name}" for path in experts for name in names),
     ]
 
@@ -137,32 +138,32 @@ def check_target_modules(config: dict[str, Any], adaptable: list[str]) -> None:
             )
 
 
-def _checked_adapter(engine: Engine, directory: Path) -> StoredAdapter:
+def _checked_adapter(residency: Residency, directory: Path) -> StoredAdapter:
     """The adapter in `directory`, checked against this model; a `UserError` otherwise.
 
     The tensor file's header is checked first (names and shapes, no data read), so a file
     that does not fit this model costs no memory; only then are the tensors loaded.
     """
     config = _read_config(directory / ADAPTER_CONFIG)
-    check_target_modules(config, _adaptable(engine))
+    check_target_modules(config, _adaptable(residency))
     alpha = config.get("lora_alpha")
     if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
         raise UserError(f"{ADAPTER_CONFIG}: lora_alpha {alpha!r} is not a positive number")
     _rank(config)
     scales = adapter_scales(config)
-    layouts = engine.bank.whole_layouts
-    experts = engine.slots.files.model.experts
-    with _fitting(engine):  # raises before any tensor is read
+    layouts = residency.bank.whole_layouts
+    experts = residency.files.model.experts
+    with _fitting(residency):  # raises before any tensor is read
         header = from_file(_header(directory / ADAPTER_WEIGHTS, layouts), experts, scales)
         _complete(header, layouts, scales.rank, meta=True)
-        _match(engine, header, scales.rank)
+        _match(residency, header, scales.rank)
         checkpoint = read_checkpoint(directory, with_optimizer=False, experts=experts)
         _complete(checkpoint.tensors, layouts, checkpoint.rank, meta=False)
-        groups = _match(engine, checkpoint.tensors, checkpoint.rank)
+        groups = _match(residency, checkpoint.tensors, checkpoint.rank)
     spec = LoraConfig(
         rank=checkpoint.rank, **{flag: group in groups for group, flag in GROUP_FLAGS.items()}
     )
-    check_lora_config(spec, engine.bank.max_rank)
+    check_lora_config(spec, residency.bank.max_rank)
     for key, tensor in checkpoint.tensors.items():
         if not bool(torch.isfinite(tensor).all()):
             raise UserError(f"{ADAPTER_WEIGHTS}: {key} holds non-finite values (NaN or inf)")
@@ -206,14 +207,14 @@ def _header(path: Path, layouts: Sequence[LayerLayout]) -> dict[str, torch.Tenso
     return {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
 
 
-def _match(engine: Engine, tensors: dict[str, torch.Tensor], rank: int) -> set[LayerGroup]:
+def _match(residency: Residency, tensors: dict[str, torch.Tensor], rank: int) -> set[LayerGroup]:
     """`match_layers` on these tensors (the trainer's form)."""
     probe = AdapterCheckpoint(base_model="", rank=rank, lora_alpha=1.0, tensors=tensors)
-    return match_layers(probe, engine.bank.whole_layouts, max_rank=engine.bank.max_rank)
+    return match_layers(probe, residency.bank.whole_layouts, max_rank=residency.bank.max_rank)
 
 
 @contextmanager
-def _fitting(engine: Engine) -> Iterator[None]:
+def _fitting(residency: Residency) -> Iterator[None]:
     """A shape error says so when the shapes are another model's."""
     try:
         yield
@@ -221,7 +222,7 @@ def _fitting(engine: Engine) -> Iterator[None]:
         if "has shape" in error.message:
             raise UserError(
                 f"{error.message}: the adapter was trained on a base model with other shapes"
-                f" than {engine.base_model!r}"
+                f" than {residency.files.base_model!r}"
             ) from None
         raise
 
@@ -255,7 +256,8 @@ def _complete(
 
 
 def import_adapter(
-    engine: Engine,
+    model: MultiSlotModel,
+    residency: Residency,
     root: Path,
     job: ImportAdapterJob,
     store: ArtifactStore | None = None,
@@ -277,10 +279,10 @@ def import_adapter(
         assert staging is not None
         if not staging.is_dir():
             raise UserError(f"upload {job.staging_id!r} is gone from the checkpoint store")
-        stored = _checked_adapter(engine, staging)
+        stored = _checked_adapter(residency, staging)
         temporary = target.with_name(target.name + ".tmp")
         shutil.rmtree(temporary, ignore_errors=True)
-        size = _write_imported(engine, stored, temporary, job)
+        size = _write_imported(residency, stored, temporary, job)
         if job.max_bytes and size > job.max_bytes:
             shutil.rmtree(temporary, ignore_errors=True)
             raise UserError(
@@ -311,7 +313,7 @@ def import_adapter(
         directory="" if store is not None else str(target),
         created_at=now,
         size_bytes=size,
-        base_model=engine.base_model,
+        base_model=residency.files.base_model,
         lora=stored.spec,
         with_optimizer=True,
         user_metadata={"imported": "peft"},
@@ -333,7 +335,7 @@ def _staged_upload(store: ArtifactStore, job: ImportAdapterJob) -> Path:
 
 
 def _write_imported(
-    engine: Engine, stored: StoredAdapter, directory: Path, job: ImportAdapterJob
+    residency: Residency, stored: StoredAdapter, directory: Path, job: ImportAdapterJob
 ) -> int:
     checkpoint = stored.checkpoint
     # PEFT stores a copy of the base weight beside an adapted lm_head: never ours to keep
@@ -349,19 +351,20 @@ def _write_imported(
         for moment in MOMENTS
     }
     checkpoint.step = 0
-    checkpoint.base_model = engine.base_model
+    checkpoint.base_model = residency.files.base_model
     checkpoint.meta = {
         "model_id": job.model_id,
         "seq_id": job.seq_id,
-        "base_model": engine.base_model,
+        "base_model": residency.files.base_model,
         "saved_at": time.time(),
         "imported_from": "peft",
     }
-    return write_checkpoint(directory, checkpoint, kind="weights", model=engine.slots.files.model)
+    return write_checkpoint(directory, checkpoint, kind="weights", model=residency.files.model)
 
 
 def export_merged(
-    engine: Engine,
+    model: MultiSlotModel,
+    residency: Residency,
     root: Path,
     job: ExportMergedJob,
     store: ArtifactStore | None = None,
@@ -382,7 +385,7 @@ def export_merged(
     if not source.is_dir():
         raise UserError(f"path: checkpoint {job.path!r} has no files in the checkpoint store")
     try:
-        stored = engine.slots.files.read(source, with_optimizer=False)
+        stored = residency.files.read(source, with_optimizer=False)
         temporary = target.with_name(target.name + ".tmp")
         shutil.rmtree(temporary, ignore_errors=True)
         if job.layout is not None:
@@ -390,11 +393,11 @@ def export_merged(
                 temporary,
                 stored.checkpoint,
                 kind="sampler_weights",
-                model=engine.slots.files.model,
+                model=residency.files.model,
                 layout=job.layout,
             )
         else:
-            _write_merged(engine, stored, temporary)
+            _write_merged(model, stored, temporary)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(temporary, target)
         files = [
@@ -412,16 +415,16 @@ def export_merged(
     return answer
 
 
-def _write_merged(engine: Engine, stored: StoredAdapter, directory: Path) -> None:
-    model = load_causal_lm(engine.base_model, engine.dtype)
+def _write_merged(model: MultiSlotModel, stored: StoredAdapter, directory: Path) -> None:
+    base = load_causal_lm(model.base_model, model.dtype)
     try:
-        _merge(model, stored)
-        model.save_pretrained(directory, safe_serialization=True)
+        _merge(base, stored)
+        base.save_pretrained(directory, safe_serialization=True)
     finally:
-        del model
+        del base
         gc.collect()
     try:
-        AutoTokenizer.from_pretrained(engine.base_model).save_pretrained(directory)
+        AutoTokenizer.from_pretrained(model.base_model).save_pretrained(directory)
     except (OSError, ValueError):
         pass  # a base model without a tokenizer: the weights and config are the export
 

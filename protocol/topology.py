@@ -82,7 +82,7 @@ class BucketSpec:
 
 
 def buckets(futures_ttl_s: float) -> tuple[BucketSpec, ...]:
-    """Every KV bucket of DESIGN.md §4."""
+    """Every KV bucket (docs/architecture.md, "State")."""
     return (
         BucketSpec(subjects.BUCKET_FUTURES, ttl_s=futures_ttl_s),
         BucketSpec(subjects.BUCKET_SESSIONS),

@@ -1,6 +1,6 @@
 """Training endpoints: create_model, get_info, forward_backward, optim_step, save, load.
 
-Step 1 of the request flow (DESIGN.md §3): read only what the call is routed on, check that the
+Step 1 of the request flow (docs/architecture.md): read only what the call is routed on, check that the
 caller owns the model, then hand the call to `sequenced.submit_sequenced`, which spends and
 settles its `seq_id` (claim, tombstone on refusal, pending future, publish). Each handler's
 `build` does the rest of the validation, so a refusal after ownership still settles the seq.

@@ -5,7 +5,7 @@ and the checks a request passes before it joins a pass. The engine computes the 
 log-prob `lp` of every target token; a `LossFn` maps one datum's `lp` (plus its
 `loss_fn_inputs` and resolved settings) to an elementwise loss.
 
-Invariants (Tinker semantics, reference/losses.md §1–§2):
+Invariants (Tinker's semantics; docs/compatibility.md lists each loss):
 - A datum's loss is a plain SUM of its elementwise loss over positions (and over K for [N, K]
   targets): no mean, no normalisation. A request's loss is the sum over its datums, so results
   do not depend on how the client chunked its data; normalising is the client's job.

@@ -5,9 +5,10 @@ Job: `GroupOps` is rank 0's `workers.trainer.operations.TrainerOps`. It composes
 `EngineOps` (no subclass): each call (a cycle's jobs, a release, a capture, an adopt, a torch
 sampler step, a calibration) is first sent to the other ranks (`workers.group.wire`, over gloo
 on the host), then run here while they run it too, so the collectives inside (expert
-parallelism, gathered checkpoints) meet. A cycle's jobs travel as the bytes the bus delivered,
-and every rank decodes, validates and runs them with the same code as a single-device worker
-(`EngineOps`); the other ranks' `EngineOps` write no files (`writes=False`). `follow` is the loop
+parallelism, gathered checkpoints) meet. A cycle's jobs travel as the bus carries them
+(`protocol.jobs.encode_job`), and every rank decodes, validates and runs them with the same
+code as a single-device worker (`EngineOps`); the other ranks' `EngineOps` write no files
+(`writes=False`), and where a file's presence decides, rank 0's answer stands. `follow` is the loop
 of every other rank: receive a call, run it, repeat. Reads (sizes, `has`, `spec`) stay on rank 0,
 whose bookkeeping is the same as every rank's.
 

@@ -4,10 +4,10 @@ Job: encode each engine-thread call of rank 0 (`workers.group.mirror`) as one ms
 (msgspec), tensors as raw little-endian bytes with their dtype and shape, and decode it on the
 other ranks. No pickle: a message is data, never code.
 
-Messages are `Call` structs tagged by their name. The trainer's jobs travel as the bytes the bus
-delivered (`Jobs`), with the pass size, so every rank decodes and validates them with the same
-code and packs the same passes; an adopt carries the state rank 0 read from a snapshot, in one
-device's layout; a sampler step carries its requests with their seeds fixed.
+Messages are `Call` structs tagged by their name. The trainer's jobs travel encoded as the bus
+carries them (`Jobs`), with the pass size, so every rank decodes and validates them with the
+same code and packs the same passes; an adopt carries the state rank 0 read from a snapshot, in
+one device's layout; a sampler step carries its requests with their seeds fixed.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class Call(msgspec.Struct, tag=True, array_like=True, frozen=True):
 
 class Jobs(Call, frozen=True):
     """The jobs of one engine-thread call of the trainer's operations (`kind`: `shared_pass`,
-    `optim_steps` or `other`), each the bytes of a job as the bus carries them; the pass size
-    and the failed models, as rank 0 has them now."""
+    `optim_steps` or `other`), each encoded as the bus carries it (`protocol.jobs.encode_job`);
+    the pass size and the failed models, as rank 0 has them now."""
 
     kind: str
     jobs: list[bytes]

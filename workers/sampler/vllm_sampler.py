@@ -23,7 +23,7 @@ full rows, bounded: (len(prompt) - 1) x vocabulary cells at most `MAX_FULL_ROW_C
 `UserError` (the torch sampler serves any length). The draws are made here, from those rows,
 with a generator seeded from the request's seed.
 
-Work-arounds for vLLM 0.32 (see the reference environment notes, §5):
+Work-arounds for vLLM 0.32 (docs/architecture.md, "Sampling"):
 - `lora_target_modules` is pinned to the attention and MLP projections. Without it, vLLM wraps
   `lm_head` for LoRA and any batch of more than one request with `prompt_logprobs` kills the
   engine. So adapters that train `lm_head` or the embedding (`train_unembed`) are refused with

@@ -1,4 +1,4 @@
-"""Checkpoint files of one adapter, in PEFT's on-disk layout (DESIGN.md §4).
+"""Checkpoint files of one adapter, in PEFT's on-disk layout (docs/architecture.md, "State").
 
 Job: write and read a checkpoint directory. Both kinds hold `adapter_config.json` and
 `adapter_model.safetensors`; a `weights` checkpoint adds `optimizer.safetensors` (AdamW moments)

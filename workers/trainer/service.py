@@ -1,6 +1,6 @@
 """The trainer worker service: shard consumers → sequencer → scheduler → engine → outcomes.
 
-Step 3 (DESIGN.md §3): every op of the owned shards is offered to the per-model sequencer.
+Step 3 (docs/architecture.md): every op of the owned shards is offered to the per-model sequencer.
 Step 4: each cycle plans one shared forward/backward pass across models, one fused optimizer
 step, then saves/loads (`workers/trainer/scheduler.py`; with `--no-merge`, one model's per cycle), and
 runs them on the engine's single thread.

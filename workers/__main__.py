@@ -275,6 +275,7 @@ async def serve(settings: WorkerSettings) -> None:
             from workers.group.launch import start_group
 
             group = await asyncio.to_thread(start_group, settings, TrainerMetrics(registry))
+            assert group.ops is not None
             ops = group.ops
         else:
             model = build_model(settings, settings.max_slots)
@@ -286,7 +287,7 @@ async def serve(settings: WorkerSettings) -> None:
         else:
             from workers.trainer.calibration import cached_or_measured
 
-            measure = group.ops.calibrate if group is not None else cached_or_measured
+            measure = group.ops.calibrate if group is not None and group.ops else cached_or_measured
             found = await asyncio.to_thread(
                 measure, model, settings.data_dir / "calibration", torch.get_num_threads()
             )
@@ -312,7 +313,7 @@ async def serve(settings: WorkerSettings) -> None:
             from workers.sampler.torch_sampler import TorchSampler
 
             # a group's sampler steps run on every rank (the model is split between them)
-            steps = group.ops.sample_step if group is not None else None
+            steps = group.ops.sample_step if group is not None and group.ops else None
             sampler = TorchSampler(model, ops.residency)  # the residency keeps its snapshots
             backend = TorchBackend(sampler, service.executor, steps)
             sampling = SamplerService(

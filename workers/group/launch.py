@@ -23,11 +23,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.group.runtime import GroupSpec, free_port, join, leave, ready
 from workers.metrics import TrainerMetrics
 from workers.settings import WorkerSettings
+
+if TYPE_CHECKING:  # rank 0 imports the group's torch side only once it starts one
+    from workers.group.mirror import GroupOps
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class Group:
     """Rank 0's view of its group: its operations, run on every rank, and the other ranks'
     processes."""
 
-    ops: Any  # `workers.group.mirror.GroupOps`
+    ops: GroupOps | None
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     stopping: bool = False
 
@@ -87,7 +90,8 @@ class Group:
     def stop(self, timeout_s: float = 15.0) -> None:
         """A clean stop: the other ranks leave, then this one."""
         self.stopping = True
-        self.ops.stop_group()
+        if self.ops is not None:
+            self.ops.stop_group()
         deadline = time.monotonic() + timeout_s
         for child in self.children:
             try:

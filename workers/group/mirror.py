@@ -251,19 +251,21 @@ def follow(ops: EngineOps, channel: Channel) -> None:
         _agree(collective, failed=False)
 
 
-def _apply(ops: EngineOps, call: wire.AnyCall) -> Any:
+def _apply(ops: EngineOps, call: wire.AnyCall) -> None:
+    """Run one of rank 0's calls here; its result is rank 0's to report."""
     if isinstance(call, wire.Jobs):
         ops.model.pass_tokens = call.pass_tokens
         ops.failed.clear()
         ops.failed.update(call.failed)
         run = {"shared_pass": ops.shared_pass, "optim_steps": ops.optim_steps, "other": ops.other}
-        return run[call.kind]([decode_job(data) for data in call.jobs])
-    if isinstance(call, wire.Release):
-        return ops.release(call.model_id)
-    if isinstance(call, wire.Capture):
-        return ops.capture(call.model_id)
-    if isinstance(call, wire.Adopt):
-        return ops.adopt(call.model_id, wire.unpack_state(call.state))
-    if isinstance(call, wire.Calibrate):
-        return measure(ops.model)
-    raise GroupBroken(f"unknown group call {type(call).__name__}")
+        run[call.kind]([decode_job(data) for data in call.jobs])
+    elif isinstance(call, wire.Release):
+        ops.release(call.model_id)
+    elif isinstance(call, wire.Capture):
+        ops.capture(call.model_id)
+    elif isinstance(call, wire.Adopt):
+        ops.adopt(call.model_id, wire.unpack_state(call.state))
+    elif isinstance(call, wire.Calibrate):
+        measure(ops.model)
+    else:
+        raise GroupBroken(f"unknown group call {type(call).__name__}")

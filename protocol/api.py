@@ -17,7 +17,6 @@ The protobuf bodies (forward_backward in, ForwardBackwardOutput and SampleRespon
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -32,18 +31,18 @@ CheckpointType = Literal["training", "sampler", "external"]
 SamplingClientKind = Literal["snapshot", "inflight"]
 
 
-class _Request(msgspec.Struct, frozen=True):
+class RequestBody(msgspec.Struct, frozen=True):
     """Base of request bodies: lenient by default (unknown fields are ignored)."""
 
 
-class _Response(msgspec.Struct, frozen=True, omit_defaults=True):
+class ResponseBody(msgspec.Struct, frozen=True, omit_defaults=True):
     """Base of response bodies: `None` optionals are not written."""
 
 
 # -- shared pieces ------------------------------------------------------------------------------
 
 
-class LoraConfig(_Request, frozen=True):
+class LoraConfig(RequestBody, frozen=True):
     """The adapter shape of `create_model`; at least one `train_*` flag is true (client-checked)."""
 
     rank: int = 32
@@ -67,7 +66,7 @@ OptimizerConfig = AdamOptimizerConfig | DimuonOptimizerConfig
 ADAMW = AdamOptimizerConfig()
 
 
-class AdamParams(_Request, frozen=True):
+class AdamParams(RequestBody, frozen=True):
     """One `optim_step`'s AdamW hyper-parameters; the SDK always sends every field."""
 
     learning_rate: float = 1e-4
@@ -78,7 +77,7 @@ class AdamParams(_Request, frozen=True):
     grad_clip_norm: float = 0.0
 
 
-class DimuonParams(_Request, frozen=True, tag_field="type", tag="dimuon"):
+class DimuonParams(RequestBody, frozen=True, tag_field="type", tag="dimuon"):
     """One `optim_step`'s Dimuon hyper-parameters (sent as `optimizer_params`)."""
 
     learning_rate: float
@@ -89,7 +88,7 @@ class DimuonParams(_Request, frozen=True, tag_field="type", tag="dimuon"):
 # -- service and session ------------------------------------------------------------------------
 
 
-class ClientConfigRequest(_Request, frozen=True):
+class ClientConfigRequest(RequestBody, frozen=True):
     """Body of `client/config` and `client/dynamic_config`."""
 
     sdk_version: str = ""
@@ -125,7 +124,7 @@ class ClientDynamicConfigResponse(msgspec.Struct, frozen=True):
     sample_cancel_max_batch_size: int = 64
 
 
-class SupportedModel(_Response, frozen=True):
+class SupportedModel(ResponseBody, frozen=True):
     """One entry of `get_server_capabilities`."""
 
     model_name: str | None = None
@@ -134,7 +133,7 @@ class SupportedModel(_Response, frozen=True):
     sampleable: bool | None = None
 
 
-class GetServerCapabilitiesResponse(_Response, frozen=True):
+class GetServerCapabilitiesResponse(ResponseBody, frozen=True):
     """The base models this deployment serves (informational: the SDK does not enforce it)."""
 
     supported_models: list[SupportedModel]
@@ -146,7 +145,7 @@ class HealthResponse(msgspec.Struct, frozen=True):
     status: Literal["ok"] = "ok"
 
 
-class CreateSessionRequest(_Request, frozen=True, tag_field="type", tag="create_session"):
+class CreateSessionRequest(RequestBody, frozen=True, tag_field="type", tag="create_session"):
     """Open a session; the SDK sends `tags` and `user_metadata` even when empty."""
 
     tags: list[str] = []
@@ -156,7 +155,7 @@ class CreateSessionRequest(_Request, frozen=True, tag_field="type", tag="create_
     display_name: str | None = None
 
 
-class CreateSessionResponse(_Response, frozen=True, tag_field="type", tag="create_session"):
+class CreateSessionResponse(ResponseBody, frozen=True, tag_field="type", tag="create_session"):
     """The new session's id; the messages are logged client-side at info/warning/error level."""
 
     session_id: str
@@ -165,30 +164,32 @@ class CreateSessionResponse(_Response, frozen=True, tag_field="type", tag="creat
     error_message: str | None = None
 
 
-class SessionHeartbeatRequest(_Request, frozen=True, tag_field="type", tag="session_heartbeat"):
+class SessionHeartbeatRequest(RequestBody, frozen=True, tag_field="type", tag="session_heartbeat"):
     """Sent every 10 s while a session lives."""
 
     session_id: str
 
 
-class SessionHeartbeatResponse(_Response, frozen=True, tag_field="type", tag="session_heartbeat"):
+class SessionHeartbeatResponse(
+    ResponseBody, frozen=True, tag_field="type", tag="session_heartbeat"
+):
     """Acknowledges a heartbeat (a 410 instead tells the client the session is over)."""
 
 
-class SessionFinishReason(_Request, frozen=True):
+class SessionFinishReason(RequestBody, frozen=True):
     """Why a client closed its session: `success`, `errored` or `interrupted`."""
 
     type: str = "success"
 
 
-class SessionFinishRequest(_Request, frozen=True):
+class SessionFinishRequest(RequestBody, frozen=True):
     """Body of `POST /sessions/{session_id}/finish`."""
 
     reason: SessionFinishReason = SessionFinishReason()
     detail: str | None = None
 
 
-class TelemetryRequest(_Request, frozen=True):
+class TelemetryRequest(RequestBody, frozen=True):
     """Client telemetry; accepted and not interpreted, so every field is optional."""
 
     events: list[Any] = []
@@ -207,7 +208,7 @@ class TelemetryResponse(msgspec.Struct, frozen=True):
 # -- training -----------------------------------------------------------------------------------
 
 
-class CreateModelRequest(_Request, frozen=True, tag_field="type", tag="create_model"):
+class CreateModelRequest(RequestBody, frozen=True, tag_field="type", tag="create_model"):
     """Create a LoRA training model; its id is `{session_id}:train:{model_seq_id}`."""
 
     session_id: str
@@ -218,13 +219,13 @@ class CreateModelRequest(_Request, frozen=True, tag_field="type", tag="create_mo
     optimizer_config: OptimizerConfig = ADAMW
 
 
-class GetInfoRequest(_Request, frozen=True, tag_field="type", tag="get_info"):
+class GetInfoRequest(RequestBody, frozen=True, tag_field="type", tag="get_info"):
     """Ask for a training model's description (answered synchronously)."""
 
     model_id: str
 
 
-class ModelData(_Response, frozen=True):
+class ModelData(ResponseBody, frozen=True):
     """What the model is; `model_name` must be set or the SDK's `get_tokenizer()` asserts."""
 
     arch: str | None = None
@@ -232,7 +233,7 @@ class ModelData(_Response, frozen=True):
     tokenizer_id: str | None = None
 
 
-class GetInfoResponse(_Response, frozen=True, tag_field="type", tag="get_info"):
+class GetInfoResponse(ResponseBody, frozen=True, tag_field="type", tag="get_info"):
     """A training model's description."""
 
     model_id: str
@@ -243,7 +244,7 @@ class GetInfoResponse(_Response, frozen=True, tag_field="type", tag="get_info"):
     model_name: str | None = None
 
 
-class OptimStepRequest(_Request, frozen=True, tag_field="type", tag="optim_step"):
+class OptimStepRequest(RequestBody, frozen=True, tag_field="type", tag="optim_step"):
     """Apply the accumulated gradients: `adam_params` for AdamW, `optimizer_params` otherwise."""
 
     model_id: str
@@ -252,7 +253,7 @@ class OptimStepRequest(_Request, frozen=True, tag_field="type", tag="optim_step"
     optimizer_params: DimuonParams | None = None
 
 
-class SaveWeightsRequest(_Request, frozen=True, tag_field="type", tag="save_weights"):
+class SaveWeightsRequest(RequestBody, frozen=True, tag_field="type", tag="save_weights"):
     """`save_state`: adapter and optimizer state under `tinker://<run>/weights/<path>`."""
 
     model_id: str
@@ -264,7 +265,7 @@ class SaveWeightsRequest(_Request, frozen=True, tag_field="type", tag="save_weig
 
 
 class SaveWeightsForSamplerRequest(
-    _Request, frozen=True, tag_field="type", tag="save_weights_for_sampler"
+    RequestBody, frozen=True, tag_field="type", tag="save_weights_for_sampler"
 ):
     """Named (`path`) or ephemeral (`sampling_session_seq_id`, no path) weights for sampling."""
 
@@ -278,7 +279,7 @@ class SaveWeightsForSamplerRequest(
     overwrite: bool = False  # not sent by the SDK: a named sampler checkpoint is never replaced
 
 
-class LoadWeightsRequest(_Request, frozen=True, tag_field="type", tag="load_weights"):
+class LoadWeightsRequest(RequestBody, frozen=True, tag_field="type", tag="load_weights"):
     """Load a checkpoint, addressed one of two ways.
 
     Create-via-load (`session_id` + `model_seq_id`): the load creates the model, implicitly
@@ -313,7 +314,7 @@ class LoadWeightsRequest(_Request, frozen=True, tag_field="type", tag="load_weig
         return self.session_id is not None
 
 
-class WeightsInfoRequest(_Request, frozen=True):
+class WeightsInfoRequest(RequestBody, frozen=True):
     """Body of `POST /weights_info`."""
 
     tinker_path: str
@@ -322,7 +323,7 @@ class WeightsInfoRequest(_Request, frozen=True):
 # -- futures ------------------------------------------------------------------------------------
 
 
-class UntypedAPIFuture(_Response, frozen=True):
+class UntypedAPIFuture(ResponseBody, frozen=True):
     """The immediate answer of every asynchronous submit."""
 
     request_id: str
@@ -330,14 +331,14 @@ class UntypedAPIFuture(_Response, frozen=True):
     sample_sequence_ids: list[str] | None = None
 
 
-class FutureRetrieveRequest(_Request, frozen=True):
+class FutureRetrieveRequest(RequestBody, frozen=True):
     """One long-poll for a future's result."""
 
     request_id: str
     allow_metadata_only: bool = False
 
 
-class TryAgainResponse(_Response, frozen=True, tag_field="type", tag="try_again"):
+class TryAgainResponse(ResponseBody, frozen=True, tag_field="type", tag="try_again"):
     """Not ready yet: the SDK polls again at once, so send this only after a long-poll."""
 
     request_id: str
@@ -352,33 +353,33 @@ class CompleteMetadataResponse(msgspec.Struct, frozen=True):
     status: Literal["complete_metadata"] = "complete_metadata"
 
 
-class RequestFailedResponse(_Response, frozen=True):
+class RequestFailedResponse(ResponseBody, frozen=True):
     """A failed future (HTTP 200); the SDK raises `RequestFailedError` and does not retry."""
 
     error: str
     category: ErrorCategory
 
 
-class CreateModelResponse(_Response, frozen=True, tag_field="type", tag="create_model"):
+class CreateModelResponse(ResponseBody, frozen=True, tag_field="type", tag="create_model"):
     """Result of a `create_model` future."""
 
     model_id: str
 
 
-class OptimStepResponse(_Response, frozen=True):
+class OptimStepResponse(ResponseBody, frozen=True):
     """Result of an `optim_step` future; metric keys are free-form (not reduced by the SDK)."""
 
     metrics: dict[str, float] | None = None
 
 
-class SaveWeightsResponse(_Response, frozen=True, tag_field="type", tag="save_weights"):
+class SaveWeightsResponse(ResponseBody, frozen=True, tag_field="type", tag="save_weights"):
     """Result of a `save_weights` future: `tinker://<run>/weights/<name>`."""
 
     path: str
 
 
 class SaveWeightsForSamplerResponse(
-    _Response, frozen=True, tag_field="type", tag="save_weights_for_sampler"
+    ResponseBody, frozen=True, tag_field="type", tag="save_weights_for_sampler"
 ):
     """`path` for a named save, `sampling_session_id` for an ephemeral one (the SDK asserts)."""
 
@@ -386,107 +387,29 @@ class SaveWeightsForSamplerResponse(
     sampling_session_id: str | None = None
 
 
-class LoadWeightsResponse(_Response, frozen=True, tag_field="type", tag="load_weights"):
+class LoadWeightsResponse(ResponseBody, frozen=True, tag_field="type", tag="load_weights"):
     """Result of a `load_weights` future."""
 
     path: str | None = None
     model_id: str | None = None
 
 
-class UnloadModelResponse(_Response, frozen=True, tag_field="type", tag="unload_model"):
+class UnloadModelResponse(ResponseBody, frozen=True, tag_field="type", tag="unload_model"):
     """Result of an `unload_model` future: the adapter is gone from its worker."""
 
     model_id: str
 
 
-# -- REST: runs and checkpoints -----------------------------------------------------------------
-
-
-def _aware(value: datetime) -> datetime:
-    """A naive datetime is taken as UTC so that it is always written with a timezone."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
-class Checkpoint(_Response, frozen=True):
-    """A stored checkpoint; `checkpoint_id` is `<segment>/<name>` and contains a slash."""
-
-    checkpoint_id: str
-    checkpoint_type: CheckpointType
-    time: datetime
-    tinker_path: str
-    size_bytes: int | None = None
-    public: bool = False
-    user_metadata: dict[str, str] | None = None
-    expires_at: datetime | None = None
-
-    def __post_init__(self) -> None:
-        msgspec.structs.force_setattr(self, "time", _aware(self.time))
-        if self.expires_at is not None:
-            msgspec.structs.force_setattr(self, "expires_at", _aware(self.expires_at))
-
-
-class TrainingRun(_Response, frozen=True):
-    """A training model as the REST API lists it; `training_run_id` equals its `model_id`."""
-
-    training_run_id: str
-    base_model: str
-    model_owner: str
-    is_lora: bool
-    last_request_time: datetime
-    corrupted: bool = False
-    lora_rank: int | None = None
-    last_checkpoint: Checkpoint | None = None
-    last_sampler_checkpoint: Checkpoint | None = None
-    user_metadata: dict[str, str] | None = None
-
-    def __post_init__(self) -> None:
-        msgspec.structs.force_setattr(self, "last_request_time", _aware(self.last_request_time))
-
-
-class Cursor(_Response, frozen=True):
-    """Pagination of a listing."""
-
-    offset: int
-    limit: int
-    total_count: int
-
-
-class TrainingRunsResponse(_Response, frozen=True):
-    """`GET /training_runs`; the cursor is required."""
-
-    training_runs: list[TrainingRun]
-    cursor: Cursor
-
-
-class CheckpointsListResponse(_Response, frozen=True):
-    """`GET /training_runs/{id}/checkpoints` (and `/checkpoints`)."""
-
-    checkpoints: list[Checkpoint]
-    cursor: Cursor | None = None
-
-
-class WeightsInfoResponse(_Response, frozen=True):
-    """What a checkpoint needs to be loaded."""
-
-    base_model: str
-    is_lora: bool
-    optimizer_config: OptimizerConfig = ADAMW
-    lora_rank: int | None = None
-    train_unembed: bool | None = None
-    train_mlp: bool | None = None
-    train_attn: bool | None = None
-
-
 # -- sampling -----------------------------------------------------------------------------------
 
 
-class EncodedTextChunk(_Request, frozen=True, tag_field="type", tag="encoded_text"):
+class EncodedTextChunk(RequestBody, frozen=True, tag_field="type", tag="encoded_text"):
     """Token ids."""
 
     tokens: list[int]
 
 
-class ImageChunk(_Request, frozen=True, tag_field="type", tag="image"):
+class ImageChunk(RequestBody, frozen=True, tag_field="type", tag="image"):
     """An inline image (base64 on the wire)."""
 
     data: bytes
@@ -494,7 +417,7 @@ class ImageChunk(_Request, frozen=True, tag_field="type", tag="image"):
     expected_tokens: int | None = None
 
 
-class ImageAssetPointerChunk(_Request, frozen=True, tag_field="type", tag="image_asset_pointer"):
+class ImageAssetPointerChunk(RequestBody, frozen=True, tag_field="type", tag="image_asset_pointer"):
     """An image by reference."""
 
     location: str
@@ -502,7 +425,7 @@ class ImageAssetPointerChunk(_Request, frozen=True, tag_field="type", tag="image
     expected_tokens: int | None = None
 
 
-class DmelChunk(_Request, frozen=True, tag_field="type", tag="dmel"):
+class DmelChunk(RequestBody, frozen=True, tag_field="type", tag="dmel"):
     """Audio tokens as serialized tensor bytes (base64 on the wire)."""
 
     dmel: bytes
@@ -511,13 +434,13 @@ class DmelChunk(_Request, frozen=True, tag_field="type", tag="dmel"):
 ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk | DmelChunk
 
 
-class ModelInput(_Request, frozen=True):
+class ModelInput(RequestBody, frozen=True):
     """A prompt: chunks of one tagged union, each with its `type`."""
 
     chunks: list[ModelInputChunk] = []
 
 
-class TensorData(_Request, frozen=True):
+class TensorData(RequestBody, frozen=True):
     """JSON TensorData: flat row-major `data`, optionally sparse CSR over a 2-D `shape`."""
 
     data: list[int | float]
@@ -527,7 +450,7 @@ class TensorData(_Request, frozen=True):
     sparse_col_indices: list[int] | None = None
 
 
-class SamplingParams(_Request, frozen=True):
+class SamplingParams(RequestBody, frozen=True):
     """Generation settings; `stop` absent means stop at EOS, `[]` means never stop early."""
 
     max_tokens: int | None = None
@@ -539,7 +462,7 @@ class SamplingParams(_Request, frozen=True):
 
 
 class CreateSamplingSessionRequest(
-    _Request, frozen=True, tag_field="type", tag="create_sampling_session"
+    RequestBody, frozen=True, tag_field="type", tag="create_sampling_session"
 ):
     """Open a sampling session over a base model or a `tinker://` sampler checkpoint."""
 
@@ -550,14 +473,14 @@ class CreateSamplingSessionRequest(
 
 
 class CreateSamplingSessionResponse(
-    _Response, frozen=True, tag_field="type", tag="create_sampling_session"
+    ResponseBody, frozen=True, tag_field="type", tag="create_sampling_session"
 ):
     """The new sampling session's id."""
 
     sampling_session_id: str
 
 
-class GetSamplerResponse(_Response, frozen=True):
+class GetSamplerResponse(ResponseBody, frozen=True):
     """`GET /samplers/{sampler_id}`."""
 
     sampler_id: str
@@ -565,7 +488,7 @@ class GetSamplerResponse(_Response, frozen=True):
     model_path: str | None = None
 
 
-class SampleRequest(_Request, frozen=True, tag_field="type", tag="sample"):
+class SampleRequest(RequestBody, frozen=True, tag_field="type", tag="sample"):
     """`asample`: the answer must carry one `sample_sequence_ids` entry per sample."""
 
     prompt: ModelInput
@@ -587,7 +510,7 @@ class SampleRequest(_Request, frozen=True, tag_field="type", tag="sample"):
 # -- REST: one checkpoint's lifecycle, exports, copies, sessions ------------------------------
 
 
-class CreateCustomLossRequest(_Request, frozen=True, tag_field="type", tag="create_custom_loss"):
+class CreateCustomLossRequest(RequestBody, frozen=True, tag_field="type", tag="create_custom_loss"):
     """Upload a traced loss (`ServiceClient.create_custom_loss`); see `protocol.custom_loss`."""
 
     session_id: str
@@ -597,30 +520,16 @@ class CreateCustomLossRequest(_Request, frozen=True, tag_field="type", tag="crea
     graph: LossGraph
 
 
-class CreateCustomLossResponse(_Response, frozen=True, tag_field="type", tag="create_custom_loss"):
+class CreateCustomLossResponse(
+    ResponseBody, frozen=True, tag_field="type", tag="create_custom_loss"
+):
     """The future result of `create_custom_loss`: the id `forward_backward` names it by."""
 
     loss_id: str
 
 
-class CheckpointTtlRequest(_Request, frozen=True):
-    """Body of `PUT /training_runs/{run}/checkpoints/{checkpoint_id}/ttl`; null clears the TTL."""
-
-    ttl_seconds: int | None
-
-
-class ExternalWeightsUrlsResponse(_Response, frozen=True):
-    """A signed download URL per file of a checkpoint, keyed by file name, valid until `expires`."""
-
-    urls: dict[str, str]
-    expires: datetime
-
-    def __post_init__(self) -> None:
-        msgspec.structs.force_setattr(self, "expires", _aware(self.expires))
-
-
 class SaveWeightsExternalRequest(
-    _Request, frozen=True, tag_field="type", tag="save_weights_external"
+    RequestBody, frozen=True, tag_field="type", tag="save_weights_external"
 ):
     """Export the adapter as PEFT files under `tinker://<run>/external_weights/<path>`."""
 
@@ -632,7 +541,7 @@ class SaveWeightsExternalRequest(
 
 
 class SaveWeightsExternalResponse(
-    _Response, frozen=True, tag_field="type", tag="save_weights_external"
+    ResponseBody, frozen=True, tag_field="type", tag="save_weights_external"
 ):
     """Result of a `save_weights_external` future."""
 
@@ -640,44 +549,11 @@ class SaveWeightsExternalResponse(
     size_bytes: int | None = None
 
 
-class UnloadModelRequest(_Request, frozen=True, tag_field="type", tag="unload_model"):
+class UnloadModelRequest(RequestBody, frozen=True, tag_field="type", tag="unload_model"):
     """Release a training model's adapter (older SDKs); the SDK sends no `seq_id`."""
 
     model_id: str
     seq_id: int | None = None
-
-
-class CopyWeightsRequest(_Request, frozen=True):
-    """Copy a checkpoint into a new, untrainable run: in a session (`session_id` +
-    `model_seq_id`) or, without one, for a `destination_project_id`."""
-
-    source_path: str
-    session_id: str | None = None
-    model_seq_id: int | None = None
-    destination_project_id: str | None = None
-    ttl_seconds: int | None = None
-    weights_access_token: str | None = None
-
-
-class CopyWeightsResponse(_Response, frozen=True):
-    """The answer of `copy_weights` (synchronous): where the copy is."""
-
-    tinker_path: str
-
-
-class ListSessionsResponse(_Response, frozen=True):
-    """`GET /sessions`: the caller's session ids, newest first."""
-
-    sessions: list[str]
-
-
-class GetSessionResponse(_Response, frozen=True):
-    """`GET /sessions/{session_id}`: what the session created."""
-
-    training_run_ids: list[str]
-    sampler_ids: list[str]
-    user_metadata: dict[str, str] | None = None
-    display_name: str | None = None
 
 
 # -- codec --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import math
 import msgspec
 
 from protocol import rules
-from protocol.api import _Request, _Response
+from protocol.api import RequestBody, ResponseBody
 from protocol.errors import UserError
 
 CLONE_SEQ_SPAN = 1_000_000_000  # seq ids of one clone: [clone * span, (clone + 1) * span)
@@ -33,14 +33,16 @@ MAX_RETRIEVED_IDS = 4096  # acknowledgements in one poll (the SDK sends what it 
 MAX_POLL_TIMEOUT_S = 600.0  # a longer `timeout` is refused; the hold is capped at long_poll_s
 
 
-class SamplingSessionFuturesTarget(_Request, frozen=True, tag_field="type", tag="sampling_session"):
+class SamplingSessionFuturesTarget(
+    RequestBody, frozen=True, tag_field="type", tag="sampling_session"
+):
     """What one poll watches: a sampling session's clone (0 for the original client)."""
 
     sampling_session_id: str
     cloned_sampler_id: int = 0
 
 
-class FuturesRetrieveRequest(_Request, frozen=True):
+class FuturesRetrieveRequest(RequestBody, frozen=True):
     """`POST /retrieve_futures`: completions after `prev_cursor`, held up to `timeout` seconds
     (None: the server's long poll; 0: answer at once)."""
 
@@ -50,14 +52,14 @@ class FuturesRetrieveRequest(_Request, frozen=True):
     retrieved_request_ids: list[str] = []
 
 
-class FutureFinished(_Response, frozen=True, tag_field="state", tag="finished"):
+class FutureFinished(ResponseBody, frozen=True, tag_field="state", tag="finished"):
     """A request with a result; the SDK reserves `response_payload_uncompressed_size` bytes."""
 
     request_id: str
     response_payload_uncompressed_size: int | None = None
 
 
-class FutureFailed(_Response, frozen=True, tag_field="state", tag="failed"):
+class FutureFailed(ResponseBody, frozen=True, tag_field="state", tag="failed"):
     """A request that failed; `retrieve_future` answers its error."""
 
     request_id: str
@@ -73,14 +75,14 @@ class FuturesRetrieveResponse(msgspec.Struct, frozen=True):
     cursor: int
 
 
-class CancelFutureRequest(_Request, frozen=True):
+class CancelFutureRequest(RequestBody, frozen=True):
     """`POST /cancel_future`: the SDK ignores the answer's body."""
 
     request_id: str
 
 
 class JoinSamplingSessionRequest(
-    _Request, frozen=True, tag_field="type", tag="join_sampling_session"
+    RequestBody, frozen=True, tag_field="type", tag="join_sampling_session"
 ):
     """`POST /join_sampling_session`: a new clone of a sampling client asks for its id."""
 
@@ -88,7 +90,7 @@ class JoinSamplingSessionRequest(
 
 
 class JoinSamplingSessionResponse(
-    _Response, frozen=True, tag_field="type", tag="join_sampling_session"
+    ResponseBody, frozen=True, tag_field="type", tag="join_sampling_session"
 ):
     """The clone's id, unique among the session's clients (the original is 0)."""
 

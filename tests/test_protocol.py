@@ -19,14 +19,14 @@ from tinker.types._pydantic_types.tensor_data import TensorData as JsonTensorDat
 from tinker.types.request_error_category import RequestErrorCategory
 from tinker.types.try_again_response import TryAgainResponse
 
-from protocol import account_api, api
+from protocol import account_api, api, rest_api
 from protocol.errors import ErrorCategory, UserError
 from protocol.sampling import prompt_tokens
 
 # -- JSON responses: our encoder -> SDK strict validation ----------------------------------------
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-CKPT = api.Checkpoint(
+CKPT = rest_api.Checkpoint(
     checkpoint_id="weights/step-1",
     checkpoint_type="training",
     time=datetime(2026, 11, 29, 12, 0, 0),  # naive: taken as UTC
@@ -34,14 +34,14 @@ CKPT = api.Checkpoint(
     size_bytes=123,
     user_metadata={"k": "v"},
 )
-SAMPLER_CKPT = api.Checkpoint(
+SAMPLER_CKPT = rest_api.Checkpoint(
     checkpoint_id="sampler_weights/s",
     checkpoint_type="sampler",
     time=NOW,
     tinker_path="tinker://sess-1:train:0/sampler_weights/s",
     expires_at=NOW.astimezone(timezone(timedelta(hours=2))) + timedelta(days=1),
 )
-RUN = api.TrainingRun(
+RUN = rest_api.TrainingRun(
     training_run_id="sess-1:train:0",
     base_model="Qwen/Qwen3-8B",
     model_owner="tenant-a",
@@ -51,7 +51,7 @@ RUN = api.TrainingRun(
     last_checkpoint=CKPT,
     last_sampler_checkpoint=SAMPLER_CKPT,
 )
-CURSOR = api.Cursor(offset=0, limit=20, total_count=1)
+CURSOR = rest_api.Cursor(offset=0, limit=20, total_count=1)
 
 TRAINED = account_api.BillingUsageEvent(
     bucket_start=NOW,
@@ -225,7 +225,7 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
     (SAMPLER_CKPT, types.Checkpoint),
     (RUN, types.TrainingRun),
     (
-        api.TrainingRun(
+        rest_api.TrainingRun(
             training_run_id="r",
             base_model="b",
             model_owner="o",
@@ -235,11 +235,17 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
         types.TrainingRun,
     ),
     (CURSOR, types.Cursor),
-    (api.TrainingRunsResponse(training_runs=[RUN], cursor=CURSOR), types.TrainingRunsResponse),
-    (api.CheckpointsListResponse(checkpoints=[CKPT, SAMPLER_CKPT]), types.CheckpointsListResponse),
-    (api.CheckpointsListResponse(checkpoints=[], cursor=CURSOR), types.CheckpointsListResponse),
+    (rest_api.TrainingRunsResponse(training_runs=[RUN], cursor=CURSOR), types.TrainingRunsResponse),
     (
-        api.WeightsInfoResponse(base_model="b", is_lora=True, lora_rank=8, train_mlp=True),
+        rest_api.CheckpointsListResponse(checkpoints=[CKPT, SAMPLER_CKPT]),
+        types.CheckpointsListResponse,
+    ),
+    (
+        rest_api.CheckpointsListResponse(checkpoints=[], cursor=CURSOR),
+        types.CheckpointsListResponse,
+    ),
+    (
+        rest_api.WeightsInfoResponse(base_model="b", is_lora=True, lora_rank=8, train_mlp=True),
         types.WeightsInfoResponse,
     ),
     (
@@ -261,22 +267,25 @@ RESPONSES: list[tuple[Any, type[Any]]] = [
         types.SaveWeightsExternalResponse,
     ),
     (
-        api.ExternalWeightsUrlsResponse(
+        rest_api.ExternalWeightsUrlsResponse(
             urls={"adapter_config.json": "http://h/f?sig=1"}, expires=NOW
         ),
         types.ExternalWeightsUrlsResponse,
     ),
-    (api.CopyWeightsResponse(tinker_path="tinker://copy-1/weights/a"), types.CopyWeightsResponse),
-    (api.ListSessionsResponse(sessions=["sess-1", "sess-2"]), types.ListSessionsResponse),
     (
-        api.GetSessionResponse(
+        rest_api.CopyWeightsResponse(tinker_path="tinker://copy-1/weights/a"),
+        types.CopyWeightsResponse,
+    ),
+    (rest_api.ListSessionsResponse(sessions=["sess-1", "sess-2"]), types.ListSessionsResponse),
+    (
+        rest_api.GetSessionResponse(
             training_run_ids=["sess-1:train:0"],
             sampler_ids=["sess-1:sample:0"],
             user_metadata={"a": "b"},
         ),
         types.GetSessionResponse,
     ),
-    (api.GetSessionResponse(training_run_ids=[], sampler_ids=[]), types.GetSessionResponse),
+    (rest_api.GetSessionResponse(training_run_ids=[], sampler_ids=[]), types.GetSessionResponse),
     (api.CreateCustomLossResponse(loss_id="sess-1:loss:0"), types.CreateCustomLossResponse),
     *ACCOUNT_RESPONSES,
 ]
@@ -322,9 +331,11 @@ def test_every_response_struct_is_checked_against_the_sdk() -> None:
     checked = {type(ours) for ours, _ in RESPONSES}
     declared = {
         obj
-        for module in (api, account_api)
+        for module in (api, rest_api, account_api)
         for obj in vars(module).values()
-        if isinstance(obj, type) and issubclass(obj, api._Response) and obj is not api._Response
+        if isinstance(obj, type)
+        and issubclass(obj, api.ResponseBody)
+        and obj is not api.ResponseBody
     }
     assert declared - checked == set()
 

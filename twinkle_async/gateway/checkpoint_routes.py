@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from protocol import api, paths, rules
+from protocol import paths, rest_api, rules
 from protocol.errors import NotFound, ServerError, UserError
 from protocol.paths import TinkerPath
 from protocol.records import CheckpointRecord, RunRecord
@@ -131,7 +131,7 @@ async def unpublish_checkpoint(request: web.Request) -> web.Response:
 async def set_checkpoint_ttl(request: web.Request) -> web.Response:
     """`ttl_seconds` from now, or null: never expires."""
     path = _checkpoint_path(request)
-    body = await read_json(request, api.CheckpointTtlRequest)
+    body = await read_json(request, rest_api.CheckpointTtlRequest)
     ttl_s = rules.check_ttl_seconds("ttl_seconds", body.ttl_seconds)
     expires_at = time.time() + ttl_s if ttl_s is not None else None
     await request.app[REGISTRY].update_checkpoint(
@@ -175,7 +175,7 @@ async def external_weights_urls(request: web.Request) -> web.Response:
             for f in files
         }
     return json_response(
-        api.ExternalWeightsUrlsResponse(
+        rest_api.ExternalWeightsUrlsResponse(
             urls=urls, expires=dt.datetime.fromtimestamp(expires, dt.UTC)
         )
     )
@@ -205,7 +205,7 @@ async def checkpoint_archive(request: web.Request) -> web.Response:
 _MAX_CLIENT_SEQ = 2**31 - 1
 
 
-def _copy_run_id(request: web.Request, body: api.CopyWeightsRequest) -> str:
+def _copy_run_id(request: web.Request, body: rest_api.CopyWeightsRequest) -> str:
     """The run that holds the copy: `<session>:train:<model_seq_id>` in a session, else one
     derived from the SDK's idempotency key, so a retried copy finds the copy it made."""
     if body.session_id is not None or body.model_seq_id is not None:
@@ -228,7 +228,7 @@ async def copy_weights(request: web.Request) -> web.Response:
     """Copy a readable checkpoint (own or published) into a new run of the caller's that is
     never trained: same kind and name, files hard-linked, its own TTL (the source's is not
     inherited). Projects do not exist here: `destination_project_id` only selects this form."""
-    body = await read_json(request, api.CopyWeightsRequest)
+    body = await read_json(request, rest_api.CopyWeightsRequest)
     tenant = request[TENANT]
     registry = request.app[REGISTRY]
     source = paths.parse_path(body.source_path, "source_path")
@@ -241,7 +241,7 @@ async def copy_weights(request: web.Request) -> web.Response:
     existing = await registry.find_run(run_id)
     if existing is not None:
         if existing.tenant_id == tenant and existing.copied_from == str(source):
-            return json_response(api.CopyWeightsResponse(tinker_path=str(target)))  # a retry
+            return json_response(rest_api.CopyWeightsResponse(tinker_path=str(target)))  # a retry
         raise UserError(f"model_seq_id: training run {run_id!r} already exists")
     limit = (await request.app[QUOTAS].limits(tenant)).max_checkpoint_bytes
     if limit is not None:  # the copy counts as the caller's, as a save does
@@ -285,4 +285,4 @@ async def copy_weights(request: web.Request) -> web.Response:
             copied_from=str(source),
         )
     )
-    return json_response(api.CopyWeightsResponse(tinker_path=str(target)))
+    return json_response(rest_api.CopyWeightsResponse(tinker_path=str(target)))

@@ -10,7 +10,7 @@ import datetime as dt
 
 from aiohttp import web
 
-from protocol import api, paths
+from protocol import api, paths, rest_api
 from protocol.errors import UserError
 from protocol.records import CheckpointRecord, RunRecord
 from twinkle_async.gateway.bodies import json_response, read_json
@@ -30,8 +30,8 @@ _CHECKPOINT_TYPES: dict[str, api.CheckpointType] = {
 }
 
 
-def checkpoint_view(ckpt: CheckpointRecord) -> api.Checkpoint:
-    return api.Checkpoint(
+def checkpoint_view(ckpt: CheckpointRecord) -> rest_api.Checkpoint:
+    return rest_api.Checkpoint(
         checkpoint_id=ckpt.checkpoint_id,
         checkpoint_type=_CHECKPOINT_TYPES.get(ckpt.kind, "sampler"),
         time=iso(ckpt.created_at),
@@ -43,11 +43,11 @@ def checkpoint_view(ckpt: CheckpointRecord) -> api.Checkpoint:
     )
 
 
-def run_view(run: RunRecord, ckpts: list[CheckpointRecord]) -> api.TrainingRun:
+def run_view(run: RunRecord, ckpts: list[CheckpointRecord]) -> rest_api.TrainingRun:
     training = [c for c in ckpts if c.kind == "weights"]
     sampler = [c for c in ckpts if c.kind == "sampler_weights"]
     last_time = max([run.last_request_time, *(c.created_at for c in ckpts)])
-    return api.TrainingRun(
+    return rest_api.TrainingRun(
         training_run_id=run.model_id,
         base_model=run.base_model,
         model_owner=run.tenant_id,
@@ -85,9 +85,9 @@ async def list_training_runs(request: web.Request) -> web.Response:
     page = runs[offset : offset + limit]
     views = [run_view(run, await registry.checkpoints(run.model_id)) for run in page]
     return json_response(
-        api.TrainingRunsResponse(
+        rest_api.TrainingRunsResponse(
             training_runs=views,
-            cursor=api.Cursor(offset=offset, limit=limit, total_count=len(runs)),
+            cursor=rest_api.Cursor(offset=offset, limit=limit, total_count=len(runs)),
         )
     )
 
@@ -105,7 +105,7 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     run = await registry.run(request.match_info["run_id"], request[TENANT])
     ckpts = await registry.checkpoints(run.model_id)
     return json_response(
-        api.CheckpointsListResponse(checkpoints=[checkpoint_view(c) for c in ckpts])
+        rest_api.CheckpointsListResponse(checkpoints=[checkpoint_view(c) for c in ckpts])
     )
 
 
@@ -116,9 +116,9 @@ async def list_user_checkpoints(request: web.Request) -> web.Response:
     offset = _int_param(request, "offset", 0)
     ckpts = await request.app[REGISTRY].tenant_checkpoints(request[TENANT])
     return json_response(
-        api.CheckpointsListResponse(
+        rest_api.CheckpointsListResponse(
             checkpoints=[checkpoint_view(c) for c in ckpts[offset : offset + limit]],
-            cursor=api.Cursor(offset=offset, limit=limit, total_count=len(ckpts)),
+            cursor=rest_api.Cursor(offset=offset, limit=limit, total_count=len(ckpts)),
         )
     )
 
@@ -129,7 +129,7 @@ async def weights_info(request: web.Request) -> web.Response:
     path = paths.parse_path(body.tinker_path)
     ckpt = await request.app[REGISTRY].checkpoint(path.run_id, path.checkpoint_id, request[TENANT])
     return json_response(
-        api.WeightsInfoResponse(
+        rest_api.WeightsInfoResponse(
             base_model=ckpt.base_model,
             is_lora=True,
             lora_rank=ckpt.lora.rank,
@@ -151,7 +151,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     offset = _int_param(request, "offset", 0)
     sessions = (await request.app[REGISTRY].sessions(request[TENANT]))[::-1]  # newest first
     page = sessions[offset : offset + limit]
-    return json_response(api.ListSessionsResponse(sessions=[s.session_id for s in page]))
+    return json_response(rest_api.ListSessionsResponse(sessions=[s.session_id for s in page]))
 
 
 @routes.get("/api/v1/sessions/{session_id}")
@@ -163,7 +163,7 @@ async def get_session(request: web.Request) -> web.Response:
     runs = [run for run in await registry.runs(tenant) if run.session_id == session.session_id]
     samplers = await registry.session_samplers(session.session_id)
     return json_response(
-        api.GetSessionResponse(
+        rest_api.GetSessionResponse(
             training_run_ids=[run.model_id for run in runs],
             sampler_ids=[sampler.sampling_session_id for sampler in samplers],
             user_metadata=session.user_metadata or None,

@@ -4,7 +4,6 @@ Python loss computes (value, metrics and gradient), traced by the official SDK."
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -12,40 +11,20 @@ import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
-from tinker import types
-from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
-from protocol import api
 from protocol import custom_loss as spec
 from protocol.errors import UserError
+from tests.custom_loss_helpers import (
+    LossFn,
+    check,
+    on_meta,
+    scalar_chain,
+    unchecked,
+    upload,
+    upload_json,
+)
 from workers.engine import custom_loss as worker
 from workers.engine.custom_loss import CustomLossError, ElementBudget, LossProgram
-
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def upload_json(fn: LossFn, ranks: dict[str, Any], seq: int = 0) -> dict[str, Any]:
-    """The JSON body the SDK posts to create_custom_loss for `fn`."""
-    handle = trace_loss(fn, ranks, "sess-1")
-    request = types.CreateCustomLossRequest(
-        session_id="sess-1",
-        custom_loss_seq_id=seq,
-        name=handle.name,
-        inputs=list(handle.inputs),
-        graph=encode_graph(handle),
-    )
-    body: dict[str, Any] = request.model_dump(mode="json")
-    return body
-
-
-def check(body: dict[str, Any]) -> spec.CustomLoss:
-    request = api.decode(json.dumps(body).encode(), api.CreateCustomLossRequest)
-    return spec.check_custom_loss("sess-1:loss:0", request.name, request.inputs, request.graph)
-
-
-def upload(fn: LossFn, ranks: dict[str, Any]) -> spec.CustomLoss:
-    return check(upload_json(fn, ranks))
-
 
 # -- losses a user writes ----------------------------------------------------------------------
 
@@ -392,13 +371,6 @@ def test_value_dependent_shapes_are_refused_clearly() -> None:
 # -- node counts, index ranges, placement -----------------------------------------------------
 
 
-def scalar_chain(logprobs, weights):  # type: ignore[no-untyped-def]
-    x = (logprobs * weights).sum()
-    for _ in range(1990):  # 1992 nodes that each produce one element
-        x = x * 1.0
-    return x, {}
-
-
 def test_every_node_evaluation_costs_at_least_min_node_cost(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -493,22 +465,6 @@ def test_placement_keywords_are_refused(key: str, value: Any) -> None:
         "kwargs": {key: value},
     }
     refused(with_node(node), "graph.nodes['z']", f"{key}= is not allowed")
-
-
-def on_meta(logprobs, weights):  # type: ignore[no-untyped-def]
-    nll = -(logprobs * weights).sum()
-    return torch.zeros_like(nll, device="meta"), {"custom/nll:sum": nll}
-
-
-def unchecked(fn: LossFn, ranks: dict[str, Any]) -> spec.CustomLoss:
-    """The loss the SDK uploads for `fn`, as a worker may receive it without today's checks
-    (one stored before placement keywords were refused)."""
-    body = upload_json(fn, ranks)
-    request = api.decode(json.dumps(body).encode(), api.CreateCustomLossRequest)
-    metrics = list(request.graph.nodes[-1].args[0]["tuple"][1]["dict"])
-    return spec.CustomLoss(
-        "sess-1:loss:0", request.name, request.inputs, request.graph.nodes, metrics
-    )
 
 
 @pytest.mark.parametrize("where", ["loss", "metric"])

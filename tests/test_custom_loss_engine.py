@@ -17,36 +17,30 @@ import torch
 from protocol.errors import UserError
 from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
-from tests.test_custom_loss import on_meta, scalar_chain, unchecked, upload
-from tests.test_engine import make_request, perturb_b
-from tests.test_fault_isolation import (
+from tests.custom_loss_helpers import on_meta, scalar_chain, unchecked, upload
+from tests.engine_helpers import (
     SPECS,
+    Trainer,
     assert_same_bits,
     assert_same_output,
+    count_passes,
+    make_engine_fixture,  # noqa: F401  (the make_engine fixture)
+    make_request,
     slot_state,
     train_round,
+    with_tenants,
 )
 from workers.engine.custom_loss import BUDGET_FACTOR, MIN_NODE_COST, LossProgram
 from workers.engine.isolation import isolate
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
-@pytest.fixture(params=["one-pass", "split"])
-def make_engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Callable[[], Engine]:
-    """Engines holding the fault-isolation tenants; "split" cuts passes at 9 token positions,
-    so a request's datums land in several passes."""
-    pass_tokens = 9 if request.param == "split" else 16384
-
-    def make() -> Engine:
-        engine = Engine(str(random_qwen3), max_slots=3, max_rank=8, pass_tokens=pass_tokens)
-        for index, (model_id, lora) in enumerate(SPECS.items()):
-            engine.create(model_id, lora)
-            perturb_b(engine, model_id, seed=10 + index)
-        return engine
-
-    return make
+@pytest.fixture
+def make_tenants(make_engine: Callable[..., Trainer]) -> Callable[[], Trainer]:
+    """Trainers holding the fault-isolation tenants (`tests.engine_helpers.SPECS`); "split"
+    cuts passes at 9 token positions, so a request's datums land in several passes."""
+    return lambda: with_tenants(make_engine(max_slots=3, max_rank=8))
 
 
 def weighted_nll(logprobs, weights):  # type: ignore[no-untyped-def]
@@ -70,9 +64,9 @@ def as_custom(req: FwdBwdRequest, fn: Callable[..., Any]) -> FwdBwdRequest:
 
 
 def test_a_custom_loss_trains_like_the_builtin_it_spells_out(
-    make_engine: Callable[..., Engine],
+    make_tenants: Callable[[], Trainer],
 ) -> None:
-    custom_engine, builtin_engine = make_engine(), make_engine()
+    custom_engine, builtin_engine = make_tenants(), make_tenants()
     rng = np.random.default_rng(4)
     builtin = make_request("a", [5, 3, 6], rng)
     other = make_request("b", [4], rng)
@@ -107,9 +101,9 @@ def test_a_custom_loss_trains_like_the_builtin_it_spells_out(
     ids=["raises", "non-finite"],
 )
 def test_a_failing_custom_loss_fails_alone(
-    make_engine: Callable[..., Engine], fn: Callable[..., Any], fragment: str
+    make_tenants: Callable[[], Trainer], fn: Callable[..., Any], fragment: str
 ) -> None:
-    faulty, reference = make_engine(), make_engine()
+    faulty, reference = make_tenants(), make_tenants()
     for engine in (faulty, reference):
         train_round(engine, seed=5)  # pending gradients from an earlier pass, in both slots
     b_before = slot_state(faulty, "b")
@@ -133,9 +127,9 @@ def test_a_failing_custom_loss_fails_alone(
 
 
 def test_a_custom_request_must_carry_what_its_loss_reads(
-    make_engine: Callable[..., Engine],
+    make_tenants: Callable[[], Trainer],
 ) -> None:
-    engine = make_engine()
+    engine = make_tenants()
     rng = np.random.default_rng(7)
     request = as_custom(make_request("a", [5], rng), weighted_nll)
     no_inputs = dataclasses.replace(
@@ -192,11 +186,11 @@ def test_a_long_graph_over_many_datums_is_refused_before_it_runs(
 ) -> None:
     """2000 scalar nodes over 64 datums produce almost no elements but took 15 s of the shared
     engine (0.23 s a datum): node evaluations count against the budget, checked up front."""
-    engine = Engine(str(random_qwen3), max_slots=3, max_rank=8)
+    engine = Trainer(str(random_qwen3), max_slots=3, max_rank=8)
     engine.create("b", SPECS["b"])
     ran: list[object] = []
     monkeypatch.setattr(LossProgram, "_evaluate", lambda *args: ran.append(args))
-    monkeypatch.setattr(engine, "_run_pass", lambda *args: ran.append(args))
+    monkeypatch.setattr(engine.passes, "run", lambda *args: ran.append(args))
     request = as_custom(make_request("b", [3] * 64, np.random.default_rng(8)), scalar_chain)
     steps = len(LossProgram(request.custom_loss).steps)  # type: ignore[arg-type]
     limit = request.max_elements * BUDGET_FACTOR
@@ -216,19 +210,12 @@ def test_a_long_graph_over_many_datums_is_refused_before_it_runs(
 
 
 def test_a_loss_off_the_pass_device_fails_alone_in_one_pass(
-    make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+    make_tenants: Callable[[], Trainer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A loss on meta used to reach the pass's stacking of losses, outside the per-datum guard:
     the whole pass raised and bisection re-ran it (four passes for three tenants)."""
-    faulty, reference = make_engine(), make_engine()
-    passes: list[int] = []
-    run_pass = faulty._run_pass
-
-    def counted(batch: list[tuple[str, FwdBwdRequest]], slots: list[int]) -> Any:
-        passes.append(len(batch))
-        return run_pass(batch, slots)
-
-    monkeypatch.setattr(faulty, "_run_pass", counted)
+    faulty, reference = make_tenants(), make_tenants()
+    passes = count_passes(faulty, monkeypatch)
     rng = np.random.default_rng(9)
     a_request = make_request("a", [5, 3], rng)
     b_request = make_request("b", [4, 6], rng)

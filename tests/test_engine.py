@@ -1,6 +1,6 @@
-"""The trainer engine on a tiny random Qwen3 (fp32, CPU): shared-pass isolation, losses against an
-independent PEFT reference, per-slot AdamW against torch.optim.AdamW, gradient accumulation,
-checkpoints (bit-exact round trip, PEFT loading), and request validation.
+"""The trainer's model and residency on a tiny random Qwen3 (fp32, CPU): shared-pass isolation,
+losses against an independent PEFT reference, per-slot AdamW against torch.optim.AdamW, gradient
+accumulation, checkpoints (bit-exact round trip, PEFT loading), and request validation.
 """
 
 from __future__ import annotations
@@ -15,94 +15,30 @@ from transformers import AutoModelForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, UserError
+from protocol.rules import check_adam
 from protocol.sampling import MAX_LOGPROBS_K
-from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.trainer.engine import Engine
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from tests.engine_helpers import (
+    PEFT_TIED_WARNING,
+    TOLERANCE,
+    VOCAB,
+    Trainer,
+    assert_same_outputs,
+    bank_buffers,
+    make_engine_fixture,  # noqa: F401  (the make_engine fixture)
+    make_request,
+    max_diff,
+    perturb_b,
+    trained_views,
+)
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-VOCAB = 256
-TOLERANCE = 1e-5
-# PEFT warns whenever an adapter touches a tied lm_head; that is exactly the layout we test.
-PEFT_TIED_WARNING = "ignore:Model has `tie_word_embeddings=True`:UserWarning"
-
-
-# Every engine test runs twice: each call as one pass with whole logits chunks, and split into
-# passes of at most 9 token positions (a call's datums spread over several passes, short ones
-# sharing packed rows) with log-probs computed 16 tokens at a time.
-LAYOUTS = {"one-pass": {}, "split": {"pass_tokens": 9, "logits_chunk_elements": 1}}
-
-
-@pytest.fixture(params=list(LAYOUTS))
-def make_engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Callable[..., Engine]:
-    def make(**kwargs: int) -> Engine:
-        return Engine(str(random_qwen3), **{**LAYOUTS[request.param], **kwargs})  # type: ignore[arg-type]
-
-    return make
-
-
-def make_request(
-    model_id: str,
-    lengths: list[int],
-    rng: np.random.Generator,
-    *,
-    k: int | None = None,
-    weights: bool = True,
-    forward_only: bool = False,
-) -> FwdBwdRequest:
-    datums = []
-    for length in lengths:
-        target_shape = (length,) if k is None else (length, k)
-        inputs = {"target_tokens": rng.integers(0, VOCAB, target_shape).astype(np.int64)}
-        if weights:
-            # Signed, as the SDK's custom-loss path sends them, scaled like a per-datum mean;
-            # some exactly 0.
-            values = (rng.normal(size=target_shape) / length).astype(np.float32)
-            values[..., 0] = 0.0
-            inputs["weights"] = values
-        datums.append(DatumArrays(rng.integers(0, VOCAB, length).astype(np.int32), inputs))
-    return FwdBwdRequest(model_id, 1, "cross_entropy", forward_only, {}, datums)
-
-
-def trained_views(engine: Engine, buffer: torch.Tensor, model_id: str, *, full: bool = False):
-    """(path, group, A, B) views of one model's slot in `buffer`, trained layers only.
-
-    `full` yields every layer at r_max, rank padding and untrained layers included.
-    """
-    spec = engine.spec(model_id)
-    trained = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
-    rank = engine.max_rank if full else spec.rank
-    for layout, a, b in engine.bank.slot_views(buffer, engine.slot(model_id), rank):
-        if full or trained[layout.group]:
-            yield layout.path, layout.group, a, b
-
-
-def perturb_b(engine: Engine, model_id: str, seed: int) -> None:
-    """Random non-zero B (at the true rank, trained layers only) so A receives gradient too."""
-    generator = torch.Generator().manual_seed(seed)
-    for _, _, _, b in trained_views(engine, engine.bank.weights, model_id):
-        b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
-
-
-def max_diff(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
-    return float(torch.as_tensor(a).sub(torch.as_tensor(b)).abs().max())
-
-
-def assert_same_outputs(shared: FwdBwdOutput, solo: FwdBwdOutput) -> None:
-    assert shared.loss_fn_output_type == solo.loss_fn_output_type
-    assert abs(shared.metrics["loss:sum"] - solo.metrics["loss:sum"]) <= TOLERANCE * max(
-        1.0, abs(solo.metrics["loss:sum"])
-    )
-    for got, want in zip(shared.loss_fn_outputs, solo.loss_fn_outputs, strict=True):
-        for key in ("logprobs", "elementwise_loss"):
-            assert got[key].shape == want[key].shape and got[key].dtype == np.float32
-            assert max_diff(got[key], want[key]) <= TOLERANCE
 
 
 # -- 1. shared pass isolation --------------------------------------------------------------
 
 
-def test_shared_pass_gives_each_slot_its_solo_gradient(make_engine: Callable[..., Engine]) -> None:
+def test_shared_pass_gives_each_slot_its_solo_gradient(make_engine: Callable[..., Trainer]) -> None:
     engine = make_engine(max_slots=4, max_rank=16)
     rng = np.random.default_rng(1)
     for index, (model_id, rank) in enumerate((("t0", 4), ("t1", 8), ("t2", 8), ("t3", 16))):
@@ -140,7 +76,7 @@ def test_shared_pass_gives_each_slot_its_solo_gradient(make_engine: Callable[...
             assert torch.count_nonzero(a[rank:]) == 0 and torch.count_nonzero(b[:, rank:]) == 0
 
 
-def test_forward_only_items_add_no_gradient(make_engine: Callable[..., Engine]) -> None:
+def test_forward_only_items_add_no_gradient(make_engine: Callable[..., Trainer]) -> None:
     engine = make_engine(max_slots=2, max_rank=8)
     engine.create("reader", LoraConfig(rank=8, seed=1))
     engine.create("trainer", LoraConfig(rank=8, seed=2))
@@ -158,7 +94,7 @@ def test_forward_only_items_add_no_gradient(make_engine: Callable[..., Engine]) 
 # -- 2. per-slot AdamW -----------------------------------------------------------------------
 
 
-def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Engine]) -> None:
+def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Trainer]) -> None:
     engine = make_engine(max_slots=3, max_rank=8)
     engine.create("x", LoraConfig(rank=4, seed=1))
     engine.create("y", LoraConfig(rank=8, seed=2, train_mlp=False))
@@ -188,7 +124,7 @@ def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Engine]) -> N
     bystander_slot = engine.slot("bystander")
     for view in _slot_params(engine, engine.bank.grads, "bystander"):
         view.copy_(torch.randn(view.shape, generator=generator))  # pending, not yet stepped
-    bystander = [buffer[bystander_slot].clone() for buffer in _bank_buffers(engine)]
+    bystander = [buffer[bystander_slot].clone() for buffer in bank_buffers(engine)]
 
     for _ in range(3):
         for model_id, (params, _) in references.items():
@@ -211,7 +147,7 @@ def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Engine]) -> N
                 assert max_diff(param.detach(), view) <= 1e-6
             assert torch.count_nonzero(engine.bank.grads[engine.slot(model_id)]) == 0
         # Other slots: bit-identical, pending gradients included.
-        for before, buffer in zip(bystander, _bank_buffers(engine), strict=True):
+        for before, buffer in zip(bystander, bank_buffers(engine), strict=True):
             assert torch.equal(before, buffer[bystander_slot])
 
     # Padding and untrained layers stayed exactly zero through decay and Adam.
@@ -223,24 +159,15 @@ def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Engine]) -> N
     assert engine.optimizer.steps[engine.slot("x")] == 3
 
 
-def _slot_params(engine: Engine, buffer: torch.Tensor, model_id: str) -> list[torch.Tensor]:
+def _slot_params(engine: Trainer, buffer: torch.Tensor, model_id: str) -> list[torch.Tensor]:
     return [view for _, _, a, b in trained_views(engine, buffer, model_id) for view in (a, b)]
-
-
-def _bank_buffers(engine: Engine) -> list[torch.Tensor]:
-    return [
-        engine.bank.weights,
-        engine.bank.grads,
-        engine.optimizer.exp_avg,
-        engine.optimizer.exp_avg_sq,
-    ]
 
 
 # -- 3. gradient accumulation ------------------------------------------------------------------
 
 
 def test_two_calls_accumulate_like_one_concatenated_call(
-    make_engine: Callable[..., Engine],
+    make_engine: Callable[..., Trainer],
 ) -> None:
     engine = make_engine(max_slots=3, max_rank=8)
     for model_id in ("split", "whole"):
@@ -271,7 +198,7 @@ def test_two_calls_accumulate_like_one_concatenated_call(
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING)
 @pytest.mark.parametrize("k", [None, 3], ids=["per-token", "k-targets"])
 def test_cross_entropy_matches_peft_reference(
-    make_engine: Callable[..., Engine], random_qwen3: Path, k: int | None
+    make_engine: Callable[..., Trainer], random_qwen3: Path, k: int | None
 ) -> None:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -333,7 +260,7 @@ def test_cross_entropy_matches_peft_reference(
         assert max_diff(b, layer.lora_B["default"].weight.grad) <= TOLERANCE
 
 
-def test_weights_default_to_one(make_engine: Callable[..., Engine]) -> None:
+def test_weights_default_to_one(make_engine: Callable[..., Trainer]) -> None:
     engine = make_engine(max_slots=1, max_rank=4)
     engine.create("m", LoraConfig(rank=4, seed=1))
     request = make_request("m", [6], np.random.default_rng(5), weights=False)
@@ -347,7 +274,7 @@ def test_weights_default_to_one(make_engine: Callable[..., Engine]) -> None:
 
 
 def test_weights_checkpoint_round_trip_is_exact(
-    make_engine: Callable[..., Engine], tmp_path: Path
+    make_engine: Callable[..., Trainer], tmp_path: Path
 ) -> None:
     engine = make_engine(max_slots=3, max_rank=8)
     engine.create("a", LoraConfig(rank=4, seed=11, train_unembed=False))
@@ -368,7 +295,7 @@ def test_weights_checkpoint_round_trip_is_exact(
 
     spec = engine.load("b", tmp_path / "ckpt", with_optimizer=True)
     assert spec == engine.spec("a")
-    for buffer in _bank_buffers(engine):
+    for buffer in bank_buffers(engine):
         assert torch.equal(buffer[engine.slot("a")], buffer[engine.slot("b")])
     assert engine.optimizer.steps[engine.slot("b")] == 2
 
@@ -391,7 +318,7 @@ def test_weights_checkpoint_round_trip_is_exact(
 
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING)
 def test_sampler_checkpoint_loads_in_peft_with_same_logits(
-    make_engine: Callable[..., Engine], random_qwen3: Path, tmp_path: Path
+    make_engine: Callable[..., Trainer], random_qwen3: Path, tmp_path: Path
 ) -> None:
     from peft import PeftModel
 
@@ -430,7 +357,7 @@ def test_sampler_checkpoint_loads_in_peft_with_same_logits(
 
 
 def test_layer_flags_leave_untrained_layers_at_zero_gradient(
-    make_engine: Callable[..., Engine], tmp_path: Path
+    make_engine: Callable[..., Trainer], tmp_path: Path
 ) -> None:
     engine = make_engine(max_slots=4, max_rank=8)
     flags = {
@@ -464,7 +391,7 @@ def test_layer_flags_leave_untrained_layers_at_zero_gradient(
 # -- 6. validation and slot errors -------------------------------------------------------------
 
 
-def test_validate_rejects_bad_requests(make_engine: Callable[..., Engine]) -> None:
+def test_validate_rejects_bad_requests(make_engine: Callable[..., Trainer]) -> None:
     engine = make_engine(max_slots=1, max_rank=4)
     engine.create("m", LoraConfig(rank=4, seed=1))
     rng = np.random.default_rng(9)
@@ -515,17 +442,17 @@ def test_validate_rejects_bad_requests(make_engine: Callable[..., Engine]) -> No
     with pytest.raises(NotFound):
         engine.validate("ghost", make_request("ghost", [3], rng))
     with pytest.raises(UserError, match="adam_params.eps"):
-        engine.validate_optim_step("m", AdamParams(eps=0.0))
+        check_adam(AdamParams(eps=0.0))
     engine.forward_backward([("m", make_request("m", [3], rng))])
-    before = [buffer.clone() for buffer in _bank_buffers(engine)]
+    before = [buffer.clone() for buffer in bank_buffers(engine)]
     with pytest.raises(UserError, match="adam_params.beta1"):
         engine.optim_step([("m", AdamParams(beta1=1.0))])
-    for old, buffer in zip(before, _bank_buffers(engine), strict=True):
+    for old, buffer in zip(before, bank_buffers(engine), strict=True):
         assert torch.equal(old, buffer)  # a rejected step changes nothing
     engine.validate("m", make_request("m", [3, 2], rng, k=2))  # a good request passes
 
 
-def test_slot_lifecycle_errors(make_engine: Callable[..., Engine]) -> None:
+def test_slot_lifecycle_errors(make_engine: Callable[..., Trainer]) -> None:
     engine = make_engine(max_slots=2, max_rank=8)
     with pytest.raises(UserError, match="rank"):
         engine.create("m", LoraConfig(rank=0))
@@ -538,12 +465,16 @@ def test_slot_lifecycle_errors(make_engine: Callable[..., Engine]) -> None:
     engine.create("a", LoraConfig(rank=4, seed=1))
     engine.create("b", LoraConfig(rank=4, seed=2))
     engine.create("c", LoraConfig(rank=4))  # every slot held: parks the least recently used ("a")
-    assert engine.slots_used() == 2 and engine.adapters_total() == 3 and "a" in engine.parked
+    assert (
+        engine.residency.slots_used() == 2
+        and engine.residency.adapters_total() == 3
+        and "a" in engine.parked
+    )
     slot_a = engine.slot("a")  # restored on demand, parking "b"
     engine.forward_backward([("a", make_request("a", [3], np.random.default_rng(10)))])
     engine.release("a")
     assert not engine.has("a")
-    for buffer in _bank_buffers(engine):
+    for buffer in bank_buffers(engine):
         assert torch.count_nonzero(buffer[slot_a]) == 0
     engine.create("d", LoraConfig(rank=4, seed=3))
     assert engine.slot("d") == slot_a
@@ -583,7 +514,7 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
 ) -> None:
     from peft import PeftModel
 
-    engine = Engine(str(tiny_qwen3_5), max_slots=2, max_rank=8)
+    engine = Trainer(str(tiny_qwen3_5), max_slots=2, max_rank=8)
     groups = {layout.path: layout.group for layout in engine.bank.layouts}
     assert groups["model.layers.0.linear_attn.in_proj_qkv"] == "attn"
     assert groups["model.layers.0.linear_attn.out_proj"] == "attn"
@@ -633,7 +564,7 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
 
 
 def test_load_rejects_incompatible_checkpoints(
-    make_engine: Callable[..., Engine], tmp_path: Path
+    make_engine: Callable[..., Trainer], tmp_path: Path
 ) -> None:
     wide = make_engine(max_slots=1, max_rank=8)
     wide.create("m", LoraConfig(rank=8, seed=1))

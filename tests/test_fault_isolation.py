@@ -9,81 +9,40 @@ whole slot rows bit for bit (NaN and the sign of zero included).
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from protocol.api import AdamParams, LoraConfig
-from protocol.errors import ServerError, TwinkleError, UserError
+from protocol.api import AdamParams
+from protocol.errors import ServerError, UserError
 from protocol.tensors import FwdBwdOutput, FwdBwdRequest
-from tests.test_engine import make_request, perturb_b
+from tests.engine_helpers import (
+    Trainer,
+    assert_same_bits,
+    assert_same_output,
+    explode_with,
+    make_engine_fixture,  # noqa: F401  (the make_engine fixture)
+    make_request,
+    requests,
+    slot_state,
+    train_round,
+    with_tenants,
+)
 from workers.engine.isolation import isolate
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
 CLIPPED = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=0.5)
-SPECS = {
-    "a": LoraConfig(rank=4, seed=1),
-    "b": LoraConfig(rank=8, seed=2, train_mlp=False),
-    "c": LoraConfig(rank=2, seed=3, train_attn=False),
-}
 
 
-@pytest.fixture(params=["one-pass", "split"])
-def make_engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Callable[..., Engine]:
-    """An engine holding the SPECS tenants with non-zero B matrices (so A gets gradient).
-
-    "split": passes of at most 9 token positions, so a failing request's datums can land in
-    several passes and its slot's other requests must run again without it.
-    """
-    pass_tokens = 9 if request.param == "split" else 16384
-
-    def make(cls: type[Engine] = Engine) -> Engine:
-        engine = cls(str(random_qwen3), max_slots=3, max_rank=8, pass_tokens=pass_tokens)
-        for index, (model_id, spec) in enumerate(SPECS.items()):
-            engine.create(model_id, spec)
-            perturb_b(engine, model_id, seed=10 + index)
-        return engine
-
-    return make
-
-
-def slot_state(engine: Engine, model_id: str) -> dict[str, torch.Tensor | int]:
-    """Copies of everything a tenant's slot holds: whole rows, padding included."""
-    slot = engine.slot(model_id)
-    return {
-        "weights": engine.bank.weights[slot].clone(),
-        "grads": engine.bank.grads[slot].clone(),
-        "exp_avg": engine.optimizer.exp_avg[slot].clone(),
-        "exp_avg_sq": engine.optimizer.exp_avg_sq[slot].clone(),
-        "step": engine.optimizer.steps[slot],
-    }
-
-
-def assert_same_bits(a: dict[str, torch.Tensor | int], b: dict[str, torch.Tensor | int]) -> None:
-    for key, value in a.items():
-        other = b[key]
-        if isinstance(value, torch.Tensor):
-            assert isinstance(other, torch.Tensor)
-            assert torch.equal(value.view(torch.int32), other.view(torch.int32)), key
-        else:
-            assert value == other, key
-
-
-def requests(seed: int) -> list[tuple[str, FwdBwdRequest]]:
-    rng = np.random.default_rng(seed)
-    lengths = {"a": [5, 3], "b": [4, 6], "c": [7]}
-    return [(model_id, make_request(model_id, lengths[model_id], rng)) for model_id in SPECS]
-
-
-def train_round(engine: Engine, seed: int) -> None:
-    results = engine.forward_backward(requests(seed))
-    assert all(isinstance(result, FwdBwdOutput) for result in results)
+@pytest.fixture
+def make_tenants(make_engine: Callable[..., Trainer]) -> Callable[[], Trainer]:
+    """Trainers holding the three tenants of `tests.engine_helpers.SPECS`, non-zero B matrices;
+    "split" passes hold at most 9 token positions, so a failing request's datums can land in
+    several passes and its slot's other requests must run again without it."""
+    return lambda: with_tenants(make_engine(max_slots=3, max_rank=8))
 
 
 # -- the fused optimizer step -------------------------------------------------------------------
@@ -91,9 +50,9 @@ def train_round(engine: Engine, seed: int) -> None:
 
 @pytest.mark.parametrize("a_adam", [ADAM, CLIPPED], ids=["plain", "clipped"])
 def test_overflowing_learning_rate_fails_alone(
-    make_engine: Callable[..., Engine], a_adam: AdamParams
+    make_tenants: Callable[[], Trainer], a_adam: AdamParams
 ) -> None:
-    faulty, reference = make_engine(), make_engine()
+    faulty, reference = make_tenants(), make_tenants()
     for engine in (faulty, reference):
         train_round(engine, seed=1)
         engine.optim_step([("a", a_adam), ("b", ADAM)])
@@ -125,9 +84,9 @@ def test_overflowing_learning_rate_fails_alone(
     ids=["nan-gradient", "inf-gradient-clipped", "overflowing-update"],
 )
 def test_non_finite_gradient_or_update_fails_alone(
-    make_engine: Callable[..., Engine], poison: float, adam: AdamParams, fragment: str
+    make_tenants: Callable[[], Trainer], poison: float, adam: AdamParams, fragment: str
 ) -> None:
-    faulty, reference = make_engine(), make_engine()
+    faulty, reference = make_tenants(), make_tenants()
     for engine in (faulty, reference):
         train_round(engine, seed=3)
         engine.optim_step([("a", CLIPPED), ("b", ADAM)])
@@ -159,23 +118,15 @@ def poisoned(request: FwdBwdRequest, scale: float, alternate: bool) -> FwdBwdReq
     return request
 
 
-def assert_same_output(got: object, want: object) -> None:
-    assert isinstance(got, FwdBwdOutput) and isinstance(want, FwdBwdOutput)
-    assert got.metrics == want.metrics and got.loss_fn_output_type == want.loss_fn_output_type
-    for left, right in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
-        for key in ("logprobs", "elementwise_loss"):
-            np.testing.assert_array_equal(left[key], right[key])
-
-
 @pytest.mark.parametrize(
     ("scale", "alternate", "fragment"),
     [(1e38, False, "the loss is not finite"), (2.5e37, True, "the gradient is not finite")],
     ids=["overflowing-loss", "overflowing-gradient"],
 )
 def test_overflowing_item_fails_alone_in_a_shared_pass(
-    make_engine: Callable[..., Engine], scale: float, alternate: bool, fragment: str
+    make_tenants: Callable[[], Trainer], scale: float, alternate: bool, fragment: str
 ) -> None:
-    faulty, reference = make_engine(), make_engine()
+    faulty, reference = make_tenants(), make_tenants()
     for engine in (faulty, reference):
         train_round(engine, seed=5)  # pending gradients from an earlier pass, in both slots
     b_before = slot_state(faulty, "b")
@@ -198,27 +149,13 @@ def test_overflowing_item_fails_alone_in_a_shared_pass(
     assert_same_bits(slot_state(faulty, "b"), b_before)
 
 
-class ExplodingEngine(Engine):
-    """Once armed, raises in every pass that holds tenant "b", after the backward has moved
-    gradients."""
-
-    armed = False
-
-    def _run_pass(
-        self, batch: list[tuple[str, FwdBwdRequest]], *rest: Any
-    ) -> list[FwdBwdOutput | TwinkleError]:
-        results = super()._run_pass(batch, *rest)
-        if self.armed and any(model_id == "b" for model_id, _ in batch):
-            raise RuntimeError("injected fault after the backward")
-        return results
-
-
-def test_a_pass_that_raises_changes_no_gradient(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine(ExplodingEngine)
-    assert isinstance(engine, ExplodingEngine)
+def test_a_pass_that_raises_changes_no_gradient(
+    make_tenants: Callable[[], Trainer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_tenants()
     train_round(engine, seed=7)  # pending gradients in every slot, to be protected
     before = engine.bank.grads.clone()
-    engine.armed = True
+    explode_with(engine, "b", monkeypatch)
 
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.forward_backward(requests(seed=8))
@@ -226,14 +163,13 @@ def test_a_pass_that_raises_changes_no_gradient(make_engine: Callable[..., Engin
 
 
 def test_bisection_fails_only_the_culprit_of_a_raising_pass(
-    make_engine: Callable[..., Engine],
+    make_tenants: Callable[[], Trainer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine, reference = make_engine(ExplodingEngine), make_engine()
-    assert isinstance(engine, ExplodingEngine)
+    engine, reference = make_tenants(), make_tenants()
     for each in (engine, reference):
         train_round(each, seed=9)
     b_before = slot_state(engine, "b")
-    engine.armed = True
+    explode_with(engine, "b", monkeypatch)
     batch = requests(seed=10)
 
     a_result, b_result, c_result = isolate(
@@ -250,12 +186,12 @@ def test_bisection_fails_only_the_culprit_of_a_raising_pass(
 
 
 def test_a_request_failing_after_part_of_it_ran_leaves_its_slot_clean(
-    make_engine: Callable[..., Engine],
+    make_tenants: Callable[[], Trainer],
 ) -> None:
     """A's first request overflows in its second datum only, after its first datum's gradient
     is in (in "split", that datum ran in an earlier pass). A's slot gets its copy back and A's
     healthy request runs again, so A ends with exactly the healthy request's gradient."""
-    faulty, reference = make_engine(), make_engine()
+    faulty, reference = make_tenants(), make_tenants()
     for engine in (faulty, reference):
         train_round(engine, seed=9)
     rng = np.random.default_rng(10)
@@ -282,11 +218,11 @@ def test_a_request_failing_after_part_of_it_ran_leaves_its_slot_clean(
 
 
 def test_finite_gradients_whose_sum_overflows_are_not_failed(
-    make_engine: Callable[..., Engine],
+    make_tenants: Callable[[], Trainer],
 ) -> None:
     """The pass's finiteness check sums each row first; a row of finite values whose sum
     overflows float32 is checked value by value and kept."""
-    engine = make_engine()
+    engine = make_tenants()
     slot = engine.slot("b")
     engine.bank.grads[slot, 3] = 3e38
     engine.bank.grads[slot, 5] = 3e38  # finite values, an infinite sum
@@ -298,12 +234,12 @@ def test_finite_gradients_whose_sum_overflows_are_not_failed(
 
 @pytest.mark.parametrize("scratch_bytes", [1, 2**28], ids=["one-slot-groups", "one-group"])
 def test_a_clipping_slot_whose_update_overflows_gets_every_row_back(
-    make_engine: Callable[..., Engine], scratch_bytes: int
+    make_tenants: Callable[[], Trainer], scratch_bytes: int
 ) -> None:
     """B clips (so its gradient is scaled in place) and its first moment is near float32's
     limit, so its new weights overflow: B's rows, its pending gradient included, come back bit
     for bit, and A (stepping in the same or another group) takes its solo step."""
-    faulty, reference = make_engine(), make_engine()
+    faulty, reference = make_tenants(), make_tenants()
     for engine in (faulty, reference):
         engine.optimizer.scratch_bytes = scratch_bytes
         train_round(engine, seed=12)

@@ -26,9 +26,8 @@ from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.jobs import ImportAdapterJob, import_staging_dir
 from protocol.paths import checkpoint_dir, parse_path
-from tests.test_moe_engine import export_layout
+from tests.engine_helpers import Trainer, export_layout
 from workers.tiny_model import build_tiny_model
-from workers.trainer.engine import Engine
 from workers.trainer.parking import trained_groups
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -44,11 +43,11 @@ def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture
-def engine(moe_model: Path) -> Engine:
-    return Engine(str(moe_model), max_slots=3, max_rank=8)
+def engine(moe_model: Path) -> Trainer:
+    return Trainer(str(moe_model), max_slots=3, max_rank=8)
 
 
-def _trained(engine: Engine, model_id: str, directory: Path, **flags: bool) -> Path:
+def _trained(engine: Trainer, model_id: str, directory: Path, **flags: bool) -> Path:
     """A sampler checkpoint of an adapter whose every factor is non-zero."""
     engine.create(model_id, LoraConfig(rank=4, seed=2, **flags))  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(4)
@@ -60,7 +59,7 @@ def _trained(engine: Engine, model_id: str, directory: Path, **flags: bool) -> P
     return directory
 
 
-def _rows(engine: Engine, model_id: str) -> list[torch.Tensor]:
+def _rows(engine: Trainer, model_id: str) -> list[torch.Tensor]:
     slot, rank = engine.slot(model_id), engine.spec(model_id).rank
     return [
         v for _, a, b in engine.bank.slot_views(engine.bank.weights, slot, rank) for v in (a, b)
@@ -79,7 +78,7 @@ def _save(folder: Path, config: dict[str, object], tensors: Tensors) -> Path:
     return folder
 
 
-def _import(engine: Engine, root: Path, folder: Path, name: str = "in") -> str:
+def _import(engine: Trainer, root: Path, folder: Path, name: str = "in") -> str:
     """`checkpoints import` on the worker: the folder staged, then the job run."""
     from workers.trainer.transfer import import_adapter
 
@@ -97,13 +96,13 @@ def _import(engine: Engine, root: Path, folder: Path, name: str = "in") -> str:
         name=name,
         base_model=engine.base_model,
     )
-    answer, _ = import_adapter(engine, root, job)
+    answer, _ = import_adapter(engine.core, engine.residency, root, job)
     assert not staging.exists()
     return str(answer["path"])
 
 
 def _refused(
-    engine: Engine, root: Path, folder: Path, *details: str
+    engine: Trainer, root: Path, folder: Path, *details: str
 ) -> pytest.ExceptionInfo[UserError]:
     with pytest.raises(UserError) as error:
         _import(engine, root, folder)
@@ -118,7 +117,7 @@ def test_the_cli_layouts_are_the_protocols() -> None:
 
 
 def test_the_per_expert_export_is_what_the_cookbook_builds(
-    engine: Engine, moe_model: Path, tmp_path: Path
+    engine: Trainer, moe_model: Path, tmp_path: Path
 ) -> None:
     from tinker_cookbook import weights as cookbook_weights
 
@@ -143,7 +142,7 @@ def test_the_per_expert_export_is_what_the_cookbook_builds(
 
 @pytest.mark.parametrize("layout", ["peft", "per-expert", "tinker", "cookbook"])
 def test_an_adapter_in_any_layout_imports_exactly(
-    engine: Engine, moe_model: Path, tmp_path: Path, layout: str
+    engine: Trainer, moe_model: Path, tmp_path: Path, layout: str
 ) -> None:
     checkpoint = _trained(engine, "m", tmp_path / "sampler", train_unembed=False)
     root = tmp_path / "root"
@@ -167,13 +166,13 @@ def test_an_adapter_in_any_layout_imports_exactly(
         assert torch.equal(original, imported)
 
 
-def _experts_of(engine: Engine) -> tuple[str, int]:
+def _experts_of(engine: Trainer) -> tuple[str, int]:
     path, layer = next(iter(engine.bank.expert_layers.items()))
     return f"base_model.model.{path}", layer.shape.num_experts
 
 
 def test_a_per_expert_adapter_that_is_not_shared_outer_is_refused(
-    engine: Engine, tmp_path: Path
+    engine: Trainer, tmp_path: Path
 ) -> None:
     checkpoint = _trained(engine, "m", tmp_path / "sampler", **MLP_ONLY)
     root = tmp_path / "root"
@@ -198,7 +197,7 @@ def test_a_per_expert_adapter_that_is_not_shared_outer_is_refused(
 
 
 def test_a_peft_adapter_that_is_not_shared_outer_is_refused(
-    engine: Engine, moe_model: Path, tmp_path: Path
+    engine: Trainer, moe_model: Path, tmp_path: Path
 ) -> None:
     checkpoint = _trained(engine, "m", tmp_path / "sampler", **MLP_ONLY)
     root = tmp_path / "root"
@@ -234,7 +233,7 @@ def test_a_peft_adapter_that_is_not_shared_outer_is_refused(
 
 
 def test_reading_checks_only_shapes_before_data(
-    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    engine: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A file that does not fit is refused from its header: no tensor is loaded."""
     import workers.trainer.checkpoints as checkpoints

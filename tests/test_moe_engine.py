@@ -9,6 +9,7 @@ refuses an MLP adapter.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -27,12 +28,16 @@ from transformers import (
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import UserError
-from protocol.jobs import AdapterLayout, ExportMergedJob, merged_export_dir
-from protocol.paths import TinkerPath, checkpoint_dir
 from protocol.tensors import FwdBwdRequest
-from tests.test_engine import PEFT_TIED_WARNING, assert_same_outputs, make_request, max_diff
+from tests.engine_helpers import (
+    PEFT_TIED_WARNING,
+    Trainer,
+    assert_same_outputs,
+    export_layout,
+    make_request,
+    max_diff,
+)
 from workers.tiny_model import build_tiny_model
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -98,14 +103,12 @@ def moe_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture
-def make_engine(moe_model: Path) -> Callable[..., Engine]:
-    def make(**kwargs: int) -> Engine:
-        return Engine(str(moe_model), **kwargs)  # type: ignore[arg-type]
-
-    return make
+def make_moe(moe_model: Path) -> Callable[..., Trainer]:
+    """Trainers on this run's MoE model; keywords as `Trainer` takes them."""
+    return functools.partial(Trainer, str(moe_model))
 
 
-def _perturb(engine: Engine, model_id: str, seed: int) -> None:
+def _perturb(engine: Trainer, model_id: str, seed: int) -> None:
     """Non-zero B everywhere the adapter trains, so every factor gets a gradient."""
     generator = torch.Generator().manual_seed(seed)
     spec = engine.spec(model_id)
@@ -113,7 +116,7 @@ def _perturb(engine: Engine, model_id: str, seed: int) -> None:
         b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
 
 
-def _expert_rows(engine: Engine, buffer: torch.Tensor, model_id: str) -> list[torch.Tensor]:
+def _expert_rows(engine: Trainer, buffer: torch.Tensor, model_id: str) -> list[torch.Tensor]:
     spec = engine.spec(model_id)
     return [
         view.clone()
@@ -124,9 +127,9 @@ def _expert_rows(engine: Engine, buffer: torch.Tensor, model_id: str) -> list[to
 
 
 def test_the_shared_pass_gives_each_tenant_its_solo_gradient(
-    make_engine: Callable[..., Engine],
+    make_moe: Callable[..., Trainer],
 ) -> None:
-    engine = make_engine(max_slots=3, max_rank=8)
+    engine = make_moe(max_slots=3, max_rank=8)
     rng = np.random.default_rng(1)
     specs = {"t0": LoraConfig(rank=4, seed=0), "t1": LoraConfig(rank=8, seed=1, **MLP_ONLY)}
     specs["t2"] = LoraConfig(rank=2, seed=2)
@@ -153,8 +156,8 @@ def test_the_shared_pass_gives_each_tenant_its_solo_gradient(
         engine.bank.grads.zero_()
 
 
-def test_an_mlp_only_adapter_trains_the_experts(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine(max_slots=2, max_rank=8)
+def test_an_mlp_only_adapter_trains_the_experts(make_moe: Callable[..., Trainer]) -> None:
+    engine = make_moe(max_slots=2, max_rank=8)
     engine.create("m", LoraConfig(rank=8, seed=3, **MLP_ONLY))
     rng = np.random.default_rng(2)
     request = make_request("m", [12, 9], rng, weights=False)
@@ -171,9 +174,9 @@ def test_an_mlp_only_adapter_trains_the_experts(make_engine: Callable[..., Engin
 
 
 def test_checkpoints_round_trip_in_peft_expert_layout(
-    make_engine: Callable[..., Engine], tmp_path: Path
+    make_moe: Callable[..., Trainer], tmp_path: Path
 ) -> None:
-    engine = make_engine(max_slots=2, max_rank=8)
+    engine = make_moe(max_slots=2, max_rank=8)
     engine.create("a", LoraConfig(rank=4, seed=5))
     rng = np.random.default_rng(3)
     request = make_request("a", [8, 5], rng, weights=False)
@@ -218,11 +221,11 @@ def test_checkpoints_round_trip_in_peft_expert_layout(
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING, PEFT_PATTERN_WARNING)
 @pytest.mark.parametrize("kind", ["sampler_weights", "weights"])
 def test_checkpoints_load_in_peft_with_the_engines_logprobs(
-    make_engine: Callable[..., Engine], moe_model: Path, tmp_path: Path, kind: str
+    make_moe: Callable[..., Trainer], moe_model: Path, tmp_path: Path, kind: str
 ) -> None:
     from peft import PeftModel
 
-    engine = make_engine(max_slots=1, max_rank=8)
+    engine = make_moe(max_slots=1, max_rank=8)
     engine.create("m", LoraConfig(rank=4, seed=12))  # attention, experts (+ shared), lm_head
     _perturb(engine, "m", 13)
     rng = np.random.default_rng(6)
@@ -244,8 +247,8 @@ def _forward_only(request: FwdBwdRequest, model_id: str) -> FwdBwdRequest:
     return FwdBwdRequest(model_id, 1, request.loss_fn, True, {}, request.datums)
 
 
-def test_parking_keeps_the_expert_factors(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine(max_slots=1, max_rank=8, max_parked=4)
+def test_parking_keeps_the_expert_factors(make_moe: Callable[..., Trainer]) -> None:
+    engine = make_moe(max_slots=1, max_rank=8, max_parked=4)
     engine.create("p", LoraConfig(rank=4, seed=6, **MLP_ONLY))
     _perturb(engine, "p", 7)
     rng = np.random.default_rng(4)
@@ -267,13 +270,13 @@ def _logprobs(model: torch.nn.Module, tokens: np.ndarray, targets: np.ndarray) -
 
 
 def test_a_merged_model_computes_what_the_engine_computes(
-    make_engine: Callable[..., Engine], moe_model: Path, tmp_path: Path
+    make_moe: Callable[..., Trainer], moe_model: Path, tmp_path: Path
 ) -> None:
     from tinker_cookbook import weights as cookbook_weights
 
     from workers.trainer.transfer import _merge
 
-    engine = make_engine(max_slots=1, max_rank=8)
+    engine = make_moe(max_slots=1, max_rank=8)
     # The cookbook merges no tied lm_head (Tinker names it `unembed_tokens`): attention and experts.
     engine.create("m", LoraConfig(rank=4, seed=9, train_unembed=False))
     _perturb(engine, "m", 11)
@@ -286,7 +289,7 @@ def test_a_merged_model_computes_what_the_engine_computes(
     engine.save("m", directory, kind="sampler_weights", meta={})
 
     ours = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
-    _merge(ours, engine.slots.files.read(directory, with_optimizer=False))
+    _merge(ours, engine.residency.files.read(directory, with_optimizer=False))
     got = _logprobs(ours, datum.tokens, datum.inputs["target_tokens"])
     assert max_diff(got, want) <= 1e-4
 
@@ -303,40 +306,11 @@ def test_a_merged_model_computes_what_the_engine_computes(
     assert max_diff(got, want) <= 1e-4
 
 
-def export_layout(engine: Engine, checkpoint: Path, root: Path, layout: AdapterLayout) -> Path:
-    """`checkpoints export --layout` on the worker: the checkpoint's adapter in `layout`."""
-    from workers.trainer.transfer import export_merged
-
-    path = TinkerPath(run_id="run", kind="sampler_weights", name=checkpoint.name)
-    stored = checkpoint_dir(root, path)
-    stored.parent.mkdir(parents=True, exist_ok=True)
-    if not stored.exists():
-        stored.symlink_to(checkpoint, target_is_directory=True)
-    export_id = f"export-{layout}"
-    job = ExportMergedJob(
-        request_id="req",
-        model_id=export_id,
-        tenant_id="t",
-        seq_id=0,
-        path=f"tinker://run/sampler_weights/{checkpoint.name}",
-        export_id=export_id,
-        layout=layout,
-    )
-    answer = export_merged(engine, root, job)
-    target = merged_export_dir(root, export_id)
-    assert {entry["name"] for entry in answer["files"]} == {
-        "adapter_config.json",
-        "adapter_model.safetensors",
-    }
-    assert answer["layout"] == layout
-    return target
-
-
 def test_an_mlp_adapter_is_refused_where_the_experts_cannot_be_adapted(
-    make_engine: Callable[..., Engine],
+    make_moe: Callable[..., Trainer],
 ) -> None:
-    engine = make_engine(max_slots=2, max_rank=8)
-    engine.slots.bank.unwrappable_experts = ["model.layers.0.mlp.experts"]
+    engine = make_moe(max_slots=2, max_rank=8)
+    engine.bank.unwrappable_experts = ["model.layers.0.mlp.experts"]
     with pytest.raises(UserError, match="train_mlp"):
         engine.create("x", LoraConfig(rank=4, **MLP_ONLY))
     engine.create("y", LoraConfig(rank=4, train_mlp=False))  # attention only still trains

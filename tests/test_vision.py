@@ -23,11 +23,10 @@ from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForI
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import UserError
 from protocol.tensors import FwdBwdRequest, decode_forward_backward
+from tests.engine_helpers import PEFT_TIED_WARNING, Trainer
 from tests.image_helpers import composite_logprobs, encoded, request_with
-from tests.test_engine import PEFT_TIED_WARNING
 from workers.engine.vision import VisionTower
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, Arch, build_tiny_model
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -147,11 +146,11 @@ def test_placeholders_that_do_not_match_the_images_are_refused(
 # -- the engine's passes with images -------------------------------------------------------------
 
 
-def _engine(model: Path) -> Engine:
-    return Engine(str(model), max_slots=4, max_rank=8)
+def _engine(model: Path) -> Trainer:
+    return Trainer(str(model), max_slots=4, max_rank=8)
 
 
-def _decoded(engine: Engine, body: bytes, forward_only: bool = False) -> FwdBwdRequest:
+def _decoded(engine: Trainer, body: bytes, forward_only: bool = False) -> FwdBwdRequest:
     assert engine.vision is not None
     request = decode_forward_backward(body, vision=engine.vision.geometry)
     request.forward_only = forward_only
@@ -161,7 +160,7 @@ def _decoded(engine: Engine, body: bytes, forward_only: bool = False) -> FwdBwdR
 PNG = encoded(96, 64, "png")  # 6 vision tokens
 
 
-def _image_body(engine: Engine, after: list[int]) -> bytes:
+def _image_body(engine: Trainer, after: list[int]) -> bytes:
     """Tenant "a"'s request of one datum: text, `PNG`, then `after`."""
     return request_with(
         [("text", [7, 8, VISION_START_ID]), ("image", (PNG, "png", 6)), ("text", after)],
@@ -170,7 +169,7 @@ def _image_body(engine: Engine, after: list[int]) -> bytes:
     )
 
 
-def _forward(engine: Engine, body: bytes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(engine: Trainer, body: bytes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tenant "a"'s forward-only logprobs of `body`'s datum, with its ids and targets."""
     request = _decoded(engine, body, forward_only=True)
     [out] = engine.forward_backward([("a", request)])
@@ -236,7 +235,7 @@ def test_images_are_refused_where_they_cannot_run(vl_model: Path, tiny_model: Pa
     stray = _decoded(engine, request_with([("text", [7, IMAGE_PAD_ID, 8])], model_id="a"))
     with pytest.raises(UserError, match=r"token 1 is the image placeholder id 5 outside an image"):
         engine.validate("a", stray)
-    text = Engine(str(tiny_model), max_slots=2, max_rank=8)
+    text = Trainer(str(tiny_model), max_slots=2, max_rank=8)
     text.create("t", LoraConfig(rank=4, seed=1))
     imaged = _decoded(
         engine, request_with([("image", (encoded(96, 64, "png"), "png", 6))], model_id="t")

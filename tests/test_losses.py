@@ -1,4 +1,4 @@
-"""Every built-in loss in the engine (fp32, CPU) against an independent reference: a PEFT model
+"""Every built-in loss in the trainer's model (fp32, CPU) against an independent reference: a PEFT model
 carrying the same adapter, with each loss written out here from reference/losses.md (per-token
 logprobs, loss:sum, LoRA gradients); forward-only passes; a shared pass mixing loss functions;
 request validation; and chunk invariance under the SDK's own result combiner.
@@ -19,35 +19,35 @@ from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
-from workers.trainer.engine import Engine
+from tests.engine_helpers import LAYOUTS, PEFT_TIED_WARNING, TOLERANCE, VOCAB, Trainer
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-VOCAB = 256
 RANK = 8
 LORA_ALPHA = 32
-TOLERANCE = 1e-5
-PEFT_TIED_WARNING = "ignore:Model has `tie_word_embeddings=True`:UserWarning"
 LENGTHS = [7, 11, 5]
 
 # -- fixtures ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["one-pass", "split"])
-def engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Engine:
-    """One engine for the module; each test creates its own model_ids and releases them.
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def engine(random_qwen3: Path, request: pytest.FixtureRequest) -> Trainer:
+    """One trainer for the module; each test creates its own model_ids and releases them.
 
-    "split" runs each call as passes of at most 9 token positions, log-probs 16 tokens at a
+    "split" runs each call as passes of at most 9 token positions, log-probs one token at a
     time: the numbers must not change.
     """
-    layout: dict[str, int] = (
-        {"pass_tokens": 9, "logits_chunk_elements": 1} if request.param == "split" else {}
+    return Trainer(
+        str(random_qwen3),
+        max_slots=4,
+        max_rank=RANK,
+        lora_alpha=LORA_ALPHA,
+        **LAYOUTS[request.param],
     )
-    return Engine(str(random_qwen3), max_slots=4, max_rank=RANK, lora_alpha=LORA_ALPHA, **layout)
 
 
 @pytest.fixture
-def tenants(engine: Engine) -> Iterator[Callable[..., None]]:
+def tenants(engine: Trainer) -> Iterator[Callable[..., None]]:
     created: list[str] = []
 
     def create(*model_ids: str, seed: int = 1) -> None:
@@ -90,18 +90,18 @@ def reference(random_qwen3: Path) -> Any:
     return model
 
 
-def slot_views(engine: Engine, buffer: torch.Tensor, model_id: str) -> Iterator[Any]:
+def slot_views(engine: Trainer, buffer: torch.Tensor, model_id: str) -> Iterator[Any]:
     yield from engine.bank.slot_views(buffer, engine.slot(model_id), RANK)
 
 
-def randomize_b(engine: Engine, model_id: str, seed: int) -> None:
+def randomize_b(engine: Trainer, model_id: str, seed: int) -> None:
     """Non-zero B so that A receives gradient too."""
     generator = torch.Generator().manual_seed(seed)
     for _, _, b in slot_views(engine, engine.bank.weights, model_id):
         b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
 
 
-def load_reference(reference: Any, engine: Engine, model_id: str) -> dict[str, Any]:
+def load_reference(reference: Any, engine: Trainer, model_id: str) -> dict[str, Any]:
     """Copy the slot's adapter into the PEFT model; return its LoRA layers by module path."""
     layers = {}
     for layout, a, b in slot_views(engine, engine.bank.weights, model_id):
@@ -227,7 +227,7 @@ def add_inputs(
             datum.inputs["clip_high_threshold"] = rng.uniform(1.05, 1.3, shape).astype(np.float32)
 
 
-def current_logprobs(engine: Engine, model_id: str, datums: list[DatumArrays]) -> list[np.ndarray]:
+def current_logprobs(engine: Trainer, model_id: str, datums: list[DatumArrays]) -> list[np.ndarray]:
     probe = [DatumArrays(d.tokens, {"target_tokens": d.inputs["target_tokens"]}) for d in datums]
     request = FwdBwdRequest(model_id, 0, "cross_entropy", True, {}, probe)
     [result] = engine.forward_backward([(model_id, request)])
@@ -235,7 +235,7 @@ def current_logprobs(engine: Engine, model_id: str, datums: list[DatumArrays]) -
 
 
 def rl_request(
-    engine: Engine,
+    engine: Trainer,
     model_id: str,
     loss_fn: str,
     rng: np.random.Generator,
@@ -278,7 +278,7 @@ CASES = {
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING)
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_matches_reference(
-    engine: Engine, tenants: Callable[..., None], reference: Any, case: str
+    engine: Trainer, tenants: Callable[..., None], reference: Any, case: str
 ) -> None:
     loss_fn, config, options = CASES[case]
     tenants("m", seed=3)
@@ -329,7 +329,7 @@ def count_clipped(
 
 
 def test_masked_far_off_policy_tokens_stay_finite(
-    engine: Engine, tenants: Callable[..., None]
+    engine: Trainer, tenants: Callable[..., None]
 ) -> None:
     """q ≪ lp at A = 0 overflows exp(lp − q) in fp32; the masked term is still exactly 0."""
     tenants("m", seed=4)
@@ -350,7 +350,7 @@ def test_masked_far_off_policy_tokens_stay_finite(
     "loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 )
 def test_forward_only_matches_forward_backward_without_gradient(
-    engine: Engine, tenants: Callable[..., None], loss_fn: str
+    engine: Trainer, tenants: Callable[..., None], loss_fn: str
 ) -> None:
     tenants("m", seed=5)
     request = rl_request(engine, "m", loss_fn, np.random.default_rng(50), forward_only=True)
@@ -379,7 +379,7 @@ def assert_same_result(shared: FwdBwdOutput, solo: FwdBwdOutput) -> None:
 
 
 def test_shared_pass_mixing_losses_equals_solo_passes(
-    engine: Engine, tenants: Callable[..., None]
+    engine: Trainer, tenants: Callable[..., None]
 ) -> None:
     tenants("sft", "rl", "dro", seed=6)
     rng = np.random.default_rng(60)
@@ -411,7 +411,7 @@ def test_shared_pass_mixing_losses_equals_solo_passes(
 # -- 4. validation -------------------------------------------------------------------------------
 
 
-def _invalid(case: str, engine: Engine, rng: np.random.Generator) -> FwdBwdRequest:
+def _invalid(case: str, engine: Trainer, rng: np.random.Generator) -> FwdBwdRequest:
     loss_fn = case.split("/")[0]
     request = rl_request(engine, "m", loss_fn, rng, lengths=[4, 5])
     inputs = request.datums[1].inputs
@@ -483,7 +483,7 @@ INVALID = {
 
 @pytest.mark.parametrize("case", list(INVALID))
 def test_invalid_inputs_name_the_loss_and_the_key(
-    engine: Engine, tenants: Callable[..., None], case: str
+    engine: Trainer, tenants: Callable[..., None], case: str
 ) -> None:
     tenants("m", seed=7)
     request = _invalid(case, engine, np.random.default_rng(70))
@@ -509,7 +509,7 @@ def test_invalid_inputs_name_the_loss_and_the_key(
     ],
 )
 def test_unsupported_and_unknown_losses_are_refused(
-    engine: Engine, tenants: Callable[..., None], loss_fn: str, fragments: list[str]
+    engine: Trainer, tenants: Callable[..., None], loss_fn: str, fragments: list[str]
 ) -> None:
     tenants("m", seed=8)
     request = rl_request(engine, "m", "importance_sampling", np.random.default_rng(80))
@@ -540,7 +540,7 @@ def to_sdk(result: FwdBwdOutput) -> Any:
     "loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 )
 def test_chunked_requests_combine_to_the_unchunked_result(
-    engine: Engine, tenants: Callable[..., None], loss_fn: str
+    engine: Trainer, tenants: Callable[..., None], loss_fn: str
 ) -> None:
     from tinker.lib.chunked_fwdbwd_helpers import combine_fwd_bwd_output_results
 

@@ -8,44 +8,37 @@ from pathlib import Path
 
 import pytest
 
-from protocol.api import LoraConfig
 from tests.conftest import Cluster
+from workers.engine.model import MultiSlotModel
 from workers.trainer.calibration import cached_or_measured, measure
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def test_measure_picks_a_measured_size_and_frees_its_slot(random_qwen3: Path) -> None:
-    engine = Engine(str(random_qwen3), max_slots=2, max_rank=8, pass_tokens=777)
-    found = measure(engine, smallest=64, largest=512, max_pass_s=5.0, repeats=1)
+    model = MultiSlotModel(str(random_qwen3), max_slots=2, max_rank=8, pass_tokens=777)
+    found = measure(model, smallest=64, largest=512, max_pass_s=5.0, repeats=1)
     sizes = [size for size, _ in found.curve]
     assert sizes[0] == 64 and sizes == sorted(sizes) and found.pass_tokens in sizes
     assert all(rate > 0 for _, rate in found.curve)
-    assert engine.slots_used() == 0 and engine.pass_tokens == 777
-    assert not engine.bank.grads.any() and not engine.bank.weights.any()
-
-
-def test_measure_refuses_to_run_beside_a_tenant(random_qwen3: Path) -> None:
-    engine = Engine(str(random_qwen3), max_slots=2, max_rank=8)
-    engine.create("tenant", LoraConfig(rank=4, seed=1))
-    with pytest.raises(RuntimeError, match="before any tenant"):
-        measure(engine)
+    assert model.pass_tokens == 777
+    assert not model.bank.grads.any() and not model.bank.weights.any()
+    assert not model.optimizer.exp_avg.any() and not model.optimizer.exp_avg_sq.any()
 
 
 def test_the_result_is_cached_per_model_and_device(
     random_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = Engine(str(random_qwen3), max_slots=2, max_rank=8)
+    model = MultiSlotModel(str(random_qwen3), max_slots=2, max_rank=8)
     monkeypatch.setattr("workers.trainer.calibration.measure", lambda e: _fixed(512))
-    first = cached_or_measured(engine, tmp_path, threads=1)
+    first = cached_or_measured(model, tmp_path, threads=1)
     monkeypatch.setattr(
         "workers.trainer.calibration.measure", lambda e: pytest.fail("measured twice")
     )
-    assert cached_or_measured(engine, tmp_path, threads=1) == first
+    assert cached_or_measured(model, tmp_path, threads=1) == first
     assert first.pass_tokens == 512
     monkeypatch.setattr("workers.trainer.calibration.measure", lambda e: _fixed(1024))
-    assert cached_or_measured(engine, tmp_path, threads=2).pass_tokens == 1024  # another key
+    assert cached_or_measured(model, tmp_path, threads=2).pass_tokens == 1024  # another key
 
 
 def _fixed(size: int):  # type: ignore[no-untyped-def]

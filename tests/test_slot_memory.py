@@ -1,4 +1,4 @@
-"""Slots planned from free memory: the arithmetic, and an engine that plans its own."""
+"""Slots planned from free memory: the arithmetic, and a multi-slot model that plans its own."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.trainer.engine import Engine
 from workers.engine.memory import MAX_SLOTS_CAP, plan_slots, slot_bytes
+from workers.engine.model import MultiSlotModel
 
 
 def test_half_the_free_memory_holds_slots_of_five_fp32_copies() -> None:
@@ -25,11 +25,11 @@ def test_a_qwen3_30b_a3b_rank_32_slot_is_planned_from_its_size() -> None:
     assert "4" in plan.describe() and "GiB free" in plan.describe()
 
 
-def test_an_engine_without_max_slots_plans_them(
+def test_a_model_without_max_slots_plans_them(
     random_qwen3: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("INFO", logger="workers.trainer.engine"):
-        engine = Engine(str(random_qwen3), max_slots=None, max_rank=8)
-    assert 1 <= engine.max_slots <= MAX_SLOTS_CAP
-    assert engine.bank.weights.shape[0] == engine.max_slots
+    with caplog.at_level("INFO", logger="workers.engine.model"):
+        model = MultiSlotModel(str(random_qwen3), max_slots=None, max_rank=8)
+    assert 1 <= model.max_slots <= MAX_SLOTS_CAP
+    assert model.bank.weights.shape[0] == model.max_slots
     assert any("max_slots=" in record.getMessage() for record in caplog.records)

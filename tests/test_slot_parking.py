@@ -1,4 +1,4 @@
-"""Slot parking in the trainer engine (fp32, CPU): with more tenants than slots, the least recently
+"""Slot parking in the trainer's residency (fp32, CPU): with more tenants than slots, the least recently
 used tenant's slot goes to host memory and comes back bit-exactly when a call needs it.
 
 Each test runs the same requests on an engine with 2 slots (parking all the time) and on one with
@@ -20,10 +20,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, ServerError, UserError
+from protocol.rules import check_adam
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from tests.engine_helpers import Trainer
 from workers.engine.lora import LAYER_GROUPS
 from workers.trainer.checkpoints import read_checkpoint
-from workers.trainer.engine import Engine
 from workers.trainer.parking import Tenant
 from workers.trainer.snapshots import read_state, write_state
 
@@ -44,9 +45,11 @@ TENANTS = list(SPECS)
 
 
 @pytest.fixture
-def make_engine(random_qwen3: Path) -> Callable[..., Engine]:
-    def make(max_slots: int, max_parked: int | None = None, create: bool = True) -> Engine:
-        engine = Engine(str(random_qwen3), max_slots=max_slots, max_rank=8, max_parked=max_parked)
+def make_parking(random_qwen3: Path) -> Callable[..., Trainer]:
+    """Trainers of `max_slots` slots holding the SPECS tenants (unless not `create`)."""
+
+    def make(max_slots: int, max_parked: int | None = None, create: bool = True) -> Trainer:
+        engine = Trainer(str(random_qwen3), max_slots=max_slots, max_rank=8, max_parked=max_parked)
         if create:
             for model_id, spec in SPECS.items():
                 engine.create(model_id, spec)
@@ -67,7 +70,7 @@ def make_request(model_id: str, seed: int, *, forward_only: bool = False) -> Fwd
     return FwdBwdRequest(model_id, 1, "cross_entropy", forward_only, {}, datums)
 
 
-def slot_state(engine: Engine, model_id: str) -> dict[str, Any]:
+def slot_state(engine: Trainer, model_id: str) -> dict[str, Any]:
     """Everything the slot holds for `model_id`, whole rows (padding included), as copies."""
     slot = engine.slot(model_id)
     return {
@@ -113,9 +116,9 @@ def assert_same_results(
 
 
 def test_interleaved_training_matches_an_engine_that_never_parks(
-    make_engine: Callable[..., Engine],
+    make_parking: Callable[..., Trainer],
 ) -> None:
-    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+    tight, roomy = make_parking(max_slots=2), make_parking(max_slots=8)
     for round_ in range(3):
         for index, model_id in enumerate(TENANTS):
             request = make_request(model_id, seed=100 * round_ + index)
@@ -124,7 +127,9 @@ def test_interleaved_training_matches_an_engine_that_never_parks(
                 roomy.forward_backward([(model_id, request)]),
             )
             assert tight.optim_step([(model_id, ADAM)]) == roomy.optim_step([(model_id, ADAM)])
-            assert tight.slots_used() == 2 and tight.adapters_total() == len(TENANTS)
+            assert tight.residency.slots_used() == 2 and tight.residency.adapters_total() == len(
+                TENANTS
+            )
             assert all(tight.has(other) for other in TENANTS)
     assert len(tight.parked) == 3 and len(roomy.parked) == 0
     for model_id in TENANTS:
@@ -132,8 +137,8 @@ def test_interleaved_training_matches_an_engine_that_never_parks(
         assert tight.optimizer.steps[tight.slot(model_id)] == 3
 
 
-def test_pending_gradients_survive_a_park(make_engine: Callable[..., Engine]) -> None:
-    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+def test_pending_gradients_survive_a_park(make_parking: Callable[..., Trainer]) -> None:
+    tight, roomy = make_parking(max_slots=2), make_parking(max_slots=8)
     for engine in (tight, roomy):  # one step first, so moments and B are non-zero too
         for index, model_id in enumerate(TENANTS):
             engine.forward_backward([(model_id, make_request(model_id, seed=index))])
@@ -161,9 +166,9 @@ def test_pending_gradients_survive_a_park(make_engine: Callable[..., Engine]) ->
 
 
 def test_a_call_over_more_tenants_than_slots_runs_in_groups(
-    make_engine: Callable[..., Engine],
+    make_parking: Callable[..., Trainer],
 ) -> None:
-    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+    tight, roomy = make_parking(max_slots=2), make_parking(max_slots=8)
     # Every tenant, one twice and one forward-only item, in an order that mixes the groups.
     batch = [
         (model_id, make_request(model_id, seed=index)) for index, model_id in enumerate(TENANTS)
@@ -181,7 +186,7 @@ def test_a_call_over_more_tenants_than_slots_runs_in_groups(
                 # relative: a pass of 2 tenants and one of 8 compute the LoRA terms differently
                 # (`workers.engine.lora_kernels`), equal to rounding
                 assert abs(value - roomy_metrics[name]) <= TOLERANCE * max(1.0, abs(value))
-    assert tight.slots_used() == 2 and tight.adapters_total() == len(TENANTS)
+    assert tight.residency.slots_used() == 2 and tight.residency.adapters_total() == len(TENANTS)
     for model_id in TENANTS:
         assert_same_state(slot_state(tight, model_id), slot_state(roomy, model_id), TOLERANCE)
 
@@ -192,9 +197,9 @@ def test_a_call_over_more_tenants_than_slots_runs_in_groups(
 
 
 def test_save_and_load_of_parked_tenants(
-    make_engine: Callable[..., Engine], tmp_path: Path
+    make_parking: Callable[..., Trainer], tmp_path: Path
 ) -> None:
-    tight, roomy = make_engine(max_slots=2), make_engine(max_slots=8)
+    tight, roomy = make_parking(max_slots=2), make_parking(max_slots=8)
     for engine in (tight, roomy):
         for index, model_id in enumerate(TENANTS):
             engine.forward_backward([(model_id, make_request(model_id, seed=index))])
@@ -220,7 +225,7 @@ def test_save_and_load_of_parked_tenants(
     assert tight.load("t1", tmp_path / "tight", with_optimizer=True) == SPECS["t0"]
     # And a new tenant with every slot held parks the least recently used one.
     tight.load("copy", tmp_path / "tight", with_optimizer=True)
-    assert tight.adapters_total() == len(TENANTS) + 1 and list(tight.parked)[-1] == "t3"
+    assert tight.residency.adapters_total() == len(TENANTS) + 1 and list(tight.parked)[-1] == "t3"
     for model_id in ("t1", "copy"):
         assert_same_state(slot_state(tight, model_id), slot_state(roomy, "t0"))
     # Training on from the loaded copy matches training on from the original.
@@ -233,14 +238,14 @@ def test_save_and_load_of_parked_tenants(
 
 
 def test_max_parked_drops_the_oldest_parked_tenant(
-    make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+    make_parking: Callable[..., Trainer], caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = make_engine(max_slots=2, max_parked=2, create=False)
-    with caplog.at_level(logging.WARNING, logger="workers.trainer.engine"):
+    engine = make_parking(max_slots=2, max_parked=2, create=False)
+    with caplog.at_level(logging.WARNING, logger="workers.trainer.parking"):
         for model_id in TENANTS:  # t0, t1 parked as t2, t3 arrive; t4 parks t2 and drops t0
             engine.create(model_id, SPECS[model_id])
     assert not engine.has("t0") and all(engine.has(model_id) for model_id in TENANTS[1:])
-    assert engine.adapters_total() == 4 and len(engine.parked) == 2
+    assert engine.residency.adapters_total() == 4 and len(engine.parked) == 2
     assert any("t0" in record.getMessage() for record in caplog.records)
     with pytest.raises(NotFound):
         engine.forward_backward([("t0", make_request("t0", seed=0))])
@@ -249,26 +254,26 @@ def test_max_parked_drops_the_oldest_parked_tenant(
     # Restoring t1 parks t3 (least recently used resident); nothing is dropped.
     engine.forward_backward([("t1", make_request("t1", seed=1))])
     assert list(engine.parked) == ["t2", "t3"]
-    assert engine.has("t1") and engine.adapters_total() == 4
+    assert engine.has("t1") and engine.residency.adapters_total() == 4
 
     with pytest.raises(ValueError, match="max_parked"):
-        make_engine(max_slots=2, max_parked=-1, create=False)
+        make_parking(max_slots=2, max_parked=-1, create=False)
 
 
 def test_parked_tenants_answer_every_entry_point(
-    make_engine: Callable[..., Engine], tmp_path: Path
+    make_parking: Callable[..., Trainer], tmp_path: Path
 ) -> None:
-    engine = make_engine(max_slots=2)
+    engine = make_parking(max_slots=2)
     assert "t0" in engine.parked
     # spec, validate and has do not restore.
     assert engine.spec("t0") == SPECS["t0"]
     engine.validate("t0", make_request("t0", seed=0))
-    engine.validate_optim_step("t0", ADAM)
+    check_adam(ADAM)  # what optim_step checks first
     assert "t0" in engine.parked and engine.has("t0")
     with pytest.raises(UserError, match="already has an adapter"):
         engine.create("t0", SPECS["t0"])
     engine.release("t0")
-    assert not engine.has("t0") and engine.adapters_total() == len(TENANTS) - 1
+    assert not engine.has("t0") and engine.residency.adapters_total() == len(TENANTS) - 1
     with pytest.raises(NotFound):
         engine.spec("t0")
 
@@ -276,19 +281,27 @@ def test_parked_tenants_answer_every_entry_point(
     engine.release("t4")
     engine.save("t1", tmp_path / "sampler", kind="sampler_weights", meta={})  # restores t1
     engine.release("t3")
-    assert engine.slots_used() == 1 and list(engine.parked) == ["t2"]
-    engine.load_snapshot("s", tmp_path / "sampler")
+    assert engine.residency.slots_used() == 1 and list(engine.parked) == ["t2"]
+    engine.residency.load_snapshot("s", tmp_path / "sampler")
     engine.slot("t2")
-    assert not engine.has_snapshot("s") and len(engine.parked) == 0 and engine.slots_used() == 2
-    engine.load_snapshot("s", tmp_path / "sampler")
-    assert engine.has_snapshot("s") and len(engine.parked) == 1 and engine.slots_used() == 1
+    assert (
+        not engine.residency.has_snapshot("s")
+        and len(engine.parked) == 0
+        and engine.residency.slots_used() == 2
+    )
+    engine.residency.load_snapshot("s", tmp_path / "sampler")
+    assert (
+        engine.residency.has_snapshot("s")
+        and len(engine.parked) == 1
+        and engine.residency.slots_used() == 1
+    )
     assert engine.has("t1") and engine.has("t2")
 
 
 def test_a_row_with_values_outside_the_adapter_is_parked_whole(
-    make_engine: Callable[..., Engine],
+    make_parking: Callable[..., Trainer],
 ) -> None:
-    engine = make_engine(max_slots=2, create=False)
+    engine = make_parking(max_slots=2, create=False)
     engine.create("a", LoraConfig(rank=2, seed=1, train_mlp=False))
     slot = engine.slot("a")
     engine.bank.grads[slot, -1] = float("nan")  # lm_head B padding: never written normally
@@ -313,7 +326,7 @@ def test_an_adapter_with_no_layer_on_its_model_parks_and_snapshots_as_nothing(
     config.eos_token_id = 0
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    engine = Engine(str(tmp_path / "gpt2"), max_slots=1, max_rank=8)
+    engine = Trainer(str(tmp_path / "gpt2"), max_slots=1, max_rank=8)
     assert "mlp" not in engine.bank.groups_present()
     spec = LoraConfig(rank=2, seed=1, train_attn=False, train_unembed=False)
     tenant = Tenant(slot=0, spec=spec, lora_alpha=32.0)

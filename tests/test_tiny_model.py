@@ -40,7 +40,7 @@ from workers.tiny_model import (
     build_tiny_model,
     main,
 )
-from workers.trainer.engine import load_causal_lm
+from workers.engine.model import load_causal_lm
 
 TEXT = "Hello wörld!  The answer is 42.\n\n<|im_start|>user\nnaïve café 😀<|im_end|>"
 MOE = sorted(MOE_ARCHS)

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from twinkle_async.cli import TinyArch
+from workers.engine.model import load_causal_lm
 from workers.tiny_model import (
     ARCHS,
     CONTEXT_LENGTH,
@@ -40,7 +41,6 @@ from workers.tiny_model import (
     build_tiny_model,
     main,
 )
-from workers.engine.model import load_causal_lm
 
 TEXT = "Hello wörld!  The answer is 42.\n\n<|im_start|>user\nnaïve café 😀<|im_end|>"
 MOE = sorted(MOE_ARCHS)

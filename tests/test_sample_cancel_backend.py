@@ -14,13 +14,17 @@ import pytest
 
 from protocol.errors import Cancelled
 from protocol.sampling import SampleOutput, SampleSpec
-from tests.test_sampler_torch_backend import count_steps, driver_gone, executor, prepared
-from tests.test_sampling_torch import assert_same, prompt, tiny_qwen3
+from tests.engine_helpers import Trainer
+from tests.sampling_helpers import (
+    assert_same,
+    count_steps,
+    driver_gone,
+    executor_fixture,  # noqa: F401  (the executor fixture)
+    prepared,
+    prompt,
+    tiny_qwen3_fixture,  # noqa: F401  (the tiny_qwen3 fixture)
+)
 from workers.sampler.backends import TorchBackend
-from workers.sampler.torch_sampler import TorchSampler
-from workers.trainer.engine import Engine
-
-__all__ = ["executor", "tiny_qwen3"]  # fixtures
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -33,9 +37,9 @@ SHORT = SampleSpec(prompt(62, 4), max_tokens=24, temperature=0.0, stop_at_eos=Fa
 async def test_a_generating_request_leaves_the_batch_and_the_others_carry_on(
     tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    sampler = TorchSampler(engine)
-    backend = TorchBackend(sampler, engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = engine.sampler()
+    backend = TorchBackend(sampler, executor)
     [alone] = await backend.sample_many([prepared(SHORT)])
     loop = asyncio.get_running_loop()
     stepped = asyncio.Event()
@@ -62,9 +66,9 @@ async def test_a_generating_request_leaves_the_batch_and_the_others_carry_on(
 async def test_a_queued_request_never_reaches_the_sampler(
     tiny_qwen3: Path, executor: ThreadPoolExecutor
 ) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    sampler = TorchSampler(engine)
-    backend = TorchBackend(sampler, engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = engine.sampler()
+    backend = TorchBackend(sampler, executor)
     item = prepared(ENDLESS)
     task = asyncio.create_task(backend.sample_many([item]))
     await asyncio.sleep(0)  # queued; the driver has not taken it yet
@@ -78,9 +82,9 @@ async def test_a_queued_request_never_reaches_the_sampler(
 async def test_a_request_cancelled_while_it_is_being_submitted_leaves_at_the_next_step(
     tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    sampler = TorchSampler(engine)
-    backend = TorchBackend(sampler, engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = engine.sampler()
+    backend = TorchBackend(sampler, executor)
     loop = asyncio.get_running_loop()
     item = prepared(ENDLESS)
 
@@ -102,9 +106,9 @@ async def test_a_request_cancelled_while_it_is_being_submitted_leaves_at_the_nex
 async def test_an_unknown_or_finished_request_changes_nothing(
     tiny_qwen3: Path, executor: ThreadPoolExecutor
 ) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    sampler = TorchSampler(engine)
-    backend = TorchBackend(sampler, engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = engine.sampler()
+    backend = TorchBackend(sampler, executor)
     item = prepared(SHORT)
     [first] = await backend.sample_many([item])
     backend.cancel(item.job.request_id)  # finished

@@ -31,7 +31,7 @@ import pytest_asyncio  # noqa: E402
 
 from protocol.errors import Cancelled  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
-from tests.test_sampler_torch_backend import prepared  # noqa: E402
+from tests.sampling_helpers import prepared  # noqa: E402
 from workers.sampler.backends import VllmBackend  # noqa: E402
 from workers.sampler.vllm_sampler import VllmSampler  # noqa: E402
 from workers.tiny_model import build_tiny_model  # noqa: E402

@@ -5,79 +5,38 @@ a failed step fails only the requests it held (fp32, CPU, a tiny model built off
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
-from nats.aio.msg import Msg
 
 from protocol.errors import NotFound, ServerError
-from protocol.jobs import SampleJob
 from protocol.sampling import SampleOutput, SampleSpec
-from tests.test_sampling_torch import adapter, assert_same, prompt, tiny_qwen3, train_step
-from workers.sampler.backends import Prepared, TorchBackend
-from workers.sampler.torch_sampler import TorchSampler
-from workers.trainer.engine import Engine
-
-__all__ = ["tiny_qwen3"]  # the fixture, shared with the sampler's own tests
+from tests.engine_helpers import Trainer
+from tests.sampling_helpers import (
+    adapter,
+    assert_same,
+    count_steps,
+    driver_gone,
+    executor_fixture,  # noqa: F401  (the executor fixture)
+    prepared,
+    prompt,
+    tiny_qwen3_fixture,  # noqa: F401  (the tiny_qwen3 fixture)
+    train_step,
+)
+from workers.sampler.backends import TorchBackend
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-REQUEST_NUMBERS = itertools.count()
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
-    yield pool
-    pool.shutdown(wait=True)
-
-
-def prepared(spec: SampleSpec, key: str | None = None, directory: Path | None = None) -> Prepared:
-    job = SampleJob(
-        request_id=f"req-{next(REQUEST_NUMBERS)}",
-        tenant_id="t",
-        sampling_session_id="s",
-        base_model="m",
-    )
-    return Prepared(job, cast(Msg, None), spec, directory, key)
-
-
-def count_steps(
-    monkeypatch: pytest.MonkeyPatch, sampler: TorchSampler, hook: Callable[[int], None]
-) -> None:
-    """Call `hook(n)` (on the engine thread) before the sampler's n-th step."""
-    step = sampler.step
-    count = 0
-
-    def counted() -> Any:
-        nonlocal count
-        count += 1
-        hook(count)
-        return step()
-
-    monkeypatch.setattr(sampler, "step", counted)
-
-
-async def driver_gone() -> None:
-    """The backend's driver task ends once nothing is waiting or generating."""
-    for _ in range(200):
-        if not any(task.get_name() == "torch-sampler" for task in asyncio.all_tasks()):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the torch sampler's driver is still running")
 
 
 async def test_a_late_request_is_answered_first_and_training_runs_between_steps(
     tiny_qwen3: Path, tmp_path: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=4, max_rank=8)
-    sampler = TorchSampler(engine)
-    backend = TorchBackend(sampler, engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=4, max_rank=8)
+    sampler = engine.sampler()
+    backend = TorchBackend(sampler, executor)
     directory = adapter(engine, "policy", 1, tmp_path / "policy")
     long = SampleSpec(prompt(50, 6), num_samples=2, max_tokens=120, seed=1, stop_at_eos=False)
     short = SampleSpec(prompt(51, 9), max_tokens=3, seed=2, stop_at_eos=False)
@@ -104,8 +63,8 @@ async def test_a_late_request_is_answered_first_and_training_runs_between_steps(
 
 
 async def test_callers_answered_by_one_step(tiny_qwen3: Path, executor: ThreadPoolExecutor) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    backend = TorchBackend(TorchSampler(engine), engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    backend = TorchBackend(engine.sampler(), executor)
     spec = SampleSpec(prompt(54, 4), max_tokens=3, temperature=0.0, stop_at_eos=False)
     calls = [backend.sample_many([prepared(spec)]) for _ in range(3)]
     outputs = [output for [output] in await asyncio.gather(*calls)]
@@ -117,9 +76,9 @@ async def test_callers_answered_by_one_step(tiny_qwen3: Path, executor: ThreadPo
 async def test_a_failed_step_fails_its_requests_and_sampling_goes_on(
     tiny_qwen3: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    sampler = TorchSampler(engine)
-    backend = TorchBackend(sampler, engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = engine.sampler()
+    backend = TorchBackend(sampler, executor)
     spec = SampleSpec(prompt(52, 4), max_tokens=4, temperature=0.0)
 
     def fail_second(n: int) -> None:
@@ -139,8 +98,8 @@ async def test_a_failed_step_fails_its_requests_and_sampling_goes_on(
 async def test_cancelled_waiters_stop_the_driver(
     tiny_qwen3: Path, executor: ThreadPoolExecutor
 ) -> None:
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    backend = TorchBackend(TorchSampler(engine), engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    backend = TorchBackend(engine.sampler(), executor)
     endless = SampleSpec(prompt(53, 4), max_tokens=100_000, temperature=0.0, stop_at_eos=False)
     waiter = asyncio.create_task(backend.sample_many([prepared(endless)]))
     await asyncio.sleep(0.2)
@@ -155,9 +114,9 @@ async def test_a_request_taken_by_the_step_that_answers_another_caller_is_answer
 ) -> None:
     """The first caller, answered, looks for anyone still waiting before it stops the driver:
     a request the driver is submitting at that moment waits too."""
-    engine = Engine(str(tiny_qwen3), max_slots=2, max_rank=8)
-    sampler = TorchSampler(engine)
-    backend = TorchBackend(sampler, engine, executor)
+    engine = Trainer(str(tiny_qwen3), max_slots=2, max_rank=8)
+    sampler = engine.sampler()
+    backend = TorchBackend(sampler, executor)
     spec = SampleSpec(prompt(55, 4), max_tokens=3, temperature=0.0, stop_at_eos=False)
     steps: list[int] = []
     count_steps(monkeypatch, sampler, steps.append)

@@ -14,26 +14,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from protocol.api import AdamParams, LoraConfig
+from protocol.api import LoraConfig
 from protocol.errors import NotFound
-from protocol.sampling import MAX_LOGPROBS_K, SampleOutput, SampleSpec, TargetIds
-from protocol.tensors import DatumArrays, FwdBwdRequest
+from protocol.sampling import SampleOutput, SampleSpec, TargetIds
+from tests.engine_helpers import Trainer
+from tests.sampling_helpers import (
+    TOLERANCE,
+    adapter,
+    assert_same,
+    base_reference,
+    forward_logprobs,
+    max_diff,
+    perturb_b,
+    prompt,
+    tiny_qwen3_fixture,  # noqa: F401  (the tiny_qwen3 fixture)
+    train_step,
+)
 from workers.sampler.batch import mergeable
 from workers.sampler.torch_sampler import TorchSampler
 from workers.tiny_model import EOS_ID, build_tiny_model
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-TOLERANCE = 1e-4
-ADAM = AdamParams(learning_rate=1e-2)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -41,86 +43,16 @@ def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_5"), "qwen3_5")
 
 
-Setup = tuple[Engine, TorchSampler]
+Setup = tuple[Trainer, TorchSampler]
 
 
 @pytest.fixture
 def make_setup(tiny_qwen3: Path) -> Callable[..., Setup]:
     def make(max_slots: int = 4, model: Path = tiny_qwen3) -> Setup:
-        engine = Engine(str(model), max_slots=max_slots, max_rank=8)
-        return engine, TorchSampler(engine)
+        engine = Trainer(str(model), max_slots=max_slots, max_rank=8)
+        return engine, engine.sampler()
 
     return make
-
-
-def perturb_b(engine: Engine, model_id: str, seed: int) -> None:
-    """Random non-zero B, so the adapter changes the model's output."""
-    generator = torch.Generator().manual_seed(seed)
-    rank = engine.spec(model_id).rank
-    for _, _, b in engine.bank.slot_views(engine.bank.weights, engine.slot(model_id), rank):
-        b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
-
-
-def train_step(engine: Engine, model_id: str, seed: int, targets: int | None = None) -> None:
-    """One forward_backward + optim_step on random tokens (all targets `targets` if given)."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, engine.vocab_size, 12).astype(np.int32)
-    target = np.full(12, targets) if targets is not None else np.roll(tokens, -1)
-    datum = DatumArrays(tokens, {"target_tokens": target.astype(np.int64)})
-    request = FwdBwdRequest(model_id, 1, "cross_entropy", False, {}, [datum])
-    engine.forward_backward([(model_id, request)])
-    engine.optim_step([(model_id, ADAM)])
-
-
-def adapter(engine: Engine, model_id: str, seed: int, directory: Path) -> Path:
-    """A trained adapter `model_id`, saved as a sampler checkpoint in `directory`."""
-    engine.create(model_id, LoraConfig(rank=8, seed=seed))
-    perturb_b(engine, model_id, seed=100 + seed)
-    train_step(engine, model_id, seed=200 + seed)
-    engine.save(model_id, directory, kind="sampler_weights", meta={})
-    return directory
-
-
-def base_reference(engine: Engine) -> str:
-    """A tenant whose adapter is exactly zero (B = 0): its forward is the base model's."""
-    engine.create("base-reference", LoraConfig(rank=1, seed=0))
-    return "base-reference"
-
-
-def forward_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.ndarray:
-    """The engine's forward logprobs of every vocabulary token after each prefix of `tokens`:
-    [len(tokens) - 1, vocab], row i predicting tokens[i + 1]. One forward-only request whose
-    datums each score `MAX_LOGPROBS_K` of the ids (the widest [N, K] targets a request takes)."""
-    n, vocab = len(tokens) - 1, engine.vocab_size
-    columns = np.arange(-(-vocab // MAX_LOGPROBS_K) * MAX_LOGPROBS_K, dtype=np.int64) % vocab
-    prompt = np.asarray(tokens[:-1], np.int32)
-    datums = [
-        DatumArrays(prompt, {"target_tokens": np.broadcast_to(ids, (n, ids.size)).copy()})
-        for ids in columns.reshape(-1, MAX_LOGPROBS_K)
-    ]
-    request = FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, datums)
-    [result] = engine.forward_backward([(model_id, request)])
-    scored = np.concatenate([out["logprobs"] for out in result.loss_fn_outputs], axis=1)
-    return scored[:, :vocab]
-
-
-def max_diff(a: object, b: object) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
-
-def assert_same(got: SampleOutput, want: SampleOutput) -> None:
-    """Same tokens and stop reasons; logprobs equal up to fp32 rounding."""
-    assert len(got.sequences) == len(want.sequences)
-    for seq, ref in zip(got.sequences, want.sequences, strict=True):
-        assert seq.tokens == ref.tokens and seq.stop_reason == ref.stop_reason
-        assert max_diff(seq.logprobs, ref.logprobs) <= TOLERANCE
-    assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
-    if got.prompt_logprobs is not None and want.prompt_logprobs is not None:
-        assert max_diff(got.prompt_logprobs[1:], want.prompt_logprobs[1:]) <= TOLERANCE
-
-
-def prompt(seed: int, length: int) -> tuple[int, ...]:
-    return tuple(int(t) for t in np.random.default_rng(seed).integers(3, 500, length))
 
 
 # -- 1. parity with the engine's forward -----------------------------------------------------
@@ -335,9 +267,15 @@ def test_snapshots_use_idle_slots_and_never_evict_tenants(
 
     engine.create("t1", LoraConfig(rank=4, seed=1))  # takes the least recently used snapshot's slot
     engine.create("t2", LoraConfig(rank=4, seed=2))
-    assert engine.slots_used() == 3 and not any(sampler.has_adapter(f"s{i}") for i in range(3))
+    assert engine.residency.slots_used() == 3 and not any(
+        sampler.has_adapter(f"s{i}") for i in range(3)
+    )
     sampler.load_adapter("s0", directories[0])  # every slot is a tenant's: parks the oldest
-    assert sampler.has_adapter("s0") and engine.slots_used() == 2 and engine.adapters_total() == 3
+    assert (
+        sampler.has_adapter("s0")
+        and engine.residency.slots_used() == 2
+        and engine.residency.adapters_total() == 3
+    )
     assert_same(sampler.sample([(spec, "s0")])[0], solo["s0"])
     assert engine.has("src0") and engine.has("t1") and engine.has("t2")
     with pytest.raises(NotFound):
@@ -435,7 +373,7 @@ def test_evicted_snapshots_come_back_between_steps(
     # A training call between two steps takes a slot: only one snapshot fits now, and the
     # least recently used one is evicted. The rows step in two groups, reloading as they go.
     engine.create("t1", LoraConfig(rank=4, seed=1))
-    assert engine.snapshot_capacity() == 1
+    assert engine.residency.snapshot_capacity() == 1
     answers: dict[int, SampleOutput | Exception] = {}
     while sampler.busy:
         answers.update(sampler.step())
@@ -487,10 +425,10 @@ def test_a_cache_that_cannot_merge_joins_only_an_empty_batch(
         layer_types=["full_attention", "sliding_attention"],
     )
     (sliding / "config.json").write_text(json.dumps(config))
-    assert mergeable(Engine(str(tiny_qwen3), max_slots=1, max_rank=8).model.config)
-    engine = Engine(str(sliding), max_slots=1, max_rank=8)
+    assert mergeable(Trainer(str(tiny_qwen3), max_slots=1, max_rank=8).model.config)
+    engine = Trainer(str(sliding), max_slots=1, max_rank=8)
     assert not mergeable(engine.model.config)
-    sampler = TorchSampler(engine)
+    sampler = engine.sampler()
     first = SampleSpec(prompt(42, 3), max_tokens=6, seed=1, stop_at_eos=False)
     late = SampleSpec(prompt(43, 7), max_tokens=2, seed=2, stop_at_eos=False)
     alone = [run_alone(sampler, first, None), run_alone(sampler, late, None)]

@@ -19,10 +19,10 @@ from transformers import DynamicCache
 
 from protocol.errors import ServerError, TwinkleError
 from protocol.sampling import SampleOutput, SampleSpec, TargetIds
+from tests.engine_helpers import Trainer
 from workers.engine.lora import BASE_SLOT
 from workers.sampler.batch import Request, Row, RunningBatch, fill_prompt_outputs
 from workers.sampler.torch_sampler import TorchSampler
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -31,7 +31,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture
 def sampler(tiny_model: Path) -> Iterator[TorchSampler]:
-    yield TorchSampler(Engine(str(tiny_model), max_slots=2, max_rank=8))
+    yield Trainer(str(tiny_model), max_slots=2, max_rank=8).sampler()
 
 
 def prompt(seed: int, length: int) -> tuple[int, ...]:
@@ -84,7 +84,7 @@ def test_a_near_zero_temperature_is_greedy_and_spares_the_batch(sampler: TorchSa
 
 
 def test_non_finite_logits_take_the_most_likely_token(sampler: TorchSampler) -> None:
-    vocab = sampler.engine.vocab_size
+    vocab = sampler.model.vocab_size
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = math.inf  # row 1 predicts prompt token 2: all its mass is on token 7
     spec = SampleSpec((3, 4, 5, 6), temperature=1.0, seed=1, prompt_alt_tokens_k=3)
@@ -98,7 +98,7 @@ def test_non_finite_logits_take_the_most_likely_token(sampler: TorchSampler) -> 
 
     batch = RunningBatch(
         [row(spec, 1), row(spec, 2)],
-        DynamicCache(config=sampler.engine.model.config),
+        DynamicCache(config=sampler.model.model.config),
         torch.ones(2, 1, dtype=torch.long),
         logits[:2].clone(),
     )
@@ -125,10 +125,10 @@ def test_a_request_whose_prompt_outputs_fail_fails_alone(sampler: TorchSampler) 
 
 
 def test_full_vocabulary_logits_only_for_the_prompts_that_ask(sampler: TorchSampler) -> None:
-    head = sampler.engine.passes.head
+    head = sampler.model.passes.head
     linear = getattr(head, "base_layer", head)
     assert isinstance(linear, nn.Linear)
-    vocab = sampler.engine.vocab_size
+    vocab = sampler.model.vocab_size
     rows_seen: list[int] = []
 
     def count(_module: nn.Module, _args: object, out: torch.Tensor) -> None:

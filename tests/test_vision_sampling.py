@@ -17,10 +17,10 @@ from protocol.errors import UserError
 from protocol.images import VisionGeometry
 from protocol.sampling import SampleSpec, sample_spec
 from protocol.tensors import check_images, scan_forward_backward
+from tests.engine_helpers import Trainer
 from tests.image_helpers import composite_log_softmax, encoded, png_declaring, request_with
 from workers.sampler.torch_sampler import TorchSampler
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, build_tiny_model
-from workers.trainer.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -134,7 +134,7 @@ def vl_model(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
 
 @pytest.fixture(scope="module")
 def sampler(vl_model: Path) -> TorchSampler:
-    return TorchSampler(Engine(str(vl_model), max_slots=2, max_rank=8))
+    return Trainer(str(vl_model), max_slots=2, max_rank=8).sampler()
 
 
 def _image_prompt(sampler: TorchSampler, image: bytes = PNG) -> SampleSpec:
@@ -145,12 +145,12 @@ def _image_prompt(sampler: TorchSampler, image: bytes = PNG) -> SampleSpec:
         sampling_params=api.SamplingParams(max_tokens=6, temperature=0.0, stop=[]),
         prompt_logprobs=True,
     )
-    engine = sampler.engine
+    model = sampler.model
     return sample_spec(
         body,
-        max_context=engine.max_context,
-        vocab_size=engine.vocab_size,
-        vision=engine.geometry,
+        max_context=model.max_context,
+        vocab_size=model.vocab_size,
+        vision=model.geometry,
     )
 
 

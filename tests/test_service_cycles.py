@@ -22,7 +22,7 @@ from protocol.jobs import ForwardBackwardJob, Job, OptimStepJob, decode_outcome
 from twinkle_async.nats_server import NatsServer
 from workers.settings import WorkerSettings
 from workers.trainer import snapshots as trainer_snapshots
-from workers.trainer.operations import Result, done_outcome
+from workers.trainer.operations import EngineOps, Result, done_outcome
 from workers.trainer.sequencer import Pending
 from workers.trainer.service import TrainerService
 from workers.watchdog import running_key, snapshot_step, strikes_key
@@ -38,11 +38,23 @@ class RecordingBus:
         self.writes.append((bucket, key, value))
 
 
-def _service(bus: RecordingBus, tmp_path: Path) -> TrainerService:
+def _service(
+    bus: RecordingBus, tmp_path: Path, released: list[str] | None = None
+) -> TrainerService:
+    """A service whose ops are the real `EngineOps` on a stub model and residency: `_run` only
+    calls the function it is given, planning reads the pass size, and the residency holds every
+    model but those in `released` (where `release` records them) and captures a stub state."""
     settings = WorkerSettings(base_model="stub", data_dir=tmp_path, worker_id="w-1")
-    # `_run` only calls the function it is given; planning reads the pass size
-    engine: Any = SimpleNamespace(pass_tokens=16384, vision=None, carries_images=True)
-    return TrainerService(bus, engine, settings)  # type: ignore[arg-type]
+    gone = released if released is not None else []
+    model: Any = SimpleNamespace(pass_tokens=16384, max_slots=8, geometry=None)
+    residency: Any = SimpleNamespace(
+        has=lambda model_id: model_id not in gone,
+        release=gone.append,
+        capture=lambda model_id: SimpleNamespace(step=1),
+        slots_used=lambda: 0,
+        parked={},
+    )
+    return TrainerService(bus, EngineOps(model, residency, settings), settings)  # type: ignore[arg-type]
 
 
 def _ran(jobs: list[Job]) -> list[Result]:
@@ -99,12 +111,9 @@ async def test_merging_off_plans_one_model_per_cycle(tmp_path: Path) -> None:
 
 
 async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_after(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     service = _service(RecordingBus(), tmp_path)
-    service.engine = SimpleNamespace(  # type: ignore[assignment]
-        pass_tokens=16384, slots_used=lambda: 0, parked={}, max_slots=8
-    )
     calls: list[tuple[str, list[str]]] = []
 
     def recorder(kind: str) -> Any:
@@ -114,9 +123,8 @@ async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_
 
         return run
 
-    service.ops = SimpleNamespace(  # type: ignore[assignment]
-        shared_pass=recorder("pass"), optim_steps=recorder("step")
-    )
+    monkeypatch.setattr(service.ops, "shared_pass", recorder("pass"))
+    monkeypatch.setattr(service.ops, "optim_steps", recorder("step"))
     jobs: list[Job] = [
         OptimStepJob(request_id="light-step", model_id="m-light", tenant_id="a", seq_id=1),
         ForwardBackwardJob(request_id="flood-fb", model_id="m-flood", tenant_id="b", seq_id=1),
@@ -137,16 +145,10 @@ async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_
     ]
 
 
-def _snapshotting(service: TrainerService, released: list[str]) -> None:
-    """An engine that holds every model and captures a stub state; `snapshot_every` 1."""
+def _snapshotting(service: TrainerService) -> None:
+    """`snapshot_every` 1."""
     service.settings = dataclasses.replace(service.settings, snapshot_every=1)
     service.snapshots.settings = service.settings
-    service.engine = SimpleNamespace(  # type: ignore[assignment]
-        pass_tokens=16384,
-        has=lambda model_id: model_id not in released,
-        release=released.append,
-        capture=lambda model_id: SimpleNamespace(step=1),
-    )
 
 
 def _step(service: TrainerService) -> list[Pending[Any]]:
@@ -170,7 +172,7 @@ async def test_the_journal_lists_a_snapshot_after_an_op_until_it_is_written(
     the op and the model's snapshot step on its running list, and its successor strikes them."""
     bus = RecordingBus()
     service = _service(bus, tmp_path)
-    _snapshotting(service, released=[])
+    _snapshotting(service)
     during: list[list[str]] = []
 
     def write(directory: Path, seq_id: int, state: Any, meta: dict[str, Any]) -> Path:
@@ -189,9 +191,9 @@ async def test_a_snapshot_that_stopped_the_worker_max_attempts_times_fails_its_m
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bus = RecordingBus()
-    service = _service(bus, tmp_path)
     released: list[str] = []
-    _snapshotting(service, released)
+    service = _service(bus, tmp_path, released)
+    _snapshotting(service)
     service.journal.strikes[snapshot_step("m-b")] = service.settings.max_attempts
 
     def write(*args: Any) -> Path:
@@ -225,9 +227,9 @@ async def test_an_outcome_that_cannot_be_stored_fails_its_op_and_the_model_it_ch
     """The step changed the model, so reporting it failed while keeping the model would be
     a lie (a failed op changed nothing); the model fails, and its op says so."""
     bus = FailingBus({subjects.future_key("req-b")})
-    service = _service(bus, tmp_path)
     released: list[str] = []
-    _snapshotting(service, released)
+    service = _service(bus, tmp_path, released)
+    _snapshotting(service)
     service.settings = dataclasses.replace(service.settings, snapshot_every=100)
     service.snapshots.settings = service.settings
     await service._run(_step(service), _ran)

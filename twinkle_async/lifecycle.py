@@ -16,15 +16,18 @@ import logging
 import time
 
 from protocol import subjects
-from protocol.jobs import SeqClaim, UnloadModelJob
+from protocol.jobs import UnloadModelJob
 from protocol.records import RunRecord
 from twinkle_async.bus import Bus
-from twinkle_async.futures import FutureStore, new_request_id
+from twinkle_async.futures import FutureStore
 from twinkle_async.registry import Registry
+from twinkle_async.seq_claims import SeqTaken, claim_seq
 
 log = logging.getLogger(__name__)
 
 SESSION_END_CHECKPOINT = "session-end"
+# The digest of a call the server makes itself: no client body can have it (a body digest is hex).
+SERVER_DIGEST = "server"
 
 
 class Lifecycle:
@@ -113,13 +116,22 @@ class Lifecycle:
 
     async def unload(self, run: RunRecord, save_as: str = SESSION_END_CHECKPOINT) -> str:
         """Queue the model's unload after everything sent so far; returns its request id."""
-        seq = await self.futures.next_seq(run.model_id)
-        mine = SeqClaim(
-            request_id=new_request_id("unload_model"),
-            request_type="unload_model",
-            digest="server",
-        )
-        claim = await self.futures.claim(run.model_id, seq, mine)
+        while True:
+            seq = await self.futures.next_seq(run.model_id)
+            try:
+                claim, _ = await claim_seq(
+                    self.futures,
+                    run.model_id,
+                    seq,
+                    "unload_model",
+                    SERVER_DIGEST,
+                    named=f"model {run.model_id!r}",
+                )
+            except SeqTaken:
+                # A client call claimed the seq between its reservation and this claim (it saw
+                # the reservation as a seq already known): the unload takes the next one.
+                continue
+            break
         job = UnloadModelJob(
             request_id=claim.request_id,
             model_id=run.model_id,

@@ -7,8 +7,9 @@ the worker runs a model's calls strictly in that order. So a call must never lea
    that touches nothing of it, so no tenant can settle or skip another's calls.
 2. `seq_id` must be in range and not absurdly far ahead of the model's latest call; otherwise a
    400, and nothing is spent (no worker would ever wait for it).
-3. `(model_id, seq_id)` is claimed with the call's type and body digest. A genuine retry (same
-   type and digest) gets the first request id; a different call reusing the seq is a 400.
+3. `(model_id, seq_id)` is claimed with the call's type and body digest (`claim_seq`). A
+   genuine retry (same type and digest) gets the first request id; a different call reusing the
+   seq is a 400.
 4. The call is validated, built and encoded. If the gateway refuses it (a job too big for one
    bus message included), a *tombstone* carrying the error is published in its place (the
    worker treats it as applied), the future holds the error, and the client gets the 4xx at
@@ -31,10 +32,10 @@ from protocol import api, rules, subjects
 from protocol.errors import ErrorCategory, Gone, TwinkleError, UserError
 from protocol.jobs import Job, Outcome, SeqClaim, TombstoneJob
 from protocol.records import RunRecord
-from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
 from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
+from twinkle_async.seq_claims import claim_seq
 
 # build(request_id, first): the job of the call; `first` is False for a retry, which must not
 # be charged again (rate-limit tokens).
@@ -109,20 +110,18 @@ async def submit_sequenced(
         assert seq_id is not None
         await futures.note_seq(model_id, seq_id, field)
     assert seq_id is not None
-    digest = body_digest(body)
-    mine = SeqClaim(
-        request_id=new_request_id(request_type), request_type=request_type, digest=digest
+    claim, first = await claim_seq(
+        futures,
+        model_id,
+        seq_id,
+        request_type,
+        body_digest(body),
+        named=f"model {model_id!r}",
+        field=field,
     )
-    claim = await futures.claim(model_id, seq_id, mine)
-    if claim.request_type != request_type or claim.digest != digest:
-        raise UserError(
-            f"{field}: {seq_id} of model {model_id!r} was already used by another"
-            f" {claim.request_type} call (request {claim.request_id}); each call takes the next"
-            " seq_id"
-        )
     bus = request.app[BUS]
     try:
-        job = await build(claim.request_id, claim == mine)
+        job = await build(claim.request_id, first)
         data = bus.encode_job(job)  # past the bus's largest message: a refusal, 413
     except TwinkleError as err:
         # A retryable refusal (rate limited) is retried by the SDK with this same seq: only a

@@ -188,6 +188,55 @@ def sample_spec(
     `vision`: a VL model's image geometry (None: image chunks are refused, with `no_images`
     as the reason)."""
     prompt, images = prompt_tokens(body.prompt, vision, no_images)
+    max_tokens, (strings, token_ids) = _checked(body, prompt, max_context, vocab_size)
+    params = body.sampling_params
+    target = body.target_prompt_logprobs
+    return SampleSpec(
+        prompt=tuple(prompt),
+        num_samples=body.num_samples,
+        max_tokens=max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop_strings=strings,
+        stop_token_ids=token_ids,
+        stop_at_eos=params.stop is None,
+        prompt_logprobs=_wants_prompt(body),
+        topk_prompt_logprobs=body.topk_prompt_logprobs,
+        record_stability_info=bool(body.record_stability_info),
+        topk_sample_logprobs=body.topk_sample_logprobs,
+        target_prompt_logprobs=None if target is None else _target_ids(target),
+        prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+        images=tuple(images),
+    )
+
+
+def check_sample_request(
+    body: api.SampleRequest,
+    *,
+    max_context: int | None,
+    vocab_size: int | None,
+    vision: VisionGeometry | None = None,
+    no_images: str = TEXT_ONLY,
+) -> None:
+    """Every check of `sample_spec`, with the same errors, without building the spec: the
+    gateway refuses a bad `asample` body before accepting it, and the sampler builds the spec
+    from the same body. Images are read from their headers only."""
+    prompt, _ = prompt_tokens(body.prompt, vision, no_images)
+    _checked(body, prompt, max_context, vocab_size)
+
+
+def _wants_prompt(body: api.SampleRequest) -> bool:
+    return bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0
+
+
+def _checked(
+    body: api.SampleRequest, prompt: list[int], max_context: int | None, vocab_size: int | None
+) -> tuple[int, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """The rules of an `asample` body whose prompt reads as `prompt`, in the order their errors
+    are reported; returns the effective max_tokens and the stops (see `_stops`)."""
     params = body.sampling_params
     if not prompt:
         raise UserError("prompt: empty; at least one token is needed")
@@ -211,10 +260,9 @@ def sample_spec(
         raise UserError(f"sampling_params.top_k: {params.top_k} must be -1 (off) or >= 1")
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         _check_width(name, getattr(body, name))
-    wants_prompt = bool(body.prompt_logprobs) or body.topk_prompt_logprobs > 0
     last_n = body.prompt_logprobs_last_n
     if last_n is not None:
-        if not wants_prompt:
+        if not _wants_prompt(body):
             raise UserError(
                 "prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs"
             )
@@ -223,32 +271,9 @@ def sample_spec(
                 f"prompt_logprobs_last_n: {last_n} is out of range 1..{len(prompt) - 1} "
                 "(len(prompt) - 1)"
             )
-    target = (
-        None
-        if body.target_prompt_logprobs is None
-        else _target_ids(body.target_prompt_logprobs, len(prompt), vocab_size)
-    )
-    strings, token_ids = _stops(params.stop, vocab_size)
-    return SampleSpec(
-        prompt=tuple(prompt),
-        num_samples=body.num_samples,
-        max_tokens=max_tokens,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        seed=params.seed,
-        stop_strings=strings,
-        stop_token_ids=token_ids,
-        stop_at_eos=params.stop is None,
-        prompt_logprobs=wants_prompt,
-        topk_prompt_logprobs=body.topk_prompt_logprobs,
-        record_stability_info=bool(body.record_stability_info),
-        topk_sample_logprobs=body.topk_sample_logprobs,
-        target_prompt_logprobs=target,
-        prompt_alt_tokens_k=body.prompt_alt_tokens_k,
-        prompt_logprobs_last_n=last_n,
-        images=tuple(images),
-    )
+    if body.target_prompt_logprobs is not None:
+        _check_target_ids(body.target_prompt_logprobs, len(prompt), vocab_size)
+    return max_tokens, _stops(params.stop, vocab_size)
 
 
 def _stops(
@@ -291,7 +316,7 @@ def _check_width(name: str, k: int) -> None:
         raise UserError(f"{name}: {k} is out of range 0..{MAX_LOGPROBS_K}")
 
 
-def _target_ids(tensor: api.TensorData, prompt_len: int, vocab_size: int | None) -> TargetIds:
+def _check_target_ids(tensor: api.TensorData, prompt_len: int, vocab_size: int | None) -> None:
     """`target_prompt_logprobs` checked: int64, [len(prompt) - 1, K <= MAX_LOGPROBS_K], dense
     or a well-formed CSR matrix, ids in the vocabulary or -1, at least one id."""
     name = "target_prompt_logprobs"
@@ -325,10 +350,17 @@ def _target_ids(tensor: api.TensorData, prompt_len: int, vocab_size: int | None)
         raise UserError(f"{name}: token id {bad} is outside the vocabulary (size {vocab_size})")
     if all(v == -1 for v in values):
         raise UserError(f"{name}: names no token id (every cell is -1)")
+
+
+def _target_ids(tensor: api.TensorData) -> TargetIds:
+    """`target_prompt_logprobs` as `TargetIds`, once `_check_target_ids` has passed it."""
+    assert tensor.shape is not None
+    rows, cols = tensor.shape
+    crow, col = tensor.sparse_crow_indices, tensor.sparse_col_indices
     return TargetIds(
         rows,
         cols,
-        tuple(int(v) for v in values),
+        tuple(int(v) for v in tensor.data),
         None if crow is None else tuple(crow),
         None if col is None else tuple(col),
     )

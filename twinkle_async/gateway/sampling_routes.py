@@ -14,14 +14,15 @@ from aiohttp import web
 
 from protocol import api, paths, stability, subjects
 from protocol.errors import UserError
-from protocol.jobs import SampleJob, SeqClaim
+from protocol.jobs import SampleJob
 from protocol.records import SamplerRecord
-from protocol.sampling import TEXT_ONLY, sample_spec
+from protocol.sampling import TEXT_ONLY, check_sample_request
 from protocol.sampling_futures import check_sample_seq_id, clone_of
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.sequenced import body_digest
 from twinkle_async.gateway.state import BUS, FUTURES, QUOTAS, REGISTRY, SAMPLES, TENANT
+from twinkle_async.seq_claims import claim_seq
 
 routes = web.RouteTableDef()
 
@@ -96,7 +97,10 @@ async def asample(request: web.Request) -> web.Response:
         raise UserError(
             f"no sampler serves {sampler.base_model!r} on this cluster (start one with --sampler)"
         )
-    sample_spec(  # images are read from their headers here; the sampler decodes them
+    # Every rule of the body is checked here, so a bad field is a 400 before anything is
+    # spent; the sampler builds the `SampleSpec` from the same body. Images are read from
+    # their headers here; the sampler decodes them.
+    check_sample_request(
         body,
         max_context=worker.max_context if worker else None,
         vocab_size=worker.vocab_size if worker else None,
@@ -109,23 +113,24 @@ async def asample(request: web.Request) -> web.Response:
     )
     limit = (await request.app[QUOTAS].limits(tenant)).max_concurrent_samples
     futures = request.app[FUTURES]
-    request_id = new_request_id("sample")
-    dedupe = request_id
-    clone_id = 0
-    if body.seq_id is not None:
+    if body.seq_id is None:  # never a retry
+        request_id = dedupe = new_request_id("sample")
+        clone_id = 0
+    else:
         # A sampling client numbers its samples too; a retry (same body) gets the same future.
         # Clones number theirs in disjoint blocks (`join_sampling_session`), so two clones'
         # requests never share a key.
         check_sample_seq_id("seq_id", body.seq_id)
         clone_id = clone_of(body.seq_id)
         dedupe = f"{sampler.sampling_session_id}/{body.seq_id}"
-        mine = SeqClaim(request_id=request_id, request_type="sample", digest=body_digest(raw))
-        claim = await futures.claim(sampler.sampling_session_id, body.seq_id, mine)
-        if claim.digest != mine.digest or claim.request_type != "sample":
-            raise UserError(
-                f"seq_id: {body.seq_id} of sampling session {sampler.sampling_session_id!r} was"
-                " already used by another sample request"
-            )
+        claim, _ = await claim_seq(
+            futures,
+            sampler.sampling_session_id,
+            body.seq_id,
+            "sample",
+            body_digest(raw),
+            named=f"sampling session {sampler.sampling_session_id!r}",
+        )
         request_id = claim.request_id
     job = SampleJob(
         request_id=request_id,

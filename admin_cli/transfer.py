@@ -25,12 +25,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 import typer
 
 from admin_cli.client import segment
+from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
     from admin_cli.app import Admin
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The wire values of `protocol.jobs.AdapterLayout` (the CLI speaks HTTP only; a test keeps the
 # two equal).
 AdapterLayout = Literal["peft", "per-expert", "tinker"]

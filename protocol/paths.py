@@ -65,6 +65,12 @@ def parse_path(path: str, field: str = "path") -> TinkerPath:
 
 CONTENT_ID_FILE = "content_id"
 _VERSIONS = ".versions"  # names never start with '.', so this never collides with one
+# A checkpoint is a PEFT folder (what `peft.PeftModel.from_pretrained` and vLLM load): these two
+# files; a `weights` checkpoint adds the AdamW moments. An adapter import uploads the same two,
+# as multipart parts of these names.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.safetensors"
 
 
 def checkpoint_dir(root: Path, path: TinkerPath) -> Path:

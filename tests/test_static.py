@@ -28,7 +28,9 @@ ALLOWED: dict[str, set[str]] = {
         "prometheus_client",
         "obstore",  # checkpoint files in the artifact store (`gateway/store_files.py`)
     },
-    "admin_cli": {"typer", "aiohttp", "httpx", "msgspec", "rich"},
+    # still HTTP only: from `protocol` it takes names of the wire format it speaks (the adapter
+    # files an import uploads as multipart parts), declared there once for gateway and workers
+    "admin_cli": {"typer", "aiohttp", "httpx", "msgspec", "rich", "protocol"},
     "workers": {
         "protocol",
         "torch",

@@ -59,6 +59,7 @@ from protocol.jobs import (
     merged_export_dir,
     merged_export_key,
 )
+from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from protocol.records import CheckpointRecord, RunRecord
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway import signed_urls
@@ -72,8 +73,6 @@ from twinkle_async.quotas import check_limit, check_room
 
 routes = web.RouteTableDef()
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 MAX_UPLOAD_BYTES = 4 << 30  # an adapter's tensors: far above any LoRA of a served model
 MAX_CONFIG_BYTES = 64 << 10

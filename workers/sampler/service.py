@@ -38,7 +38,14 @@ from nats.aio.msg import Msg
 from protocol import api, stability, subjects
 from protocol.errors import Cancelled, ServerError, TwinkleError, UserError
 from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
-from protocol.paths import CONTENT_ID_FILE, checkpoint_dir, checkpoint_key, parse_path, version_dir
+from protocol.paths import (
+    ADAPTER_CONFIG,
+    CONTENT_ID_FILE,
+    checkpoint_dir,
+    checkpoint_key,
+    parse_path,
+    version_dir,
+)
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
 from workers.artifacts import ArtifactStore
 from workers.bus import WorkerBus
@@ -238,7 +245,7 @@ class SamplerService:
             directory = version_dir(self.checkpoint_root, path, content_id)
         else:
             content_id = current
-        if not (directory / "adapter_config.json").exists():
+        if not (directory / ADAPTER_CONFIG).exists():
             raise UserError(f"sampler checkpoint {adapter_path!r} is not in the checkpoint store")
         return directory, f"{adapter_path}@{content_id}"
 

@@ -39,11 +39,10 @@ import torch
 from protocol.api import LoraConfig
 from protocol.errors import UserError
 from protocol.jobs import AdapterLayout
+from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE
 from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, ExpertShape
 from workers.trainer.expert_files import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     PER_EXPERT_NAMES,
     AdapterScales,
     Matrix,
@@ -56,7 +55,6 @@ from workers.trainer.expert_files import (
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Matrix", "adapter_key"]
 
-OPTIMIZER_STATE = "optimizer.safetensors"
 META = "meta.json"
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

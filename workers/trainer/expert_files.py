@@ -46,10 +46,9 @@ import torch
 
 from protocol.errors import UserError
 from protocol.jobs import AdapterLayout
+from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, ExpertProjection, ExpertShape
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PER_EXPERT_NAMES: dict[ExpertProjection, str] = {
     "w1": "gate_proj",
     "w3": "up_proj",

@@ -1,4 +1,4 @@
-"""The trainer service against a real nats-server and a real engine, in-process: ops published
+"""The trainer service against a real nats-server and real ops on a real model, in-process: ops published
 before the worker starts are merged into one shared pass across models, outcomes land in KV,
 a model whose next seq never arrives fails loudly instead of hanging, an unload frees the
 model's adapter and answers with the SDK's response, and a request that crashes a shared pass
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,13 @@ from twinkle_async.futures import FutureStore
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
 from workers.bus import WorkerBus
+from workers.engine.model import MultiSlotModel
+from workers.engine.passes import Checked, PassResults
 from workers.settings import WorkerSettings
 from workers.tiny_model import build_tiny_model
-from workers.trainer import service as trainer_service
-from workers.trainer.engine import Engine
+from workers.trainer import snapshots as trainer_snapshots
+from workers.trainer.operations import EngineOps
+from workers.trainer.residency import Residency
 from workers.trainer.service import TrainerService
 from workers.trainer.snapshots import write_state
 
@@ -114,17 +117,24 @@ def optim_job(model_id: str, seq_id: int) -> OptimStepJob:
     )
 
 
+def engine_ops(settings: WorkerSettings, max_slots: int = 2) -> EngineOps:
+    """The worker's ops on a fresh model of `max_slots` slots, composed as `workers.__main__`
+    composes them."""
+    model = MultiSlotModel(settings.base_model, max_slots=max_slots, max_rank=8)
+    return EngineOps(model, Residency(model), settings)
+
+
 @contextlib.asynccontextmanager
 async def running_worker(
-    settings: WorkerSettings, engine: Engine | None = None
-) -> AsyncIterator[Engine]:
-    """A trainer service (a fresh engine unless given) serving until the block ends."""
-    engine = engine or Engine(settings.base_model, max_slots=2, max_rank=8)
+    settings: WorkerSettings, ops: EngineOps | None = None
+) -> AsyncIterator[EngineOps]:
+    """A trainer service (on fresh ops unless given) serving until the block ends."""
+    ops = ops or engine_ops(settings)
     worker_bus = WorkerBus(settings.nats_url)
     await worker_bus.connect()
-    task = asyncio.create_task(TrainerService(worker_bus, engine, settings).run())
+    task = asyncio.create_task(TrainerService(worker_bus, ops, settings).run())
     try:
-        yield engine
+        yield ops
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -175,10 +185,9 @@ async def test_service_merges_models_and_fails_gaps(
     for job in reversed(jobs):  # arrival order is the reverse of seq order
         await gateway_bus.publish_job(settings.pool, job)
 
-    engine = Engine(settings.base_model, max_slots=8, max_rank=8)
     worker_bus = WorkerBus(nats_server.url)
     await worker_bus.connect()
-    service = TrainerService(worker_bus, engine, settings)
+    service = TrainerService(worker_bus, engine_ops(settings, max_slots=8), settings)
     task = asyncio.create_task(service.run())
     try:
         for model_id in models:
@@ -224,10 +233,9 @@ async def test_an_op_delivered_to_a_connection_that_died_is_delivered_again_in_s
     model_dir = Path(settings.base_model)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
-    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
     worker_bus = WorkerBus(nats_server.url)
     await worker_bus.connect()
-    service = TrainerService(worker_bus, engine, settings)
+    service = TrainerService(worker_bus, engine_ops(settings), settings)
     deliver = service._on_msg
     lost: list[int] = []
 
@@ -271,28 +279,33 @@ async def test_service_unloads_a_model(nats_server: NatsServer, tmp_path: Path) 
     for job in jobs:
         await gateway_bus.publish_job(settings.pool, job)
     try:
-        async with running_worker(settings) as engine:
+        async with running_worker(settings) as ops:
             out = await wait_outcome(gateway_bus, "req-m-u-1")
             assert (out.state, out.error) == ("done", "")
             assert api.decode(out.payload, api.UnloadModelResponse).model_id == "m-u"
-            assert not engine.has("m-u") and engine.slots_used() == 0
+            assert not ops.residency.has("m-u") and ops.residency.slots_used() == 0
     finally:
         await gateway_bus.close()
 
 
-class FaultyEngine(Engine):
-    """Raises inside every pass that holds model "m-bad", after its backward."""
+def faulty_ops(settings: WorkerSettings, monkeypatch: pytest.MonkeyPatch) -> EngineOps:
+    """Ops on a model that raises inside every pass holding model "m-bad", after its backward."""
+    ops = engine_ops(settings, max_slots=4)
+    run = ops.model.passes.run
 
-    def _run_pass(self, batch: list[tuple[str, FwdBwdRequest]], *rest: Any) -> Any:
-        results = super()._run_pass(batch, *rest)
-        if any(model_id == "m-bad" for model_id, _ in batch):
+    def faulty(items: Sequence[Checked], slots: Sequence[int]) -> PassResults:
+        results = run(items, slots)
+        if any(item.request.model_id == "m-bad" for item in items):
             raise RuntimeError("injected device fault")
         return results
+
+    monkeypatch.setattr(ops.model.passes, "run", faulty)
+    return ops
 
 
 @pytest.mark.timeout(120)
 async def test_service_fails_only_the_request_that_crashes_a_pass(
-    nats_server: NatsServer, tmp_path: Path
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = worker_settings(nats_server, tmp_path)
     model_dir = Path(settings.base_model)
@@ -311,10 +324,9 @@ async def test_service_fails_only_the_request_that_crashes_a_pass(
         await gateway_bus.publish_job(settings.pool, create)
         await gateway_bus.publish_job(settings.pool, fwd_job(model_id, 1, length=5 + i))
 
-    engine = FaultyEngine(settings.base_model, max_slots=4, max_rank=8)
     worker_bus = WorkerBus(nats_server.url)
     await worker_bus.connect()
-    service = TrainerService(worker_bus, engine, settings)
+    service = TrainerService(worker_bus, faulty_ops(settings, monkeypatch), settings)
     task = asyncio.create_task(service.run())
     try:
         outcomes = {m: await wait_outcome(gateway_bus, f"req-{m}-1") for m in models}
@@ -460,14 +472,14 @@ async def test_a_fault_after_the_engine_call_fails_its_model_not_the_worker(
     again on every restart, the pool's other tenants down with it; the bystander sharing its
     passes and fused steps trains on."""
     fault = ValueError("torch.cat(): expected a non-empty list of Tensors")
-    monkeypatch.setattr(trainer_service, "write_state", snapshot_writer(fault))
+    monkeypatch.setattr(trainer_snapshots, "write_state", snapshot_writer(fault))
     settings = worker_settings(nats_server, tmp_path, snapshot_every=1)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
     for job in two_tenants(Path(settings.base_model), through_seq=4):
         await gateway_bus.publish_job(settings.pool, job)
     try:
-        async with running_worker(settings) as engine:
+        async with running_worker(settings) as ops:
             # the step ran and was answered before its snapshot failed
             assert (await wait_outcome(gateway_bus, "req-m-bad-2")).state == "done"
             for seq in (3, 4):
@@ -478,7 +490,7 @@ async def test_a_fault_after_the_engine_call_fails_its_model_not_the_worker(
             for seq in range(1, 5):
                 out = await wait_outcome(gateway_bus, f"req-m-ok-{seq}", timeout_s=30)
                 assert (out.state, out.error) == ("done", ""), out
-            assert not engine.has("m-bad") and engine.has("m-ok")
+            assert not ops.residency.has("m-bad") and ops.residency.has("m-ok")
             # still serving: a later request of the bystander runs
             await gateway_bus.publish_job(settings.pool, fwd_job("m-ok", 5, 5))
             assert (await wait_outcome(gateway_bus, "req-m-ok-5", timeout_s=30)).state == "done"
@@ -502,7 +514,7 @@ async def test_a_crash_that_recurs_in_a_snapshot_is_struck_out_like_a_poison_pas
     is stored already. Each restart (same worker id) rebuilds the model by replaying that step,
     which writes the snapshot again: the journal covers the write, so after `max_attempts`
     deaths the step is not replayed; the model fails clearly and the bystander trains on."""
-    monkeypatch.setattr(trainer_service, "write_state", snapshot_writer(WorkerDied()))
+    monkeypatch.setattr(trainer_snapshots, "write_state", snapshot_writer(WorkerDied()))
     settings = worker_settings(
         nats_server, tmp_path, snapshot_every=1, max_attempts=2, worker_id="w-dies"
     )
@@ -512,10 +524,9 @@ async def test_a_crash_that_recurs_in_a_snapshot_is_struck_out_like_a_poison_pas
         await gateway_bus.publish_job(settings.pool, job)
     try:
         for _ in range(settings.max_attempts):
-            engine = Engine(settings.base_model, max_slots=2, max_rank=8)
             worker_bus = WorkerBus(settings.nats_url)
             await worker_bus.connect()
-            service = TrainerService(worker_bus, engine, settings)
+            service = TrainerService(worker_bus, engine_ops(settings), settings)
             task = asyncio.create_task(service.run())
             await asyncio.wait([task], timeout=60)
             assert task.done() and isinstance(task.exception(), WorkerDied)
@@ -559,10 +570,9 @@ async def test_a_shard_handed_over_during_a_cycle_leaves_its_unrun_ops_to_the_ne
         for job in (create_job(model_id, model_dir), fwd_job(model_id, 1, 5)):
             await gateway_bus.publish_job(settings.pool, job)
         await gateway_bus.publish_job(settings.pool, optim_job(model_id, 2))
-    engine = Engine(settings.base_model, max_slots=2, max_rank=8)
     worker_bus = WorkerBus(settings.nats_url)
     await worker_bus.connect()
-    service = TrainerService(worker_bus, engine, settings)
+    service = TrainerService(worker_bus, engine_ops(settings), settings)
     loop = asyncio.get_running_loop()
     released: list[Any] = []
     shared_pass = service.ops.shared_pass
@@ -586,7 +596,7 @@ async def test_a_shard_handed_over_during_a_cycle_leaves_its_unrun_ops_to_the_ne
                 assert (out.state, out.error) == ("done", ""), out
         assert released and released[0].done(), "the shard was not released mid-cycle"
         states = [
-            await loop.run_in_executor(service.executor, engine.slots.capture, model_id)
+            await loop.run_in_executor(service.executor, service.ops.capture, model_id)
             for model_id in (moved, kept)
         ]
         assert states[0].step == states[1].step == 1

@@ -30,6 +30,13 @@ from workers.sampler.torch_sampler import TorchSampler
 from workers.tiny_model import build_tiny_model
 
 TOLERANCE = 1e-4
+# vLLM against the trainer: its own kernels, the same numbers up to this
+VLLM_TOLERANCE = 1e-3
+# prompts the vLLM tests score on the tiny models (token ids under every tiny vocabulary)
+PROMPTS = [
+    (1, 472, 198, 40, 41, 42, 43, 44, 45, 46, 47, 48, 2, 198, 1),
+    (1, 77, 78, 79, 300, 301, 302, 100, 101),
+]
 ADAM = AdamParams(learning_rate=1e-2)
 REQUEST_NUMBERS = itertools.count()
 

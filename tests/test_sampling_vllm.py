@@ -39,8 +39,15 @@ from transformers import AutoTokenizer  # noqa: E402
 from protocol.api import AdamParams, LoraConfig  # noqa: E402
 from protocol.errors import ServerError, UserError  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec, TargetIds  # noqa: E402
-from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
-from tests.test_sampling_torch import forward_logprobs  # noqa: E402
+from protocol.tensors import FwdBwdRequest  # noqa: E402
+from tests.engine_helpers import Trainer  # noqa: E402
+from tests.sampling_helpers import (  # noqa: E402
+    PROMPTS,
+    forward_logprobs,
+    next_token_datum,
+    reference_logprobs,
+)
+from tests.sampling_helpers import VLLM_TOLERANCE as TOLERANCE  # noqa: E402
 from workers.sampler.vllm_sampler import (  # noqa: E402
     SEED_RANGE,
     VllmSampler,
@@ -48,14 +55,8 @@ from workers.sampler.vllm_sampler import (  # noqa: E402
     trains_unembed,
 )
 from workers.tiny_model import build_tiny_model  # noqa: E402
-from workers.trainer.engine import Engine  # noqa: E402
 
-TOLERANCE = 1e-3
 MAX_LORA_RANK = 8
-PROMPTS = [
-    (1, 472, 198, 40, 41, 42, 43, 44, 45, 46, 47, 48, 2, 198, 1),
-    (1, 77, 78, 79, 300, 301, 302, 100, 101),
-]
 
 # The async tests share the module's event loop, which owns the module's engine.
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -66,24 +67,9 @@ class Checkpoints:
     """The trainer engine (kept for reference passes) and its saved sampler checkpoints."""
 
     model: Path
-    engine: Engine
+    engine: Trainer
     # "a": rank 8, attention + MLP; "b": rank 4, MLP only (both trained); "unembed": + lm_head
     adapters: dict[str, Path]
-
-
-def _datum(tokens: list[int]) -> DatumArrays:
-    """Next-token targets over `tokens`: row i scores tokens[i + 1]."""
-    return DatumArrays(
-        tokens=np.asarray(tokens[:-1], dtype=np.int32),
-        inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64)},
-    )
-
-
-def reference_logprobs(engine: Engine, model_id: str, tokens: list[int]) -> np.ndarray:
-    """The trainer's logprob of each of tokens[1:] (a forward-only cross-entropy pass)."""
-    request = FwdBwdRequest(model_id, 0, "cross_entropy", True, {}, [_datum(tokens)])
-    (result,) = engine.forward_backward([(model_id, request)])
-    return result.loss_fn_outputs[0]["logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +78,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoint
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("vllm")
     model = build_tiny_model(root / "tiny-qwen3")
-    engine = Engine(str(model), max_slots=4, max_rank=16)
+    engine = Trainer(str(model), max_slots=4, max_rank=16)
     # "base": a fresh adapter (B = 0) is the base model exactly.
     engine.create("base", LoraConfig(rank=MAX_LORA_RANK, seed=0, train_unembed=False))
     engine.create("a", LoraConfig(rank=8, seed=1, train_unembed=False))
@@ -102,7 +88,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoint
     for model_id in ("a", "b"):
         for _ in range(3):
             tokens = rng.integers(3, 500, size=24).tolist()
-            request = FwdBwdRequest(model_id, 0, "cross_entropy", False, {}, [_datum(tokens)])
+            request = FwdBwdRequest(
+                model_id, 0, "cross_entropy", False, {}, [next_token_datum(tokens)]
+            )
             engine.forward_backward([(model_id, request)])
             engine.optim_step([(model_id, AdamParams(learning_rate=0.05))])
     adapters = {}

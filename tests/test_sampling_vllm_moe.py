@@ -42,7 +42,9 @@ import torch  # noqa: E402
 from protocol.api import LoraConfig  # noqa: E402
 from protocol.errors import UserError  # noqa: E402
 from protocol.sampling import SampleSpec  # noqa: E402
-from tests.test_sampling_vllm import PROMPTS, TOLERANCE, reference_logprobs  # noqa: E402
+from tests.engine_helpers import Trainer  # noqa: E402
+from tests.sampling_helpers import PROMPTS, reference_logprobs  # noqa: E402
+from tests.sampling_helpers import VLLM_TOLERANCE as TOLERANCE  # noqa: E402
 from workers.sampler.vllm_sampler import (  # noqa: E402
     LORA_TARGET_MODULES,
     MOE_EXPERTS_MODULE,
@@ -52,7 +54,6 @@ from workers.sampler.vllm_sampler import (  # noqa: E402
     moe_lora_gap,
 )
 from workers.tiny_model import build_tiny_model  # noqa: E402
-from workers.trainer.engine import Engine  # noqa: E402
 
 MAX_LORA_RANK = 8
 EXPERTS = "model.layers.0.mlp.experts"
@@ -65,7 +66,7 @@ class MoeCheckpoints:
     """The trainer engine on the tiny Qwen3-MoE and its saved sampler checkpoints."""
 
     model: Path
-    engine: Engine
+    engine: Trainer
     # "experts": rank 4, attention + experts; "attn": rank 4, attention only
     adapters: dict[str, Path]
 
@@ -76,7 +77,7 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoeCheckpoints]:
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("vllm-moe")
     model = build_tiny_model(root / "tiny-qwen3-moe", "qwen3_moe")
-    engine = Engine(str(model), max_slots=3, max_rank=MAX_LORA_RANK)
+    engine = Trainer(str(model), max_slots=3, max_rank=MAX_LORA_RANK)
     engine.create("base", LoraConfig(rank=4, seed=0, train_unembed=False))  # B = 0: the base
     engine.create("experts", LoraConfig(rank=4, seed=1, train_unembed=False))
     engine.create("attn", LoraConfig(rank=4, seed=2, train_mlp=False, train_unembed=False))
@@ -210,7 +211,7 @@ def test_expert_lora_engine_args_load_the_trainers_checkpoint_exactly(
         engine.engine_core.shutdown()
 
     # The trainer's shared-outer factors (Tinker's keys), and its scale alpha/r.
-    stored = moe.engine.slots.files.read(directory, with_optimizer=False).checkpoint
+    stored = moe.engine.residency.files.read(directory, with_optimizer=False).checkpoint
     scale = stored.lora_alpha / stored.rank
 
     def delta(projection: str) -> torch.Tensor:  # [E, out, in]

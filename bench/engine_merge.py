@@ -1,9 +1,10 @@
-"""Merged passes against one pass per tenant, on the engine alone (no gateway, no NATS).
+"""Merged passes against one pass per tenant, on the multi-slot model alone (no gateway, no NATS).
 
 For N = 1, 2, 4, 8, 16 tenants and two request sizes (1 datum × 32 tokens, 4 datums × 128
 tokens), one run times, side by side:
-- merged: the N tenants' forward_backward requests as one `Engine.forward_backward` call, then
-  one fused `optim_step` (what a worker cycle does);
+- merged: the N tenants' forward_backward requests as one shared pass
+  (`workers.trainer.operations.run_passes`), then one fused `optim_step` (what a worker cycle
+  does);
 - separate: N calls of one tenant each, then N single steps;
 - same tokens: one tenant sending the same total tokens (N requests) in one call and one step.
 It prints the median of `--repeats` for each (the ways take turns, so a drift of the machine's
@@ -30,20 +31,52 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
-from protocol.tensors import DatumArrays, FwdBwdRequest
+from protocol.errors import TwinkleError
+from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from workers.engine.model import MultiSlotModel
 from workers.engine.passes import tune_malloc
 from workers.trainer.calibration import measure
-from workers.trainer.engine import Engine
+from workers.trainer.operations import run_passes, run_steps
+from workers.trainer.residency import Residency
 
 SIZES = {"1x32": (1, 32), "4x128": (4, 128)}
 ADAM = AdamParams(learning_rate=1e-4)
+
+
+@dataclass
+class Trainer:
+    """A multi-slot model and its residency, called as the worker's operations call them
+    (`workers.trainer.operations`): each request validated on the model, then one transaction
+    of at most `max_slots` tenants, one shared pass or one fused step."""
+
+    model: MultiSlotModel
+    residency: Residency
+
+    @classmethod
+    def build(cls, base_model: str, **kwargs: Any) -> Trainer:
+        """`MultiSlotModel(base_model, **kwargs)` and a residency of its slots."""
+        model = MultiSlotModel(base_model, **kwargs)
+        return cls(model, Residency(model))
+
+    def forward_backward(
+        self, batch: list[tuple[str, FwdBwdRequest]]
+    ) -> list[FwdBwdOutput | TwinkleError]:
+        calls = [(model_id, self.model.validate(req)) for model_id, req in batch]
+        return run_passes(self.model, self.residency, calls)
+
+    def optim_step(
+        self, steps: list[tuple[str, AdamParams]]
+    ) -> list[dict[str, float] | TwinkleError]:
+        return run_steps(self.model, self.residency, steps)
 
 
 def build_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
@@ -91,7 +124,7 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 
 def case(
-    engine: Engine, n: int, datums: int, length: int, vocab: int, repeats: int
+    engine: Trainer, n: int, datums: int, length: int, vocab: int, repeats: int
 ) -> dict[str, list[float]]:
     """Seconds of each way to run N tenants' requests, per turn: see the module docstring."""
     ids = [f"t{i}" for i in range(n)]
@@ -156,7 +189,7 @@ def turns(modes: dict[str, Callable[[], object]], repeats: int) -> dict[str, lis
     return times
 
 
-def compare(engine: Engine, vocab: int, repeats: int) -> None:
+def compare(engine: Trainer, vocab: int, repeats: int) -> None:
     print(
         f"{'size':>6} {'N':>3} {'merged s':>9} {'separate s':>10} {'same-tok s':>10}"
         f" {'merged/separate thrpt':>22} {'merged/same-tok time':>21} {'(pass only)':>12}"
@@ -174,7 +207,7 @@ def compare(engine: Engine, vocab: int, repeats: int) -> None:
             )
 
 
-def sweep(engine: Engine, vocab: int, repeats: int) -> None:
+def sweep(engine: Trainer, vocab: int, repeats: int) -> None:
     """Training tokens/s of one pass of one tenant by pass size (rows of 128 tokens)."""
     print(f"{'tokens':>7} {'pass s':>8} {'tokens/s':>9}")
     for rows in (1, 2, 4, 8, 16, 32, 64):
@@ -197,18 +230,18 @@ def main() -> None:
     tune_malloc()  # as the worker does
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab, args.hidden, args.layers)
-        engine = Engine(str(model), max_slots=16, max_rank=16)
-        engine.bank.set_kind(args.lora_kind)
+        engine = Trainer.build(str(model), max_slots=16, max_rank=16)
+        engine.model.bank.set_kind(args.lora_kind)
         if args.token_budget is None:
             # as a worker does at start-up (`workers.trainer.calibration`)
-            found = measure(engine)
-            engine.pass_tokens = found.pass_tokens
+            found = measure(engine.model)
+            engine.model.pass_tokens = found.pass_tokens
             curve = ", ".join(f"{size}: {rate:.0f}" for size, rate in found.curve)
             print(f"measured pass size {found.pass_tokens} tokens (tokens/s by size: {curve})")
         else:
-            engine.pass_tokens = args.token_budget
+            engine.model.pass_tokens = args.token_budget
         for i in range(16):
-            engine.create(f"t{i}", LoraConfig(rank=16, seed=i))
+            engine.residency.create(f"t{i}", LoraConfig(rank=16, seed=i))
         print(
             f"random Qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab},"
             f" rank 16, {torch.get_num_threads()} thread, median of {args.repeats} turns"

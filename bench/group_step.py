@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_merge import request  # type: ignore[import-not-found]  # noqa: E402
+from engine_merge import Trainer, request  # type: ignore[import-not-found]  # noqa: E402
 
 TENANTS, DATUMS, LENGTH, VOCAB = 4, 2, 128, 4096
 
@@ -79,7 +79,6 @@ def rank_main(args: argparse.Namespace) -> None:
     from protocol.api import AdamParams, LoraConfig
     from workers.engine.collective import Collective, ProcessGroupCollective
     from workers.group.runtime import GroupSpec, join, leave
-    from workers.trainer.engine import Engine
 
     torch.set_num_threads(1)
     spent = {"s": 0.0, "bytes": 0}
@@ -92,12 +91,12 @@ def rank_main(args: argparse.Namespace) -> None:
         _time_collectives(collective, spent, device)
     else:
         device = torch.device("cuda", 0) if args.device == "cuda" else device
-    engine = Engine(
+    engine = Trainer.build(
         str(args.model), max_slots=TENANTS, max_rank=16, device=str(device), collective=collective
     )
-    engine.pass_tokens = TENANTS * DATUMS * LENGTH
+    engine.model.pass_tokens = TENANTS * DATUMS * LENGTH
     for i in range(TENANTS):
-        engine.create(f"t{i}", LoraConfig(rank=16, seed=i))
+        engine.residency.create(f"t{i}", LoraConfig(rank=16, seed=i))
     batch = [(f"t{i}", request(f"t{i}", DATUMS, LENGTH, VOCAB, i)) for i in range(TENANTS)]
     steps = [(f"t{i}", AdamParams(learning_rate=1e-4)) for i in range(TENANTS)]
 

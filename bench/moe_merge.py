@@ -1,4 +1,4 @@
-"""Merged passes against one pass per tenant on a Mixture-of-Experts model (engine alone).
+"""Merged passes against one pass per tenant on a Mixture-of-Experts model (the model alone).
 
 The same side-by-side run as `bench/engine_merge.py` (N = 1, 2, 4, 8, 16 tenants; 1×32 and 4×128
 tokens; merged call + fused step, N separate calls, one tenant with the same tokens), on a random
@@ -6,7 +6,7 @@ Qwen3-MoE: hidden 256, 4 layers, 16 experts top-4, moe_intermediate 128, vocab 4
 adapters on every layer group (the experts' shared-outer LoRA included), one torch thread, fp32.
 
 It then prints what the experts' LoRA costs, for the same tokens:
-- N tenants' full adapters (the engine's pass);
+- N tenants' full adapters (the model's shared pass);
 - one tenant whose adapter leaves the MLP alone (`train_mlp=False`: the experts run the stock
   transformers module);
 - the base model with no adapter at all: the same packed rows through the model, the summed
@@ -28,14 +28,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from engine_merge import compare, paired, request, turns  # type: ignore[import-not-found]
+from engine_merge import (  # type: ignore[import-not-found]
+    Trainer,
+    compare,
+    paired,
+    request,
+    turns,
+)
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from protocol.api import LoraConfig
 from protocol.tensors import FwdBwdRequest
 from workers.engine.passes import tune_malloc
 from workers.trainer.calibration import measure
-from workers.trainer.engine import Engine
 
 
 def build_model(directory: Path, vocab: int) -> Path:
@@ -61,21 +66,21 @@ def build_model(directory: Path, vocab: int) -> Path:
     return directory
 
 
-def no_adapter_pass(engine: Engine, batch: list[tuple[str, FwdBwdRequest]]) -> None:
+def no_adapter_pass(engine: Trainer, batch: list[tuple[str, FwdBwdRequest]]) -> None:
     """The base model's forward and backward over the same rows, with no adapter."""
     tokens = torch.tensor(np.stack([d.tokens for _, req in batch for d in req.datums]))
     targets = torch.tensor(
         np.stack([d.inputs["target_tokens"] for _, req in batch for d in req.datums])
     )
-    embeddings = engine.model.get_input_embeddings()(tokens).detach().requires_grad_(True)
-    logits = engine.model(inputs_embeds=embeddings).logits
+    embeddings = engine.model.model.get_input_embeddings()(tokens).detach().requires_grad_(True)
+    logits = engine.model.model(inputs_embeds=embeddings).logits
     loss = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"
     )
     loss.backward()  # type: ignore[no-untyped-call]
 
 
-def expert_cost(engine: Engine, vocab: int, repeats: int) -> None:
+def expert_cost(engine: Trainer, vocab: int, repeats: int) -> None:
     print(
         f"{'size':>6} {'N':>3} {'N adapters s':>13} {'no expert LoRA s':>17}"
         f" {'no adapter s':>13} {'vs no expert LoRA':>18} {'vs no adapter':>14}"
@@ -121,23 +126,23 @@ def main() -> None:
     tune_malloc()  # as the worker does
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab)
-        engine = Engine(str(model), max_slots=args.max_slots, max_rank=16)
+        engine = Trainer.build(str(model), max_slots=args.max_slots, max_rank=16)
         if args.token_budget is None:
-            found = measure(engine)
-            engine.pass_tokens = found.pass_tokens
+            found = measure(engine.model)
+            engine.model.pass_tokens = found.pass_tokens
             curve = ", ".join(f"{size}: {rate:.0f}" for size, rate in found.curve)
             print(f"measured pass size {found.pass_tokens} tokens (tokens/s by size: {curve})")
         else:
-            engine.pass_tokens = args.token_budget
+            engine.model.pass_tokens = args.token_budget
         experts_only = args.adapters == "experts"
         for i in range(16):
-            engine.create(
+            engine.residency.create(
                 f"t{i}",
                 LoraConfig(
                     rank=16, seed=i, train_attn=not experts_only, train_unembed=not experts_only
                 ),
             )
-        engine.create("base", LoraConfig(rank=16, seed=99, train_mlp=False))
+        engine.residency.create("base", LoraConfig(rank=16, seed=99, train_mlp=False))
         print(
             f"random Qwen3-MoE hidden 256, 4 layers, 16 experts top-4, moe_intermediate 128,"
             f" vocab {args.vocab}, rank 16 ({args.adapters} adapters),"

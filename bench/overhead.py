@@ -3,7 +3,8 @@
 One round is `forward_backward(cross_entropy)` then `optim_step`, each awaited before the next.
 The loop runs N rounds twice per batch shape:
 
-- in-process, on `workers.trainer.engine.Engine` directly (one torch thread, no transport);
+- in-process, on the multi-slot model and its residency directly, as the worker's operations
+  call them (one torch thread, no transport);
 - through the official SDK → gateway → NATS → worker of a local `twinkle-async up`.
 
 Both use the same random Qwen3 built offline (`workers.tiny_model`, by default hidden 256,
@@ -48,8 +49,10 @@ from tinker import types  # noqa: E402
 
 from protocol.api import AdamParams, LoraConfig  # noqa: E402
 from protocol.tensors import DatumArrays, FwdBwdRequest  # noqa: E402
+from workers.engine.model import MultiSlotModel  # noqa: E402
 from workers.tiny_model import build_tiny_model  # noqa: E402
-from workers.trainer.engine import Engine  # noqa: E402
+from workers.trainer.operations import run_passes, run_steps  # noqa: E402
+from workers.trainer.residency import Residency  # noqa: E402
 
 WARMUP = 3
 
@@ -64,11 +67,13 @@ def _percentiles(times_ms: list[float]) -> tuple[float, float]:
 
 
 class InProcess:
-    """The engine alone, as the worker's engine thread drives it."""
+    """The model alone, as the worker's engine thread drives it (`workers.trainer.operations`):
+    the request validated, one shared pass, one fused step."""
 
     def __init__(self, model: Path, rank: int, max_slots: int, max_rank: int) -> None:
-        self.engine = Engine(str(model), max_slots=max_slots, max_rank=max_rank)
-        self.engine.create("bench", LoraConfig(rank=rank))
+        self.model = MultiSlotModel(str(model), max_slots=max_slots, max_rank=max_rank)
+        self.residency = Residency(self.model)
+        self.residency.create("bench", LoraConfig(rank=rank))
 
     def round_ms(self, datums: int, length: int) -> float:
         tokens = _tokens(length)
@@ -90,8 +95,8 @@ class InProcess:
             ],
         )
         started = time.perf_counter()
-        self.engine.forward_backward([("bench", request)])
-        self.engine.optim_step([("bench", AdamParams(learning_rate=1e-3))])
+        run_passes(self.model, self.residency, [("bench", self.model.validate(request))])
+        run_steps(self.model, self.residency, [("bench", AdamParams(learning_rate=1e-3))])
         return (time.perf_counter() - started) * 1e3
 
 

@@ -6,9 +6,10 @@ the peak resident set (VmHWM, reset just before the measured call) minus the res
 before it is the call's extra memory. Two figures per mode:
 - loss: the log-prob, loss and backward part alone, from given hidden states (`target_logprobs`
   on [tokens, hidden], then backward), i.e. what the full-logits path materialises;
-- pass: a whole `Engine.forward_backward` of those tokens, decoder included.
+- pass: a whole shared pass of those tokens (`workers.trainer.operations.run_passes`), decoder
+  included.
 "whole" computes the logits of all tokens at once (the former path); "chunked" uses the
-engine's default chunk (2**21 logits on a CPU). The full fp32 logits of the pass are printed
+model's default chunk (2**21 logits on a CPU). The full fp32 logits of the pass are printed
 for scale.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/pass_memory.py [--tokens 8192] [--vocab 32000]
@@ -42,33 +43,32 @@ def child(mode: str, tokens: int, vocab: int, model_dir: str) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from engine_merge import request
+    from engine_merge import Trainer, request
 
     from protocol.api import LoraConfig
     from workers.engine.lora import Segment
     from workers.engine.passes import target_logprobs, tune_malloc
-    from workers.trainer.engine import Engine
 
     tune_malloc()  # as the worker does: see its docstring
     torch.set_num_threads(1)
     chunk = {"logits_chunk_elements": tokens * vocab} if mode == "whole" else {}
-    engine = Engine(model_dir, max_slots=1, max_rank=16, pass_tokens=tokens, **chunk)  # type: ignore[arg-type]
-    engine.create("t", LoraConfig(rank=16, seed=0))
-    slot = engine.slot("t")
+    engine = Trainer.build(model_dir, max_slots=1, max_rank=16, pass_tokens=tokens, **chunk)
+    engine.residency.create("t", LoraConfig(rank=16, seed=0))
+    slot = engine.residency.slot("t")
     batch = [("t", request("t", tokens // 512, 512, vocab, 0))]
     engine.forward_backward([("t", request("t", 1, 64, vocab, 1))])  # allocator warm-up
-    engine.bank.grads.zero_()
+    engine.model.bank.grads.zero_()
     figures: dict[str, int] = {}
 
     hidden = torch.randn(tokens, 256, requires_grad=True)
     targets = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, (tokens, 1)))
-    chunk_tokens = tokens if mode == "whole" else engine.passes.chunk_tokens
+    chunk_tokens = tokens if mode == "whole" else engine.model.passes.chunk_tokens
     before = _status("VmRSS")
     _reset_peak()
     logprobs = target_logprobs(
         hidden,
         targets,
-        engine.passes.head,
+        engine.model.passes.head,
         [Segment(slot, 0, tokens)],
         chunk_tokens,
         recompute=mode != "whole",
@@ -76,7 +76,7 @@ def child(mode: str, tokens: int, vocab: int, model_dir: str) -> None:
     logprobs.sum().backward()  # type: ignore[no-untyped-call]
     figures["loss"] = _status("VmHWM") - before
     del logprobs, hidden
-    engine.bank.grads.zero_()
+    engine.model.bank.grads.zero_()
 
     before = _status("VmRSS")
     _reset_peak()

@@ -96,12 +96,15 @@ def snapshot_cost(model: Path, label: str, tmp: Path) -> None:
 
     from protocol.api import AdamParams, LoraConfig
     from protocol.tensors import DatumArrays, FwdBwdRequest
-    from workers.trainer.engine import Engine
+    from workers.engine.model import MultiSlotModel
+    from workers.trainer.operations import run_passes, run_steps
+    from workers.trainer.residency import Residency
     from workers.trainer.snapshots import write_state
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    engine = Engine(str(model), max_slots=2, max_rank=16)
-    engine.create("m", LoraConfig(rank=16, seed=0))
+    engine = MultiSlotModel(str(model), max_slots=2, max_rank=16)
+    residency = Residency(engine)
+    residency.create("m", LoraConfig(rank=16, seed=0))
     tokens = np.arange(3, 131, dtype=np.int32) % engine.vocab_size
     datum = DatumArrays(
         tokens=tokens,
@@ -113,10 +116,10 @@ def snapshot_cost(model: Path, label: str, tmp: Path) -> None:
     request = FwdBwdRequest("m", 1, "cross_entropy", False, {}, [datum])
     capture_ms, write_ms, sizes = [], [], []
     for seq in range(5):
-        engine.forward_backward([("m", request)])
-        engine.optim_step([("m", AdamParams(learning_rate=1e-3))])
+        run_passes(engine, residency, [("m", engine.validate(request))])
+        run_steps(engine, residency, [("m", AdamParams(learning_rate=1e-3))])
         started = time.perf_counter()
-        state = engine.slots.capture("m")
+        state = residency.capture("m")
         captured = time.perf_counter()
         written = write_state(tmp / label, seq, state, {"seq_id": seq})
         finished = time.perf_counter()

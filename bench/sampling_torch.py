@@ -33,19 +33,20 @@ import torch  # noqa: E402
 from protocol.api import LoraConfig  # noqa: E402
 from protocol.jobs import SampleJob  # noqa: E402
 from protocol.sampling import SampleOutput, SampleSpec  # noqa: E402
+from workers.engine.model import MultiSlotModel  # noqa: E402
 from workers.sampler.backends import Prepared, TorchBackend  # noqa: E402
 from workers.sampler.torch_sampler import TorchSampler  # noqa: E402
 from workers.tiny_model import build_tiny_model  # noqa: E402
-from workers.trainer.engine import Engine  # noqa: E402
+from workers.trainer.residency import Residency  # noqa: E402
 
 ADAPTERS = 4
 
 
-def snapshots(engine: Engine, root: Path) -> list[tuple[str, Path]]:
+def snapshots(residency: Residency, root: Path) -> list[tuple[str, Path]]:
     keys = []
     for n in range(ADAPTERS):
-        engine.create(f"tenant{n}", LoraConfig(rank=8, seed=n))
-        engine.save(f"tenant{n}", root / f"s{n}", kind="sampler_weights", meta={})
+        residency.create(f"tenant{n}", LoraConfig(rank=8, seed=n))
+        residency.save(f"tenant{n}", root / f"s{n}", kind="sampler_weights", meta={})
         keys.append((f"s{n}@1", root / f"s{n}"))
     return keys
 
@@ -81,10 +82,11 @@ async def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="twinkle-bench-"))
-    engine = Engine(str(build_tiny_model(root / "tiny")), max_slots=8, max_rank=8)
-    keys = snapshots(engine, root)
+    model = MultiSlotModel(str(build_tiny_model(root / "tiny")), max_slots=8, max_rank=8)
+    residency = Residency(model)  # its tenants' slots, and the snapshots' (as in a worker)
+    keys = snapshots(residency, root)
     with ThreadPoolExecutor(1, thread_name_prefix="engine") as executor:
-        backend = TorchBackend(TorchSampler(engine), engine, executor)
+        backend = TorchBackend(TorchSampler(model, residency), executor)
         await rate(backend, keys, ADAPTERS, argparse.Namespace(max_tokens=8, requests=1))  # warm
         rates = {n: await rate(backend, keys, n, args) for n in (1, 8)}
     print(

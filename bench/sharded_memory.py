@@ -49,18 +49,18 @@ MiB, GB = 2**20, 10**9
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    """One rank: build the engine, report its bytes as one JSON line on stdout."""
+    """One rank: build the multi-slot model, report its bytes as one JSON line on stdout."""
     import torch
 
     from workers.engine.collective import Collective
+    from workers.engine.model import MultiSlotModel
     from workers.group.runtime import GroupSpec, join, leave
-    from workers.trainer.engine import Engine
 
     torch.set_num_threads(1)
     collective: Collective = Collective()
     if args.world > 1:
         collective = join(GroupSpec(args.rank, args.world, port=args.port), torch.device("cpu"))
-    engine = Engine(str(args.model), max_slots=8, max_rank=16, collective=collective)
+    engine = MultiSlotModel(str(args.model), max_slots=8, max_rank=16, collective=collective)
     bank = engine.bank.weights
     base = sum(
         p.numel() * p.element_size()

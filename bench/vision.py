@@ -1,12 +1,13 @@
-"""A shared pass with images against the same text tokens without, on the engine alone.
+"""A shared pass with images against the same text tokens without, on the model alone.
 
 Four tenants on the tiny random Qwen3.5 vision-language composite (`make-tiny-model --arch
 qwen3_5_vl`: hidden 64, 2 layers, a one-block vision tower; rank-16 adapters). Each sends
 `--datums` datums of 24 text tokens, an image of `--size` × `--size` pixels (png) and 8 more
 text tokens; the text-only requests have the same lengths with text in the image's place. One
-`Engine.forward_backward` call of all four, median of `--repeats` (the two take turns). It
-prints training tokens/s of each (image tokens counted as tokens), their ratio, and the part of
-the image pass spent decoding and encoding the images (`VisionTower.pixels` and `features`).
+shared pass of all four (`workers.trainer.operations.run_passes`), median of `--repeats` (the
+two take turns). It prints training tokens/s of each (image tokens counted as tokens), their
+ratio, and the part of the image pass spent decoding and encoding the images
+(`VisionTower.pixels` and `features`).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/vision.py [--repeats 5] [--size 128] [--datums 4]
 """
@@ -21,15 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from engine_merge import interleaved  # type: ignore[import-not-found]
+from engine_merge import Trainer, interleaved  # type: ignore[import-not-found]
 from PIL import Image
 
 from protocol.api import LoraConfig
 from protocol.images import DatumImage, read_header
 from protocol.tensors import DatumArrays, FwdBwdRequest
+from workers.engine.model import MultiSlotModel
 from workers.engine.passes import tune_malloc
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID, build_tiny_model
-from workers.trainer.engine import Engine
 
 TENANTS = 4
 
@@ -42,7 +43,7 @@ def _png(rng: np.random.Generator, size: int) -> bytes:
 
 
 def requests(
-    engine: Engine, datums: int, size: int, images: bool
+    engine: MultiSlotModel, datums: int, size: int, images: bool
 ) -> list[tuple[str, FwdBwdRequest]]:
     assert engine.vision is not None
     rng = np.random.default_rng(0)
@@ -76,11 +77,13 @@ def main() -> None:
     torch.set_num_threads(1)
     tune_malloc()
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine(str(build_tiny_model(Path(tmp), "qwen3_5_vl")), max_slots=5, max_rank=16)
+        engine = Trainer.build(
+            str(build_tiny_model(Path(tmp), "qwen3_5_vl")), max_slots=5, max_rank=16
+        )
         for tenant in range(TENANTS):
-            engine.create(f"t{tenant}", LoraConfig(rank=16, seed=tenant))
-        with_images = requests(engine, args.datums, args.size, images=True)
-        text_only = requests(engine, args.datums, args.size, images=False)
+            engine.residency.create(f"t{tenant}", LoraConfig(rank=16, seed=tenant))
+        with_images = requests(engine.model, args.datums, args.size, images=True)
+        text_only = requests(engine.model, args.datums, args.size, images=False)
         tokens = sum(request.n_tokens for _, request in with_images)
         image_tokens = sum(i.n_tokens for _, r in with_images for d in r.datums for i in d.images)
         t = interleaved(
@@ -90,12 +93,13 @@ def main() -> None:
             },
             args.repeats,
         )
-        assert engine.vision is not None
+        vision = engine.model.vision
+        assert vision is not None
         pictures = [i for _, r in with_images for d in r.datums for i in d.images]
         started = time.perf_counter()
         for _ in range(args.repeats):
-            pixels, grids = engine.vision.pixels(pictures)
-            engine.vision.features(pixels, grids)
+            pixels, grids = vision.pixels(pictures)
+            vision.features(pixels, grids)
         tower_s = (time.perf_counter() - started) / args.repeats
     print(
         f"tiny Qwen3.5 VL (hidden 64, 2 layers), {TENANTS} tenants × {args.datums} datums, "

@@ -2,7 +2,10 @@
 loopback, every port a free one (its Iceberg and Lance side servers, fixed ports by default, off).
 
 Anonymous access (no identities configured): any credentials are accepted. `start` waits until
-S3 answers and creates the bucket; `env` holds the `AWS_*` variables a client needs.
+S3 answers and creates the bucket; `env` holds the `AWS_*` variables a client needs. An outage:
+`kill` (SIGKILL: connections refused) then `start` again, on the same ports and data, so that
+clients built before find it; `freeze` (SIGSTOP: the kernel still accepts connections, nothing
+answers) then `thaw`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class S3Server:
         self.bucket = bucket
         self.process: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
+        self.ports: list[int] = []  # chosen on the first start, kept for a restart
 
     @property
     def env(self) -> dict[str, str]:
@@ -66,7 +70,8 @@ class S3Server:
 
     def start(self, timeout_s: float = 60.0) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        master, volume, filer, s3, *grpc = free_ports(8)
+        self.ports = self.ports or free_ports(8)
+        master, volume, filer, s3, *grpc = self.ports
         self.endpoint = f"http://127.0.0.1:{s3}"
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - owned by the child process
         self.process = subprocess.Popen(
@@ -88,11 +93,15 @@ class S3Server:
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
                 "-master.telemetry=false",
+                "-master.resumeState=false",  # a restart elects itself at once, not in ~20 s
                 "-volume.max=20",
             ],
             stdout=log,
             stderr=log,
             stdin=subprocess.DEVNULL,
+            # AWS_* keys in its environment (a restart from a block of `client_env`) would
+            # make weed require them: the anonymous readiness check would be refused
+            env={name: value for name, value in os.environ.items() if not name.startswith("AWS_")},
         )
         log.close()
         deadline = time.monotonic() + timeout_s
@@ -114,9 +123,25 @@ class S3Server:
                 raise TimeoutError(f"S3 did not answer within {timeout_s} s")
             time.sleep(0.3)
 
+    def kill(self) -> None:
+        """SIGKILL: gone at once, its ports refuse connections until `start`."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections still accepted by the kernel, never answered."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
+        self.process.send_signal(signal.SIGCONT)  # a frozen one would not see the SIGTERM
         self.process.send_signal(signal.SIGTERM)
         try:
             # weed's graceful stop waits 15 s on its gRPC servers; nothing here needs it

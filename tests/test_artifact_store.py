@@ -1,20 +1,23 @@
 """The worker's artifact store against a real S3 server (SeaweedFS on loopback): uploads with a
-manifest, checked downloads through a bounded cache, and store URLs refused with a reason."""
+manifest, checked downloads through a bounded cache, store URLs refused with a reason, and a
+store that goes away (killed, frozen) failing within its wait bound with a retryable error that
+names it, then working again when it is back."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import obstore
 import pytest
 
-from protocol.errors import ServerError
+from protocol.errors import ErrorCategory, ServerError
 from protocol.paths import parse_store_url, snapshot_key, snapshot_seq
 from tests.s3_server import S3Server
 from workers.__main__ import parse_args
-from workers.artifacts import MANIFEST, ArtifactStore
+from workers.artifacts import MANIFEST, ArtifactStore, ArtifactStoreUnavailable
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +82,77 @@ def test_snapshot_prefixes_sort_and_prune_by_seq(s3: S3Server, tmp_path: Path) -
         store.upload(snapshot_key("run-s", seq, f"u{seq}"), _files(tmp_path / f"{seq}", {"x": 1}))
     children = store.children("run-s/.state")
     assert sorted(snapshot_seq(key) for key in children) == [3, 7, 12]
+
+
+def test_a_half_finished_upload_does_not_count_as_there(s3: S3Server, tmp_path: Path) -> None:
+    store = ArtifactStore("s3://twinkle/unit", tmp_path / "cache")
+    obstore.put(store.store, "run/weights/half/c1/adapter.bin", b"the first file, no manifest")
+    assert not store.exists("run/weights/half")  # a retried save is no duplicate
+    store.upload("run/weights/half/c2", _files(tmp_path / "src", {"adapter.bin": 10}))
+    assert store.exists("run/weights/half")
+
+
+def _unavailable(call: object, bound_s: float, what: str) -> ArtifactStoreUnavailable:
+    """The error `call()` raises, checked to come within `bound_s` and to name the store,
+    what failed and that a retry is safe."""
+    assert callable(call)
+    started = time.monotonic()
+    with pytest.raises(ArtifactStoreUnavailable) as raised:
+        call()
+    elapsed_s = time.monotonic() - started
+    assert elapsed_s < bound_s, f"{what}: failed after {elapsed_s:.1f} s, over {bound_s} s"
+    err = raised.value
+    assert err.retryable and err.category is ErrorCategory.SERVER and err.status == 503
+    assert "the artifact store s3://twinkle/outage is unreachable" in err.message
+    assert what in err.message and "retrying the request is safe" in err.message
+    return err
+
+
+def test_a_store_that_goes_away_fails_within_the_bound_and_works_again_when_back(
+    tmp_path: Path,
+) -> None:
+    server = S3Server(tmp_path / "s3")
+    server.start()
+    try:
+        with server.client_env():
+            source = _files(tmp_path / "src", {"adapter.bin": 3000})
+            # the first upload waits for weed to grow its volumes: with the default read timeout
+            ArtifactStore("s3://twinkle/outage", tmp_path / "c").upload("run/weights/a/c1", source)
+            store = ArtifactStore("s3://twinkle/outage", tmp_path / "cache", wait_s=3.0)
+
+            # frozen: connections accepted, never answered; the wait is 3 s from the outage's start
+            server.freeze()
+            _unavailable(lambda: store.exists("run/weights/b"), 3.0 + 1.5, "save of checkpoint")
+            assert store.away
+            # later in the same outage: one quick look (2 s at most), then the error
+            _unavailable(lambda: store.upload("run/weights/b/c1", source), 2.0 + 1.0, "upload")
+            _unavailable(lambda: store.download("run/weights/a/c1"), 2.0 + 1.0, "download")
+            server.thaw()
+            copy = store.download("run/weights/a/c1")
+            assert (copy / "adapter.bin").read_bytes() == (source / "adapter.bin").read_bytes()
+            assert not store.away
+
+            # killed: connections refused
+            server.kill()
+            err = _unavailable(
+                lambda: store.upload("run/weights/c/c1", source), 3.0 + 1.0, "upload"
+            )
+            assert "checkpoint tinker://run/weights/c" in err.message
+            _unavailable(lambda: store.children("run/.state"), 1.0, "listing")
+            server.start()
+            store.upload("run/weights/c/c1", source)
+            again = ArtifactStore("s3://twinkle/outage", tmp_path / "cache-2")
+            copy = again.download("run/weights/c/c1")
+            assert (copy / "adapter.bin").read_bytes() == (source / "adapter.bin").read_bytes()
+    finally:
+        server.stop()
+
+
+def test_the_wait_is_a_worker_setting_with_a_default() -> None:
+    settings = parse_args(["--base-model", "m"])
+    assert settings.artifact_store_wait_s == 30.0
+    args = ["--base-model", "m", "--artifact-store-wait-s", "5"]
+    assert parse_args(args).artifact_store_wait_s == 5.0
 
 
 @pytest.mark.parametrize(

@@ -176,6 +176,7 @@ def worker_options(
     ] = 0,
     artifact_store: worker_settings.ArtifactStoreUrl = None,
     artifact_cache_bytes: worker_settings.ArtifactCacheBytes = 16 * 1024**3,
+    artifact_store_wait_s: worker_settings.ArtifactStoreWaitS = 30.0,
     log_level: Annotated[str, typer.Option(envvar="TWINKLE_LOG_LEVEL")] = "INFO",
 ) -> WorkerSettings:
     """Run a trainer worker: a base model, its adapter slots, shared passes and fused steps."""
@@ -217,6 +218,7 @@ def worker_options(
         log_level=log_level,
         artifact_store=artifact_store,
         artifact_cache_bytes=artifact_cache_bytes,
+        artifact_store_wait_s=artifact_store_wait_s,
     )
     return dataclasses.replace(settings, worker_id=worker_id) if worker_id else settings
 

@@ -72,6 +72,15 @@ ArtifactCacheBytes = Annotated[
         help="local cache of files read from the artifact store, in bytes",
     ),
 ]
+ArtifactStoreWaitS = Annotated[
+    float,
+    typer.Option(
+        envvar="TWINKLE_ARTIFACT_STORE_WAIT_S",
+        min=0.0,
+        help="a save or load waits this long for an artifact store that is away, then fails"
+        " (retryable)",
+    ),
+]
 
 # A shard lease outlives a NATS node's crash on a cluster: the bucket's leader election
 # (4-9 s), noticing a silent host (`topology.PING_INTERVAL_S` x `MAX_OUTSTANDING_PINGS`, 6 s)
@@ -177,6 +186,8 @@ class WorkerSettings:
     # checkpoints and snapshots in an S3 store (`workers.artifacts`); None: `checkpoint_root`
     artifact_store: str | None = None
     artifact_cache_bytes: int = 16 * 1024**3
+    # an outage of the store: how long a call keeps trying before it fails, retryable
+    artifact_store_wait_s: float = 30.0
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
 
     @property
@@ -194,7 +205,10 @@ class WorkerSettings:
         from workers.artifacts import ArtifactStore
 
         return ArtifactStore(
-            self.artifact_store, self.data_dir / "artifact-cache", self.artifact_cache_bytes
+            self.artifact_store,
+            self.data_dir / "artifact-cache",
+            self.artifact_cache_bytes,
+            wait_s=self.artifact_store_wait_s,
         )
 
 

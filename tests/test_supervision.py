@@ -1,6 +1,8 @@
 """Supervision and riding out NATS outages, below the SDK: the restart backoff, a supervised
-child process, dying with the parent, both bus wrappers across a nats-server restart, the
-503 mapping, and the gateway command line `up` builds."""
+child process, dying with the parent, which children have reported in while `up` starts (a
+served one that dies is restarted, one that never reported in fails the start), both bus
+wrappers across a nats-server restart, the 503 mapping, and the gateway command line `up`
+builds."""
 
 from __future__ import annotations
 
@@ -19,20 +21,39 @@ from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.msg import Msg
 from typer.testing import CliRunner
 
-from protocol import backoff, subjects
+from protocol import backoff, records, subjects
 from protocol.errors import Unavailable
+from protocol.records import WorkerRecord
 from twinkle_async import bus as gateway_bus
 from twinkle_async import cli
 from twinkle_async.bus import Bus
 from twinkle_async.gateway.middleware import errors_middleware
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings, GatewaySettings
-from twinkle_async.supervisor import Child, describe_exit
-from twinkle_async.up import UpOptions, gateway_command, gateway_env
+from twinkle_async.supervisor import Awaited, Child, describe_exit, reported_in
+from twinkle_async.up import Cluster, UpOptions, gateway_command, gateway_env
 from workers import bus as worker_bus
 from workers.bus import WorkerBus
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def _heartbeat(
+    worker_id: str, at: float, base_model: str = "m", role: str = "trainer"
+) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        pool=subjects.pool_of(base_model),
+        base_model=base_model,
+        arch="qwen3",
+        vocab_size=256,
+        max_context=64,
+        max_rank=8,
+        slots_total=4,
+        slots_used=0,
+        heartbeat_at=at,
+        role=role,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -69,6 +90,29 @@ def test_describe_exit() -> None:
     assert describe_exit(-9) == "was killed by SIGKILL"
 
 
+def test_reported_in_matches_each_child_by_the_id_up_gave_it() -> None:
+    since = 1000.0
+    trainer_0, trainer_1 = Awaited("m", "trainer", "h-m-0"), Awaited("m", "trainer", "h-m-1")
+    sampler = Awaited("m", "sampler")  # picks its own id
+    other = Awaited("n", "trainer", "h-n-0")
+    awaited = [trainer_0, trainer_1, sampler, other]
+    assert reported_in(awaited, [], since) == set()
+    # trainer 0 reported in (and may have died since: its record stays); trainer 1's record is
+    # an earlier run's; one base model's heartbeat never stands for another's
+    beats = [
+        _heartbeat("h-m-0", since + 5.0),
+        _heartbeat("h-m-1", since - 30.0),
+        _heartbeat("h-n-0", since + 5.0, base_model="other"),
+    ]
+    assert reported_in(awaited, beats, since) == {trainer_0}
+    # a second of clock slack between processes
+    assert reported_in(awaited, [_heartbeat("h-m-1", since - 0.5)], since) == {trainer_1}
+    # the sampler: any fresh id of its role and base model, never a trainer's
+    assert reported_in(awaited, [_heartbeat("h-m-0", since, role="sampler")], since) == set()
+    beats = [_heartbeat("h-sampler-1f3a", since, role="sampler")]
+    assert reported_in(awaited, beats, since) == {sampler}
+
+
 def test_both_wrappers_retry_the_same_errors() -> None:
     assert set(gateway_bus.TRANSIENT_ERRORS) == set(worker_bus.TRANSIENT_ERRORS)
     assert nats.errors.TimeoutError in gateway_bus.TRANSIENT_ERRORS
@@ -95,6 +139,51 @@ async def test_a_dead_child_is_restarted_and_stop_ends_it() -> None:
         await asyncio.gather(supervising, return_exceptions=True)
         await child.stop()
     assert child.process is not None and child.process.returncode == -signal.SIGTERM
+
+
+async def test_while_up_starts_a_served_worker_that_dies_is_restarted(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Per child: trainer 0 reports in and is killed while trainer 1 is still starting; trainer
+    0 comes back and `up` keeps waiting. Trainer 1, which never reported in, then dies: that
+    fails the start."""
+    options = UpOptions(base_models=["m"], data_dir=tmp_path, nats_url=nats_server.url)
+    cluster = Cluster(options, "tml-key", "twa-key")
+    cluster.nats_url = nats_server.url
+    for index in range(2):
+        awaited = Awaited("m", "trainer", f"h-m-{index}")
+        child = Child(f"trainer {index} of m", SLEEPER, stop_timeout_s=5.0)
+        cluster.workers.append((awaited, child))
+        await child.start()
+    (_, served), (_, starting) = cluster.workers
+    waiting = asyncio.create_task(cluster.wait_for_workers(time.time()))
+    bus = Bus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        record = _heartbeat("h-m-0", time.time())
+        key = subjects.worker_key(record.pool, record.worker_id)
+        await bus.put(subjects.BUCKET_WORKERS, key, records.encode(record))
+        first = served.process
+        assert first is not None
+        os.kill(first.pid, signal.SIGKILL)  # at once: maybe before `up` read the heartbeat
+        deadline = time.monotonic() + 10
+        while served.process is first or served.process is None:
+            assert not waiting.done(), waiting.exception()
+            assert time.monotonic() < deadline, "the served worker was not restarted"
+            await asyncio.sleep(0.05)
+        assert served.restarts == 1 and _alive(served.process.pid)
+        assert not waiting.done()
+
+        assert starting.process is not None
+        os.kill(starting.process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="trainer 1 of m was killed by SIGKILL while"):
+            await asyncio.wait_for(waiting, timeout=10)
+    finally:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await bus.close()
+        await cluster.stop()
+    assert served.process.returncode == -signal.SIGTERM  # stopped, not restarted again
 
 
 def test_children_die_with_their_parent(tmp_path: Path) -> None:

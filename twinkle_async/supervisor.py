@@ -8,6 +8,12 @@ kernel SIGKILLs each child (`die_with_parent`, Linux `prctl(PR_SET_PDEATHSIG)`).
 (`protocol.backoff.restart_delay`: 0.5 s doubling to 30 s, back to 0.5 s once the child had
 stayed up 60 s), start it again. It never gives up, so one crashing child never takes the
 cluster down. `Child.stop` sends SIGTERM to the child's group, then SIGKILL after a timeout.
+`supervise_nats` is the same loop for a nats-server node, restarted on its store and ports.
+
+`reported_in` is the pure part of `up`'s start: which worker children have reported in (put a
+fresh heartbeat in `tw_workers`), each matched by the worker id `up` gave it. `up` supervises a
+child from the moment it reports in, so one that then dies is restarted even while another child
+is still starting; only a child that never reported in fails the start.
 """
 
 from __future__ import annotations
@@ -21,13 +27,17 @@ import subprocess
 import sys
 import time
 from asyncio.subprocess import Process
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from protocol.backoff import restart_delay
+from protocol.records import WorkerRecord
+from twinkle_async.nats_server import NatsServer
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+HEARTBEAT_CLOCK_SLACK_S = 1.0  # how far a worker's clock may lag the supervisor's
 
 
 def die_with_parent() -> Callable[[], None]:
@@ -140,3 +150,71 @@ class Child:
                 signal_group(process.pid, signal.SIGKILL)
                 await process.wait()
         signal_group(process.pid, signal.SIGKILL)
+
+
+async def supervise_nats(nats: NatsServer) -> None:
+    """Restart a nats-server node on the same store and ports whenever it exits; runs until
+    cancelled."""
+    delay_s: float | None = None
+    started_at = time.monotonic()
+    while True:
+        process = nats.process
+        assert process is not None
+        # a thread waits for the exit (the server is a plain Popen child); it returns once
+        # the server exits, at the latest when `stop` ends it
+        returncode = await asyncio.to_thread(process.wait)
+        uptime_s = time.monotonic() - started_at
+        delay_s = restart_delay(delay_s, uptime_s)
+        log.error(
+            "nats-server %s (pid %d) %s after %.1f s; restarting it on the same store and"
+            " ports in %.1f s",
+            nats.name,
+            process.pid,
+            describe_exit(returncode),
+            uptime_s,
+            delay_s,
+        )
+        await asyncio.sleep(delay_s)
+        started_at = time.monotonic()
+        try:
+            await nats.start_async()
+        except (OSError, RuntimeError, TimeoutError):
+            log.exception("nats-server did not start; trying again")
+            continue
+        assert nats.process is not None
+        log.info("nats-server %s back at %s (pid %d)", nats.name, nats.url, nats.process.pid)
+
+
+@dataclass(frozen=True)
+class Awaited:
+    """The heartbeat that says a worker child has reported in: its base model and role as
+    `tw_workers` records them, and the worker id `up` gave it (None: the one child of its role
+    for that base model, which picks its own id, as a sampler does)."""
+
+    base_model: str
+    role: str
+    worker_id: str | None = None
+
+
+def reported_in(
+    awaited: Iterable[Awaited], heartbeats: Iterable[WorkerRecord], since: float
+) -> set[Awaited]:
+    """The `awaited` children (all of one `up`) with a heartbeat written at or after `since`
+    (wall clock, less `HEARTBEAT_CLOCK_SLACK_S`): an older one is an earlier run's, whose
+    trainers had the same ids. A child that reported in and exited since still counts: its
+    record stays in the bucket (30 s, the bucket's TTL), so a caller that reads the exits
+    before the heartbeats never takes a served child for one that never reported in."""
+    awaited = list(awaited)
+    named = {child.worker_id for child in awaited if child.worker_id is not None}
+    fresh = [r for r in heartbeats if r.heartbeat_at >= since - HEARTBEAT_CLOCK_SLACK_S]
+    found = set()
+    for child in awaited:
+        for record in fresh:
+            if (record.base_model, record.role) != (child.base_model, child.role):
+                continue
+            if record.worker_id == child.worker_id or (
+                child.worker_id is None and record.worker_id not in named
+            ):
+                found.add(child)
+                break
+    return found

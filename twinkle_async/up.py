@@ -11,9 +11,13 @@ Step 3: start `--workers` trainer workers per base model (and a vLLM sampler if 
 until each has put a fresh heartbeat in `tw_workers`.
 Step 4: print the base URL and the keys, and write them to `--ready-file`.
 Step 5: supervise until SIGINT or SIGTERM: a child that exits is logged and restarted with
-backoff (`supervisor.Child`), each nats-server node likewise on the same store and ports. Nothing that
-dies after step 4 stops the cluster. A child that dies while starting (steps 2-3) does: that
-is a configuration to fix, not a crash to ride out.
+backoff (`supervisor.Child`), each nats-server node likewise on the same store and ports
+(`supervisor.supervise_nats`).
+Supervision is per child and begins the moment that child reports in (a node listens, the
+gateway's ready file, a worker's heartbeat), during steps 1-3 too: a worker that served and
+died while another is still starting is restarted, and the gateway stays up. Only a child that
+dies before it ever reported in stops the cluster: that is a configuration to fix, not a crash
+to ride out.
 Step 6: stop every child (SIGTERM, then SIGKILL), then nats-server; remove the ready file.
 
 Every child, nats-server included, leads its own process group and dies with `up` (a
@@ -31,18 +35,25 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from protocol import records, subjects
-from protocol.backoff import restart_delay
 from protocol.records import WorkerRecord
 from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsCluster, NatsServer
 from twinkle_async.settings import bus_from_env
-from twinkle_async.supervisor import Child, describe_exit, die_with_parent
+from twinkle_async.supervisor import (
+    Awaited,
+    Child,
+    describe_exit,
+    die_with_parent,
+    reported_in,
+    supervise_nats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +94,11 @@ class UpOptions:
     log_level: str = "INFO"
 
 
-def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[str, list[str]]]:
-    """(role, argv) of each process a base model needs: `--workers` trainers, and a sampler
-    process if asked (vLLM)."""
+def _commands(
+    base_model: str, nats_url: str, options: UpOptions
+) -> list[tuple[Awaited, list[str]]]:
+    """(its heartbeat, argv) of each process a base model needs: `--workers` trainers, and a
+    sampler process if asked (vLLM)."""
     pool = subjects.pool_of(base_model)
 
     def common(role: str) -> list[str]:
@@ -104,7 +117,7 @@ def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[
     host = socket.gethostname().split(".")[0] or "host"
     commands = [
         (
-            "trainer",
+            Awaited(base_model, "trainer", f"{host}-{pool}-{index}"),
             [
                 *(sys.executable, "-m", "workers", *common(f"trainer-{index}")),
                 *("--nats-replicas", str(options.nats_replicas), *options.worker_args),
@@ -116,7 +129,9 @@ def _commands(base_model: str, nats_url: str, options: UpOptions) -> list[tuple[
     if options.sampler_backend:
         sampler = [sys.executable, "-m", "workers.sampler.main", *common("sampler")]
         backend = ["--backend", options.sampler_backend]
-        commands.append(("sampler", [*sampler, *backend, *options.sampler_args]))
+        commands.append(
+            (Awaited(base_model, "sampler"), [*sampler, *backend, *options.sampler_args])
+        )
     return commands
 
 
@@ -187,12 +202,14 @@ class Cluster:
         self.nats: list[NatsServer] = []  # the nodes `up` runs (none with --nats-url)
         self.nats_url = options.nats_url or ""
         self.gateway: Child | None = None
-        self.workers: list[tuple[str, str, Child]] = []  # (base model, role, child)
+        self.workers: list[tuple[Awaited, Child]] = []  # (its heartbeat, child)
+        # one task per child and node that has reported in; cancelled by `stop`
+        self.supervising: list[asyncio.Task[None]] = []
 
     @property
     def children(self) -> list[Child]:
         gateway = [self.gateway] if self.gateway is not None else []
-        return gateway + [child for _, _, child in self.workers]
+        return gateway + [child for _, child in self.workers]
 
     async def start(self) -> dict[str, Any]:
         """Steps 1-3; returns what the ready file holds."""
@@ -210,17 +227,19 @@ class Cluster:
             self.nats_url = await server.start_async()
             self.nats = [server]
             log.info("nats-server at %s (pid %d)", self.nats_url, _pid(server))
+        for node in self.nats:
+            self._supervise(supervise_nats(node), node.name)
         base_url = await self._start_gateway()
         started_at = time.time()
         for base_model in options.base_models:
             roles: list[str] = []
-            for role, argv in _commands(base_model, self.nats_url, options):
-                name = f"{role} {roles.count(role)} of {base_model}"
-                roles.append(role)
+            for awaited, argv in _commands(base_model, self.nats_url, options):
+                name = f"{awaited.role} {roles.count(awaited.role)} of {base_model}"
+                roles.append(awaited.role)
                 child = Child(name, argv, stop_timeout_s=options.stop_timeout_s)
-                self.workers.append((base_model, role, child))
+                self.workers.append((awaited, child))
                 await child.start()
-        await self._wait_for_workers(started_at)
+        await self.wait_for_workers(started_at)
         return {
             "base_url": base_url,
             "api_key": self.api_key,
@@ -258,31 +277,46 @@ class Cluster:
         assert port is not None
         # a restarted gateway listens where clients already point
         self.gateway.argv = gateway_command(options, self.nats_url, port, ready_file)
+        self._supervise(self.gateway.supervise(), self.gateway.name)
         return base_url
 
-    async def _wait_for_workers(self, started_at: float) -> None:
-        """Until each trainer and sampler started has put a fresh heartbeat in `tw_workers`."""
-        expected: dict[tuple[str, str], int] = {}
-        for base_model, role, _ in self.workers:
-            expected[(base_model, role)] = expected.get((base_model, role), 0) + 1
+    def _supervise(self, loop: Coroutine[Any, Any, None], name: str) -> None:
+        """Supervise a child or node that has reported in, from now on."""
+        self.supervising.append(asyncio.create_task(loop, name=name))
+
+    async def wait_for_workers(self, started_at: float) -> None:
+        """Until each trainer and sampler started has put a fresh heartbeat in `tw_workers`;
+        each is supervised from its first heartbeat on. One that exits before it fails the
+        start."""
+        starting = dict(self.workers)
         timeout_s = self.options.worker_ready_timeout_s
         deadline = time.monotonic() + timeout_s
         bus = Bus(bus_from_env(self.nats_url, self.options.nats_replicas))
         await bus.connect()
         try:
             while True:
-                seen: dict[tuple[str, str], set[str]] = {}
-                for value in await bus.values(subjects.BUCKET_WORKERS):
-                    record = records.decode(value, WorkerRecord)
-                    if record.heartbeat_at >= started_at - 1.0:  # not an earlier run's
-                        key = (record.base_model, record.role)
-                        seen.setdefault(key, set()).add(record.worker_id)
-                if all(len(seen.get(key, ())) >= n for key, n in expected.items()):
+                # exits before heartbeats: a child that reported in and then died is seen
+                # reported in (its record stays), not as a start that failed
+                exited = [
+                    (awaited, child.process.returncode)
+                    for awaited, child in starting.items()
+                    if child.process is not None and child.process.returncode is not None
+                ]
+                heartbeats = [
+                    records.decode(value, WorkerRecord)
+                    for value in await bus.values(subjects.BUCKET_WORKERS)
+                ]
+                every = [awaited for awaited, _ in self.workers]
+                for awaited in reported_in(every, heartbeats, started_at) & starting.keys():
+                    child = starting.pop(awaited)
+                    log.info("%s reported in", child.name)
+                    self._supervise(child.supervise(), child.name)
+                if not starting:
                     return
-                for _, _, child in self.workers:
-                    if child.process is not None and child.process.returncode is not None:
+                for awaited, returncode in exited:
+                    if awaited in starting:
                         raise RuntimeError(
-                            f"the {child.name} {describe_exit(child.process.returncode)}"
+                            f"the {starting[awaited].name} {describe_exit(returncode)}"
                             " while starting"
                         )
                 if time.monotonic() > deadline:
@@ -292,49 +326,14 @@ class Cluster:
             await bus.close()
 
     async def supervise(self) -> None:
-        """Step 5: runs until cancelled."""
-        tasks = [asyncio.create_task(child.supervise(), name=child.name) for child in self.children]
-        for node in self.nats:
-            tasks.append(asyncio.create_task(self._supervise_nats(node), name=node.name))
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _supervise_nats(self, nats: NatsServer) -> None:
-        """Restart a nats-server node on the same store and ports whenever it exits."""
-        delay_s: float | None = None
-        started_at = time.monotonic()
-        while True:
-            process = nats.process
-            assert process is not None
-            # a thread waits for the exit (the server is a plain Popen child); it returns once
-            # the server exits, at the latest when `stop` ends it
-            returncode = await asyncio.to_thread(process.wait)
-            uptime_s = time.monotonic() - started_at
-            delay_s = restart_delay(delay_s, uptime_s)
-            log.error(
-                "nats-server %s (pid %d) %s after %.1f s; restarting it on the same store and"
-                " ports in %.1f s",
-                nats.name,
-                process.pid,
-                describe_exit(returncode),
-                uptime_s,
-                delay_s,
-            )
-            await asyncio.sleep(delay_s)
-            started_at = time.monotonic()
-            try:
-                await nats.start_async()
-            except (OSError, RuntimeError, TimeoutError):
-                log.exception("nats-server did not start; trying again")
-                continue
-            log.info("nats-server %s back at %s (pid %d)", nats.name, nats.url, _pid(nats))
+        """Step 5: runs until cancelled (every child and node reported in during the start)."""
+        await asyncio.gather(*self.supervising)
 
     async def stop(self) -> None:
-        """Step 6."""
+        """Step 6: no restarts from here on, then every child, then the nodes."""
+        for task in self.supervising:
+            task.cancel()
+        await asyncio.gather(*self.supervising, return_exceptions=True)
         await asyncio.gather(*(child.stop() for child in self.children))
         await asyncio.gather(*(asyncio.to_thread(node.stop) for node in self.nats))
 

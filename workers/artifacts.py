@@ -108,7 +108,7 @@ class ArtifactStoreUnavailable(ServerError):
         action = _ACTIONS.get(step, step)
         super().__init__(
             f"the artifact store {url} is unreachable: the {action} of {_subject(prefix)}"
-            f" failed ({step}: {cause}; no answer for {waited_s:.0f} s). Nothing was committed;"
+            f" failed ({step}: {cause}; away for {waited_s:.0f} s). Nothing was committed;"
             " retrying the request is safe and will succeed once the store is back."
         )
         self.step = step
@@ -197,15 +197,14 @@ class ArtifactStore:
 
     def _call(self, step: str, prefix: str, call: Callable[[], T], wait_s: float | None) -> T:
         """`call()` (one obstore request, or a file's), tried until it succeeds or the outage
-        has lasted `wait_s` (None: the store's own). In an outage each try starts with a quick
-        look, and `wait_s=0` (a snapshot, which no training step may wait for) looks first even
-        when no outage is known: a frozen store then costs `_PROBE_TIMEOUT_S`, not a data
+        has lasted `wait_s` (None: the store's own; 0: one try). In an outage each try starts
+        with a quick look, so a frozen store costs `_PROBE_TIMEOUT_S` a try, not a data
         request's read timeout."""
         bound_s = self.wait_s if wait_s is None else wait_s
         pause_s = _FIRST_PAUSE_S
         while True:
             started = time.monotonic()
-            cause = self._look(started) if self.away or bound_s <= 0 else None
+            cause = self._look(started) if self.away else None
             if cause is None:
                 try:
                     result = call()

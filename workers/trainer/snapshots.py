@@ -19,6 +19,20 @@ The directory starts with '.', which no checkpoint kind or name does. With an ar
 prunes its snapshots; the trainer service (`workers.trainer.service`) calls it after each op
 and between cycles. A write is on the crash journal by its model (`workers.watchdog`): one that
 stopped the worker `max_attempts` times in a row fails the model instead of stopping it again.
+
+With an artifact store the upload and the record follow in a task of their own (one per model
+at a time), which the cycles wait for `_INLINE_S` at most: a healthy upload is recorded before
+the next op runs, a slow one goes on while training does. A store that is away (killed, frozen,
+unreachable: `workers.artifacts`) holds no op up and fails no model: an upload that fails leaves
+its model unsnapped and its snapshot due, and while the store is known to be away no snapshot is
+tried. Looks at the store run on a thread of their own, one every `_LOOK_EVERY_S` at most; once
+it answers, the next snapshot due is written (the model's next optim_step or save_state, or its
+idle snapshot). Recovery meanwhile: the snapshot record still names the model's last snapshot
+written, so a takeover restores that older one and replays the log from it, which works as long
+as the log still reaches back to it (the longer the outage, the more it replays; ops its limits
+trimmed are lost: `workers.trainer.takeover`). A takeover that cannot read the snapshot either
+(the store still away) fails after the store's wait (`artifact_store_wait_s`) and rebuilds the
+model from its log alone, which works only while the log still holds the model's creation.
 """
 
 from __future__ import annotations
@@ -39,10 +53,10 @@ import safetensors.torch
 
 from protocol import paths, records, subjects
 from protocol.api import LoraConfig
-from protocol.errors import ServerError
+from protocol.errors import ServerError, Unavailable
 from protocol.jobs import OptimStepJob, SaveWeightsJob, UnloadModelJob
 from protocol.records import SnapshotRecord
-from workers.artifacts import ArtifactStore, staging_dir
+from workers.artifacts import ArtifactStore, ArtifactStoreUnavailable, staging_dir
 from workers.bus import WorkerBus
 from workers.engine.lora import LAYER_GROUPS, LayerGroup
 from workers.settings import WorkerSettings
@@ -56,6 +70,8 @@ log = logging.getLogger(__name__)
 Item = Pending[Any]
 
 STATE_DIR = ".state"
+_LOOK_EVERY_S = 2.0  # looks at an artifact store that is away, at most this often
+_INLINE_S = 1.0  # the cycles wait this long at most for a snapshot's upload and record
 
 
 def state_dir(root: Path, run_id: str) -> Path:
@@ -156,11 +172,15 @@ class Snapshots:
         self._steps_since: dict[str, int] = {}
         # models changed since their snapshot: their last applied op, and when it was applied
         self._unsnapped: dict[str, tuple[Item, float]] = {}
+        self._uploads: dict[str, asyncio.Task[None]] = {}  # by model: at most one going up
+        self._look: asyncio.Future[bool] | None = None  # at an artifact store that is away
+        self._looked_at = 0.0
 
     def forget(self, model_id: str) -> None:
         """The model is no longer this worker's to snapshot (handed over, failed, unloaded)."""
         self._steps_since.pop(model_id, None)
         self._unsnapped.pop(model_id, None)
+        self._uploads.pop(model_id, None)  # one going up records nothing
 
     def applied(self, item: Item) -> None:
         """An op of the model ran: an idle snapshot now stands at it."""
@@ -192,6 +212,12 @@ class Snapshots:
         model_id = item.job.model_id
         if not item.stream_seq or not self.has(model_id):
             return
+        if self.store is not None:
+            if self.store.away:
+                self._look_again()
+                return  # it stays unsnapped, and its snapshot due, until the store answers
+            if model_id in self._uploads:
+                return  # the previous one is still going up; this one stays due
         step = snapshot_step(model_id)
         strikes = self.journal.strikes.get(step, 0)
         if strikes >= self.settings.max_attempts:
@@ -211,6 +237,20 @@ class Snapshots:
         await self.journal.leave(step)
         await self.journal.forgive(step)
 
+    def _look_again(self) -> None:
+        """Start a look at the artifact store that is away, on a thread of its own so that no
+        cycle waits for it (a frozen store takes 2 s to give up). Its answer
+        ends the outage (`ArtifactStore.away`); the next snapshot due then writes."""
+        assert self.store is not None
+        now = time.monotonic()
+        if (self._look is not None and not self._look.done()) or (
+            now - self._looked_at < _LOOK_EVERY_S
+        ):
+            return
+        self._looked_at = now
+        self._look = asyncio.get_running_loop().run_in_executor(None, self.store.reachable)
+        self._look.add_done_callback(_look_failed)
+
     def read(self, snapshot: SnapshotRecord) -> SlotState:
         """A snapshot's state, from the artifact store (through the cache) or the local disk."""
         if not snapshot.store_key:
@@ -223,48 +263,79 @@ class Snapshots:
         directory = self.store.download(snapshot.store_key)
         return read_state(directory / f"state-{snapshot.applied_seq}.json")
 
-    def _store_files(
-        self, model_id: str, seq_id: int, state: SlotState, meta: dict[str, Any]
-    ) -> tuple[str, str]:
-        """Write a snapshot's files: (directory file, store key); one of them is empty."""
-        if self.store is None:
-            directory = state_dir(self.settings.checkpoint_root, model_id)
-            return str(write_state(directory, seq_id, state, meta)), ""
-        staging = staging_dir(self.settings.data_dir, "state")
-        try:
-            write_state(staging, seq_id, state, meta)
-            key = paths.snapshot_key(model_id, seq_id, uuid.uuid4().hex[:12])
-            self.store.upload(key, staging)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return "", key
-
     def _prune(self, model_id: str, written: str, key: str) -> None:
         """Remove a model's snapshots older than the one just recorded."""
         if self.store is None:
             prune(state_dir(self.settings.checkpoint_root, model_id), Path(written))
             return
         kept = paths.snapshot_seq(key)
-        for older in self.store.children(paths.snapshot_prefix(model_id)):
-            seq = paths.snapshot_seq(older)
-            if seq is not None and kept is not None and seq < kept:
-                self.store.delete(older)
+        try:
+            for older in self.store.children(paths.snapshot_prefix(model_id), wait_s=0):
+                seq = paths.snapshot_seq(older)
+                if seq is not None and kept is not None and seq < kept:
+                    self.store.delete(older, wait_s=0)
+        except ArtifactStoreUnavailable as err:
+            log.warning("model %s: older snapshots stay until the next prune: %s", model_id, err)
 
     async def _write(self, item: Item, current: Callable[[], bool]) -> None:
+        """Capture the model's state and write its files. On a local disk its record follows;
+        with an artifact store `_upload` puts them up and records them, and the cycles wait
+        for it `_INLINE_S` at most."""
         model_id = item.job.model_id
+        seq_id = item.job.seq_id
         state = await self.capture(model_id)
-        meta = {"model_id": model_id, "seq_id": item.job.seq_id, "stream_seq": item.stream_seq}
-        written, key = await asyncio.to_thread(
-            self._store_files, model_id, item.job.seq_id, state, meta
-        )
-        if not current():
-            return  # its files go with the next prune
+        self._steps_since[model_id] = 0  # due again at once if it is not recorded (`_upload`)
+        meta = {"model_id": model_id, "seq_id": seq_id, "stream_seq": item.stream_seq}
+        if self.store is None:
+            directory = state_dir(self.settings.checkpoint_root, model_id)
+            written = await asyncio.to_thread(write_state, directory, seq_id, state, meta)
+            if current():  # else its files go with the next prune
+                await self._commit(item, state.step, str(written), "")
+            return
+        staging = await asyncio.to_thread(staging_dir, self.settings.data_dir, "state")
+        try:
+            await asyncio.to_thread(write_state, staging, seq_id, state, meta)
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        upload = asyncio.create_task(self._upload(item, state.step, staging))
+        self._uploads[model_id] = upload
+        await asyncio.wait({upload}, timeout=_INLINE_S)
+
+    async def _upload(self, item: Item, step: int, staging: Path) -> None:
+        """Put a snapshot's staged files in the store, then record them, unless the model left
+        this worker meanwhile (`forget`). Any fault, a store away first of all, leaves the
+        model unsnapped and its snapshot due: no op and no model fails for it."""
+        assert self.store is not None
+        model_id = item.job.model_id
+        task = asyncio.current_task()
+        key = paths.snapshot_key(model_id, item.job.seq_id, uuid.uuid4().hex[:12])
+        try:
+            await asyncio.to_thread(_upload_files, self.store, key, staging)
+            if self._uploads.get(model_id) is task and self.sequencer.known(model_id):
+                await self._commit(item, step, "", key)
+        except (ArtifactStoreUnavailable, Unavailable) as err:
+            log.warning("model %s: state snapshot not written, due again: %s", model_id, err)
+            if self._uploads.get(model_id) is task:
+                self._steps_since[model_id] = self.settings.snapshot_every
+        except Exception:
+            log.exception("model %s: state snapshot not written, due again", model_id)
+            if self._uploads.get(model_id) is task:
+                self._steps_since[model_id] = self.settings.snapshot_every
+        finally:
+            if self._uploads.get(model_id) is task:
+                del self._uploads[model_id]
+
+    async def _commit(self, item: Item, step: int, written: str, key: str) -> None:
+        """Point the model's snapshot record at the files written for `item`, then prune the
+        older ones. The model stays unsnapped if an op changed it since."""
+        model_id = item.job.model_id
         record = SnapshotRecord(
             model_id=model_id,
             applied_seq=item.job.seq_id,
             stream_seq=item.stream_seq,
             directory=written,
-            step=state.step,
+            step=step,
             created_at=time.time(),
             worker_id=self.settings.worker_id,
             store_key=key,
@@ -273,8 +344,9 @@ class Snapshots:
             subjects.BUCKET_RUNS, subjects.snapshot_key(model_id), records.encode(record)
         )
         await asyncio.to_thread(self._prune, model_id, written, key)
-        self._steps_since[model_id] = 0
-        self._unsnapped.pop(model_id, None)
+        found = self._unsnapped.get(model_id)
+        if found is not None and found[0] is item:
+            del self._unsnapped[model_id]
 
     async def idle(self) -> None:
         """Snapshot each model idle for `snapshot_idle_s` since an op changed it. Its ops after
@@ -299,3 +371,18 @@ class Snapshots:
                 if current():
                     self._unsnapped[model_id] = (item, time.monotonic())
             return  # one model per look: the others' cycles wait for no more than one write
+
+
+def _upload_files(store: ArtifactStore, key: str, staging: Path) -> None:
+    """A snapshot's staged files up to the store under `key` (one try: a store that is away
+    fails it at once), then gone from the disk either way."""
+    try:
+        store.upload(key, staging, wait_s=0)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _look_failed(look: asyncio.Future[bool]) -> None:
+    """A look at the store that raised (a bug, not an outage: an outage is a False)."""
+    if not look.cancelled() and look.exception() is not None:
+        log.error("artifact store: a look failed", exc_info=look.exception())

@@ -6,6 +6,7 @@ names it, then working again when it is back."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,10 +140,17 @@ def test_a_store_that_goes_away_fails_within_the_bound_and_works_again_when_back
             )
             assert "checkpoint tinker://run/weights/c" in err.message
             _unavailable(lambda: store.children("run/.state"), 1.0, "listing")
-            server.start()
-            store.upload("run/weights/c/c1", source)
-            again = ArtifactStore("s3://twinkle/outage", tmp_path / "cache-2")
-            copy = again.download("run/weights/c/c1")
+            # a call with a longer wait waits for the store to come back, then succeeds
+            patient = ArtifactStore("s3://twinkle/outage", tmp_path / "cache-2", wait_s=30.0)
+            restart = threading.Timer(1.0, server.start)
+            restart.start()
+            try:
+                patient.upload("run/weights/c/c1", source)
+            finally:
+                restart.join()
+            assert not patient.away
+            store.upload("run/weights/d/c1", source)  # and the first store's next call too
+            copy = patient.download("run/weights/c/c1")
             assert (copy / "adapter.bin").read_bytes() == (source / "adapter.bin").read_bytes()
     finally:
         server.stop()

@@ -1,15 +1,17 @@
-"""The fuzz tests' client: sends one request, checks every property on its answer, and keeps the
-violations found, by signature, each with its smallest example.
+"""The fuzz tests' machinery: hypothesis settings, the objects they aim at (tenant A's and
+another tenant B's, made once per module by the `target` fixture), and the client (`fuzzer`)
+that sends one request and checks every property on its answer.
 
 Properties of every answer: it comes within `TIMEOUT_S`; it is never 5xx; an error is a JSON
 object with a string `detail` and a `category` the SDK knows; a request naming another tenant's
-id is never answered 2xx. A 500 is explained by the exception the gateway logged for its
-incident, so two different crashes of one route count as two findings.
+id is never answered 2xx. A broken property raises at once, in the test that sent the request,
+as a `Violation` class of its own per signature, so hypothesis tells distinct failures apart. A
+500 is explained by the exception the gateway logged for its incident, so two different crashes
+of one route are two signatures.
 
-With `TWINKLE_FUZZ_SHRINK=1` a violation raises at once, as an exception class of its own per
-signature, so hypothesis shrinks each distinct failure to a minimal example. Hypothesis stops
-looking soon after the first failures it finds, so `TWINKLE_FUZZ_SHRINK=<text>` raises only for
-signatures containing that text (e.g. `_densify_csr`) and lets the others pass.
+The fixtures are registered in a test module by importing them (`target`, `fuzzer`); each module
+gets its own. With `TWINKLE_FUZZ_SHRINK=1` hypothesis shrinks each failure to a minimal example
+(slower: every shrink step is a request to the cluster).
 """
 
 from __future__ import annotations
@@ -18,21 +20,46 @@ import json
 import os
 import re
 import time
-from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+from tests.conftest import OTHER_TENANT_KEY, Cluster
+from tests.wire import Wire
 
 TIMEOUT_S = 10.0
 RESULT_TIMEOUT_S = 30.0  # a future of a tiny CPU model; retrieve_future itself holds up to 30 s
 API = "/api/v1"
-SHRINK = os.environ.get("TWINKLE_FUZZ_SHRINK", "")
+SHRINK = bool(os.environ.get("TWINKLE_FUZZ_SHRINK"))
 CATEGORIES = ("server", "unknown", "user")
 # aiohttp's own plain-text answers when no route or method matches.
 AIOHTTP_DEFAULTS = ("404: Not Found", "405: Method Not Allowed")
+
+
+def fuzz_settings(max_examples: int) -> settings:
+    """Deterministic and bounded: each fuzz module runs in about a minute on two cores."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+            HealthCheck.large_base_example,
+        ],
+        phases=(Phase.explicit, Phase.generate, Phase.shrink)
+        if SHRINK
+        else (Phase.explicit, Phase.generate),
+        print_blob=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -112,34 +139,30 @@ def error_body_problem(resp: httpx.Response) -> str:
     return ""
 
 
-@dataclass
-class Example:
-    request: str
-    response: str
+class Violation(AssertionError):
+    """A property an answer broke: the request, the answer and the property's signature."""
+
+
+_VIOLATION_TYPES: dict[tuple[str, ...], type[Violation]] = {}
+
+
+def violation(signature: tuple[str, ...], request: str, response: str) -> Violation:
+    """The error to raise for a broken property. Hypothesis tells failures apart by their
+    exception type and where they were raised, which is the same line for every property here:
+    a class of its own per signature keeps two distinct failures of one test apart."""
+    kind = _VIOLATION_TYPES.setdefault(
+        signature, type(f"Violation{len(_VIOLATION_TYPES)}", (Violation,), {})
+    )
+    return kind(f"{' | '.join(signature)}\n  {request}\n  -> {response}")
 
 
 @dataclass
-class Findings:
-    """Violations by signature, each with its smallest example; 500s explained by the log."""
+class GatewayLog:
+    """The gateway's log, read as it grows: the exception behind each incident it logged."""
 
-    log_path: Path
-    examples: dict[tuple[str, ...], Example] = field(default_factory=dict)
-    counts: Counter[tuple[str, ...]] = field(default_factory=Counter)
-    requests: int = 0
+    path: Path
     _causes: dict[str, str] = field(default_factory=dict)
-    _log_offset: int = 0
-    _failure_types: dict[tuple[str, ...], type[AssertionError]] = field(default_factory=dict)
-
-    def violate(self, signature: tuple[str, ...], request: str, response: str) -> None:
-        self.counts[signature] += 1
-        known = self.examples.get(signature)
-        if known is None or len(request) < len(known.request):
-            self.examples[signature] = Example(request, response)
-        if SHRINK == "1" or (SHRINK and SHRINK in " | ".join(signature)):
-            kind = self._failure_types.setdefault(
-                signature, type(f"Violation{len(self._failure_types)}", (AssertionError,), {})
-            )
-            raise kind(f"{' | '.join(signature)}\n  {request}\n  -> {response}")
+    _offset: int = 0
 
     def cause(self, body: str) -> str:
         """`ExcType at file.py:function` of the gateway's logged incident, if there is one."""
@@ -148,19 +171,19 @@ class Findings:
             return re.sub(r"\d+", "N", body)[:80]
         incident = match.group(1)
         for _ in range(40):  # logged before the answer was sent; allow for buffering
-            self._read_log()
+            self._read()
             if incident in self._causes:
                 return self._causes[incident]
             time.sleep(0.05)
         return "incident not in the gateway log"
 
-    def _read_log(self) -> None:
-        with self.log_path.open("rb") as log:
-            log.seek(self._log_offset)
+    def _read(self) -> None:
+        with self.path.open("rb") as log:
+            log.seek(self._offset)
             text = log.read().decode(errors="replace")
         records = re.split(r"\n(?=\d{4}-\d\d-\d\d )", text)
         # The last record may still be being written: read it again next time.
-        self._log_offset += len(text.encode()) - len(records[-1].encode())
+        self._offset += len(text.encode()) - len(records[-1].encode())
         for record in records:
             found = re.search(r"crashed \(incident ([0-9a-f]+)\)", record)
             if found is None:
@@ -172,28 +195,13 @@ class Findings:
             where = f"{frames[-1][0]}:{frames[-1][1]}" if frames else "?"
             self._causes[found.group(1)] = f"{exception} at {where}"
 
-    def report(self) -> str:
-        lines = [f"{len(self.examples)} distinct violations in {self.requests} requests:"]
-        for signature, example in sorted(self.examples.items()):
-            lines.append(f"- [{self.counts[signature]}x] {' | '.join(signature)}")
-            lines.append(f"    {example.request}")
-            lines.append(f"    -> {example.response}")
-        return "\n".join(lines)
-
-    def write_json(self, path: str) -> None:
-        rows = [
-            {"signature": list(signature), "count": self.counts[signature], **vars(example)}
-            for signature, example in sorted(self.examples.items())
-        ]
-        Path(path).write_text(json.dumps({"requests": self.requests, "findings": rows}, indent=1))
-
 
 @dataclass
 class Fuzzer:
     """Sends requests as tenant A (unless the headers say otherwise) and checks every answer."""
 
     http: httpx.Client
-    findings: Findings
+    log: GatewayLog
     target: Target
     next_seq: dict[str, int] = field(default_factory=dict)  # per model whose submits run
 
@@ -207,31 +215,28 @@ class Fuzzer:
         names_other: bool = False,
         note: str = "",
     ) -> httpx.Response | None:
-        """One request; every property its answer breaks is recorded under `route`."""
-        self.findings.requests += 1
+        """One request; the first property its answer breaks raises, signed with `route`."""
         summary = f"{note}{method} {path} headers={headers or {}} body={shown(content)}"
         try:
             resp = self.http.request(method, path, content=content, headers=headers)
         except (httpx.InvalidURL, httpx.LocalProtocolError):
             return None  # httpx will not send it (a raw control character): nothing to check
         except httpx.TimeoutException:
-            self.findings.violate(("hang", route), summary, f"no answer in {TIMEOUT_S} s")
-            return None
+            raise violation(("hang", route), summary, f"no answer in {TIMEOUT_S} s") from None
         except httpx.TransportError as exc:
-            self.findings.violate(("transport", route, type(exc).__name__), summary, repr(exc))
-            return None
+            raise violation(("transport", route, type(exc).__name__), summary, repr(exc)) from exc
         answer = f"{resp.status_code} {resp.headers.get('content-type', '')} {resp.text[:300]!r}"
         status = resp.status_code
         if status >= 500:
-            cause = self.findings.cause(resp.text)
-            self.findings.violate(("5xx", route, str(status), cause), summary, answer)
+            cause = self.log.cause(resp.text)
+            raise violation(("5xx", route, str(status), cause), summary, answer)
         problem = error_body_problem(resp) if status >= 400 and method != "HEAD" else ""
         if problem:
-            if resp.text in AIOHTTP_DEFAULTS:  # one finding, whichever path or method hit it
+            if resp.text in AIOHTTP_DEFAULTS:  # one signature, whichever path or method hit it
                 route = "no route matched (aiohttp's default answer)"
-            self.findings.violate(("error body", route, str(status), problem), summary, answer)
+            raise violation(("error body", route, str(status), problem), summary, answer)
         if names_other and 200 <= status < 300:
-            self.findings.violate(("other tenant's id accepted", route), summary, answer)
+            raise violation(("other tenant's id accepted", route), summary, answer)
         return resp
 
     def post_json(
@@ -273,17 +278,115 @@ class Fuzzer:
             answer = poll.json()
             if poll.status_code != 200 or answer.get("type") == "try_again":
                 if poll.status_code != 200:
-                    self.findings.violate(("future lost", route), summary, poll.text[:300])
-                    return None
+                    raise violation(("future lost", route), summary, poll.text[:300])
                 continue
             if "error" in answer:
                 if answer.get("category") != "user":
                     error = re.sub(r"\d+", "N", str(answer["error"]))[:80]
                     signature = ("future failed", route, str(answer.get("category")), error)
-                    self.findings.violate(signature, summary, poll.text[:300])
+                    raise violation(signature, summary, poll.text[:300])
                 return None
             return dict(answer)
-        self.findings.violate(
+        raise violation(
             ("future never finished", route), summary, f"pending after {RESULT_TIMEOUT_S} s"
         )
-        return None
+
+
+# -- what the fuzzing aims at -------------------------------------------------------------------
+
+
+def _submit(wire: Wire, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    resp = wire.post(path, body)
+    resp.raise_for_status()
+    result = wire.result(resp.json()["request_id"])
+    result.raise_for_status()
+    return {**resp.json(), **result.json()}
+
+
+def _model(wire: Wire, session: str, base_model: str, seq: int = 0) -> tuple[str, str]:
+    """(model_id, request_id) of a new rank-4 adapter."""
+    lora = {"rank": 4, "seed": 0, "train_unembed": True, "train_mlp": True, "train_attn": True}
+    body = {"session_id": session, "model_seq_id": seq, "base_model": base_model}
+    created = _submit(wire, "create_model", {**body, "lora_config": lora, "type": "create_model"})
+    return created["model_id"], created["request_id"]
+
+
+def _sampler(wire: Wire, session: str, base_model: str) -> str:
+    body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": base_model}
+    resp = wire.post("create_sampling_session", body)
+    resp.raise_for_status()
+    return str(resp.json()["sampling_session_id"])
+
+
+@pytest.fixture(scope="module")
+def target(cluster: Cluster) -> Iterator[Target]:
+    mine = Wire(cluster.base_url, cluster.api_key)
+    other = Wire(cluster.base_url, OTHER_TENANT_KEY)
+    base_model = cluster.base_models[0]
+    session, finished, spare = mine.session(), mine.session(), mine.session()
+    mine.post(f"sessions/{finished}/finish", {"reason": {"type": "success"}}).raise_for_status()
+    model, request = _model(mine, session, base_model)
+    save = {"model_id": model, "type": "save_weights"}
+    checkpoint = _submit(mine, "save_weights", {**save, "path": "fuzz-weights", "seq_id": 1})
+    for_sampler = {"model_id": model, "path": "fuzz-sampler", "seq_id": 2}
+    sampler_ckpt = _submit(mine, "save_weights_for_sampler", for_sampler)
+    run_model, _ = _model(mine, session, base_model, seq=1)
+    other_session = other.session()
+    other_model, other_request = _model(other, other_session, base_model)
+    yield Target(
+        base_model=base_model,
+        session=session,
+        finished_session=finished,
+        spare_session=spare,
+        model=model,
+        run_model=run_model,
+        sampler=_sampler(mine, session, base_model),
+        request=request,
+        checkpoint=checkpoint["path"],
+        sampler_checkpoint=sampler_ckpt["path"],
+        other_session=other_session,
+        other_model=other_model,
+        other_sampler=_sampler(other, other_session, base_model),
+        other_request=other_request,
+    )
+    mine.close()
+    other.close()
+
+
+@pytest.fixture(scope="module")
+def fuzzer(cluster: Cluster, target: Target) -> Iterator[Fuzzer]:
+    http = httpx.Client(
+        base_url=cluster.base_url, headers={"X-API-Key": cluster.api_key}, timeout=TIMEOUT_S
+    )
+    log = GatewayLog(cluster.data_dir.parent / f"{cluster.data_dir.name}.log")
+    yield Fuzzer(http, log, target)
+    http.close()
+
+
+# -- JSON bodies: a valid one per route, and what each field holds ------------------------------
+
+
+@dataclass(frozen=True)
+class JsonRoute:
+    route: str
+    body: Callable[[Target], dict[str, Any]]
+    fields: dict[str, str]  # dotted path -> kind of value
+
+
+DELETE = object()
+
+
+def set_field(body: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set (or with DELETE remove) the field at a dotted path, creating containers as needed."""
+    keys: list[Any] = [int(k) if k.isdigit() else k for k in dotted.split(".")]
+    node: Any = body
+    for key in keys[:-1]:
+        if isinstance(node, list):
+            node = node[key]
+        else:
+            node = node.setdefault(key, {})
+    if value is DELETE:
+        if isinstance(node, dict):
+            node.pop(keys[-1], None)
+    else:
+        node[keys[-1]] = value

@@ -8,14 +8,9 @@ What the gateway accepts is followed further: a created session, model or sample
 back, and a checkpoint save or forward_backward submitted in order must finish as a result or
 a user error, never as a server error.
 
-The fuzz tests record violations and go on, so one run lists every distinct failure, each with
-the smallest example seen. `test_cluster_still_trains_after_fuzzing` then checks the cluster
-survived, and `test_no_property_violations` fails with the whole list: run it together with the
-fuzz tests it sums up (e.g. `-k "forward_backward or no_property"`).
-
-`TWINKLE_FUZZ_SHRINK=1` (or `=<part of a signature>`): a violation raises at once, so hypothesis
-shrinks each distinct one to a minimal example (slower). `TWINKLE_FUZZ_REPORT=<file>`: the
-findings are also written as JSON.
+Each fuzz test fails on the first answer that breaks a property, with hypothesis's example, run
+alone or with the others; `test_cluster_still_trains_after_fuzzing` then checks the cluster
+survived. `TWINKLE_FUZZ_SHRINK=1`: hypothesis shrinks each failure to a minimal example (slower).
 """
 
 from __future__ import annotations
@@ -23,9 +18,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -33,11 +25,24 @@ import httpx
 import pytest
 import tinker
 import zstandard
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import OTHER_TENANT_KEY, Cluster
-from tests.fuzz_harness import API, SHRINK, TIMEOUT_S, Findings, Fuzzer, Target, to_json
+from tests.fuzz_harness import (
+    API,
+    DELETE,
+    TIMEOUT_S,
+    Fuzzer,
+    JsonRoute,
+    Target,
+    fuzz_settings,
+    fuzzer,
+    set_field,
+    target,
+    to_json,
+    violation,
+)
 from tests.hostile_inputs import (
     CHANGES_IN_PLACE,
     HOSTILE_IDS,
@@ -51,115 +56,11 @@ from tests.hostile_inputs import (
     valid_fwdbwd,
 )
 from tests.sdk_helpers import toy_batch, train_steps
-from tests.wire import Wire
 
 pytestmark = pytest.mark.e2e
-
-
-def fuzz_settings(max_examples: int) -> settings:
-    """Deterministic and bounded: the whole file runs in about a minute on two cores."""
-    return settings(
-        max_examples=max_examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[
-            HealthCheck.too_slow,
-            HealthCheck.data_too_large,
-            HealthCheck.filter_too_much,
-            HealthCheck.large_base_example,
-        ],
-        phases=(Phase.explicit, Phase.generate, Phase.shrink)
-        if SHRINK
-        else (Phase.explicit, Phase.generate),
-        print_blob=False,
-    )
-
-
-# -- what the fuzzing aims at -------------------------------------------------------------------
-
-
-def _submit(wire: Wire, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    resp = wire.post(path, body)
-    resp.raise_for_status()
-    result = wire.result(resp.json()["request_id"])
-    result.raise_for_status()
-    return {**resp.json(), **result.json()}
-
-
-def _model(wire: Wire, session: str, base_model: str, seq: int = 0) -> tuple[str, str]:
-    """(model_id, request_id) of a new rank-4 adapter."""
-    lora = {"rank": 4, "seed": 0, "train_unembed": True, "train_mlp": True, "train_attn": True}
-    body = {"session_id": session, "model_seq_id": seq, "base_model": base_model}
-    created = _submit(wire, "create_model", {**body, "lora_config": lora, "type": "create_model"})
-    return created["model_id"], created["request_id"]
-
-
-def _sampler(wire: Wire, session: str, base_model: str) -> str:
-    body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": base_model}
-    resp = wire.post("create_sampling_session", body)
-    resp.raise_for_status()
-    return str(resp.json()["sampling_session_id"])
-
-
-@pytest.fixture(scope="module")
-def target(cluster: Cluster) -> Iterator[Target]:
-    mine = Wire(cluster.base_url, cluster.api_key)
-    other = Wire(cluster.base_url, OTHER_TENANT_KEY)
-    base_model = cluster.base_models[0]
-    session, finished, spare = mine.session(), mine.session(), mine.session()
-    mine.post(f"sessions/{finished}/finish", {"reason": {"type": "success"}}).raise_for_status()
-    model, request = _model(mine, session, base_model)
-    save = {"model_id": model, "type": "save_weights"}
-    checkpoint = _submit(mine, "save_weights", {**save, "path": "fuzz-weights", "seq_id": 1})
-    for_sampler = {"model_id": model, "path": "fuzz-sampler", "seq_id": 2}
-    sampler_ckpt = _submit(mine, "save_weights_for_sampler", for_sampler)
-    run_model, _ = _model(mine, session, base_model, seq=1)
-    other_session = other.session()
-    other_model, other_request = _model(other, other_session, base_model)
-    yield Target(
-        base_model=base_model,
-        session=session,
-        finished_session=finished,
-        spare_session=spare,
-        model=model,
-        run_model=run_model,
-        sampler=_sampler(mine, session, base_model),
-        request=request,
-        checkpoint=checkpoint["path"],
-        sampler_checkpoint=sampler_ckpt["path"],
-        other_session=other_session,
-        other_model=other_model,
-        other_sampler=_sampler(other, other_session, base_model),
-        other_request=other_request,
-    )
-    mine.close()
-    other.close()
-
-
-@pytest.fixture(scope="module")
-def findings(cluster: Cluster) -> Findings:
-    return Findings(log_path=cluster.data_dir.parent / f"{cluster.data_dir.name}.log")
-
-
-@pytest.fixture(scope="module")
-def fuzzer(cluster: Cluster, findings: Findings, target: Target) -> Iterator[Fuzzer]:
-    http = httpx.Client(
-        base_url=cluster.base_url, headers={"X-API-Key": cluster.api_key}, timeout=TIMEOUT_S
-    )
-    yield Fuzzer(http, findings, target)
-    http.close()
-
+__all__ = ["fuzzer", "target"]  # the fixtures, from tests.fuzz_harness
 
 # -- the JSON routes, each with a valid body and what each field holds ------------------------
-
-
-@dataclass(frozen=True)
-class JsonRoute:
-    route: str
-    body: Callable[[Target], dict[str, Any]]
-    fields: dict[str, str]  # dotted path -> kind of value
-
 
 # fmt: off
 ADAM = {
@@ -310,23 +211,6 @@ JSON_ROUTES = [
     ),
 ]
 # fmt: on
-DELETE = object()
-
-
-def _set(body: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set (or with DELETE remove) the field at a dotted path, creating containers as needed."""
-    keys: list[Any] = [int(k) if k.isdigit() else k for k in dotted.split(".")]
-    node: Any = body
-    for key in keys[:-1]:
-        if isinstance(node, list):
-            node = node[key]
-        else:
-            node = node.setdefault(key, {})
-    if value is DELETE:
-        if isinstance(node, dict):
-            node.pop(keys[-1], None)
-    else:
-        node[keys[-1]] = value
 
 
 @given(data=st.data())
@@ -342,7 +226,7 @@ def test_fuzz_json_routes_one_hostile_field(fuzzer: Fuzzer, data: st.DataObject)
         st.just(DELETE) | hostile(route.fields[dotted], t) | st.sampled_from(HOSTILE_IDS),
         label="value",
     )
-    _set(body, dotted, value)
+    set_field(body, dotted, value)
     resp = fuzzer.post_json(route.route, body, t.names_other(value) and route.route != "telemetry")
     fuzzer.read_back(route.route, body, resp)
     if sequenced:
@@ -383,7 +267,7 @@ def _check_seq_refused(
     below = isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id < 1
     if resp is not None and resp.status_code == 200 and (seq_id is None or below):
         request = f"{route} (seq_id {seq_id}) body={body[:300]!r}"
-        fuzzer.findings.violate(("seq_id missing or < 1 accepted", route), request, resp.text[:300])
+        raise violation(("seq_id missing or < 1 accepted", route), request, resp.text[:300])
 
 
 @given(data=st.data())
@@ -678,11 +562,3 @@ def test_cluster_still_trains_after_fuzzing(cluster: Cluster, target: Target) ->
         service.close("success").result()
     assert all(math.isfinite(loss) for loss in losses), losses
     assert losses[-1] < 0.9 * losses[0], losses
-
-
-def test_no_property_violations(findings: Findings) -> None:
-    """Every request above answered in time, never 5xx, with a JSON error body, tenant-safe."""
-    path = os.environ.get("TWINKLE_FUZZ_REPORT")
-    if path:
-        findings.write_json(path)
-    assert not findings.examples, findings.report()

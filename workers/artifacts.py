@@ -26,9 +26,10 @@ Invariants:
   that the whole wait has one bound: a call that finds the store away keeps trying (a quick
   look, `reachable`, then the request again) until `wait_s` (the worker's
   `artifact_store_wait_s`) has passed since the store was first found away, then raises
-  `ArtifactStoreUnavailable`. The clock runs from the start of the outage, not of the call: a
-  call in an outage that has lasted longer than `wait_s` gets one quick look and fails at once.
-  The first call that succeeds ends the outage.
+  `ArtifactStoreUnavailable` (a frozen store may add the last look, `_PROBE_TIMEOUT_S`). The
+  clock runs from the start of the outage, not of the call: a call in an outage that has lasted
+  longer than `wait_s` gets one quick look and fails at once. The first call that succeeds ends
+  the outage.
 - A failed upload leaves no content a reader follows: its manifest, written last, is missing,
   and `exists` counts only contents with a manifest, so a save retried under the same name is
   not refused as a duplicate.

@@ -212,12 +212,13 @@ class Snapshots:
         model_id = item.job.model_id
         if not item.stream_seq or not self.has(model_id):
             return
-        if self.store is not None:
+        if self.store is not None and (self.store.away or model_id in self._uploads):
+            # not now: the store is away (until a look finds it back), or the model's previous
+            # snapshot is still going up; the model stays unsnapped, its snapshot due
+            self._steps_since[model_id] = self.settings.snapshot_every
             if self.store.away:
                 self._look_again()
-                return  # it stays unsnapped, and its snapshot due, until the store answers
-            if model_id in self._uploads:
-                return  # the previous one is still going up; this one stays due
+            return
         step = snapshot_step(model_id)
         strikes = self.journal.strikes.get(step, 0)
         if strikes >= self.settings.max_attempts:
@@ -239,8 +240,8 @@ class Snapshots:
 
     def _look_again(self) -> None:
         """Start a look at the artifact store that is away, on a thread of its own so that no
-        cycle waits for it (a frozen store takes 2 s to give up). Its answer
-        ends the outage (`ArtifactStore.away`); the next snapshot due then writes."""
+        cycle waits for it (a frozen store takes 2 s to give up). Its answer ends the outage
+        (`ArtifactStore.away`); the next snapshot due then writes."""
         assert self.store is not None
         now = time.monotonic()
         if (self._look is not None and not self._look.done()) or (

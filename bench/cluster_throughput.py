@@ -10,6 +10,16 @@ steps/s, the p50/p99 step latency, and the merged/unmerged throughput ratio.
     .venv/bin/python bench/cluster_throughput.py [--clients 1 4 16] [--steps 6] \
         [--shapes 1x32 4x128] [--threads 1]
 
+`--lone`: instead, the tenants train one after another, each alone on the cluster for its K
+steps (each call's future `.result()`-ed, as SDK users do), so every step is a lone tenant's.
+Beside their tokens/s it prints the worker's own pass time for exactly these batches (its
+`/metrics`: engine seconds of the shared passes and optimizer steps that ran them) and the
+ratio of a step's wall time to that pass time, mean and p50: what a lone tenant pays for the
+queue, the bus, the futures and HTTP on top of its pass.
+
+    .venv/bin/python bench/cluster_throughput.py --lone [--clients 16] [--steps 3] \
+        [--shapes 4x128 1x32]
+
 The model is a random Qwen3 built offline (`workers.tiny_model`: hidden 256, 4 layers, vocab
 4096 by default) with rank-16 adapters; each client's first step is a warm-up, not counted.
 """
@@ -26,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import tinker
@@ -73,7 +84,9 @@ class Cluster:
             if self.proc.poll() is not None:
                 raise SystemExit("the cluster failed to start")
             time.sleep(0.05)
-        base_url = json.loads(ready.read_text())["base_url"]
+        info = json.loads(ready.read_text())
+        base_url = info["base_url"]
+        self.metrics_url = _worker_metrics_url(base_url, info["admin_key"])
         self.services = [tinker.ServiceClient(base_url=base_url, api_key=key) for key in keys]
         self.clients = [
             service.create_lora_training_client(base_model=str(model), rank=args.rank, seed=i)
@@ -88,6 +101,70 @@ class Cluster:
         finally:
             self.proc.send_signal(signal.SIGINT)
             self.proc.wait(timeout=60)
+
+
+def _worker_metrics_url(base_url: str, admin_key: str) -> str:
+    request = urllib.request.Request(
+        f"{base_url}/admin/v1/workers", headers={"X-Admin-Key": admin_key}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        [worker] = json.load(response)["workers"]
+    return str(worker["metrics_url"])
+
+
+def _engine_totals(metrics_url: str) -> dict[str, float]:
+    """The worker's engine-time series so far: pass and optimizer-step seconds and counts."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    names = {
+        f"twinkle_worker_{series}_{part}"
+        for series in ("pass_seconds", "optim_step_seconds", "pass_tokens")
+        for part in ("sum", "count")
+    }
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            totals[name] = float(value)
+    return totals
+
+
+def _lone(cluster: Cluster, shape: Shape, steps: int) -> None:
+    """The tenants one after another, each alone for `steps` steps; prints one line."""
+    batch = _batch(*shape)
+    adam = types.AdamParams(learning_rate=1e-3)
+    cluster.clients[0].forward_backward(batch, "cross_entropy").result()  # warm-up
+    cluster.clients[0].optim_step(adam).result()
+    before = _engine_totals(cluster.metrics_url)
+    step_s: list[float] = []
+    started = time.perf_counter()
+    for client in cluster.clients:
+        for _ in range(steps):
+            step_started = time.perf_counter()
+            client.forward_backward(batch, "cross_entropy").result()
+            client.optim_step(adam).result()
+            step_s.append(time.perf_counter() - step_started)
+    wall_s = time.perf_counter() - started
+    after = _engine_totals(cluster.metrics_url)
+    delta = {name: after[name] - before[name] for name in after}
+    passes = delta["twinkle_worker_pass_seconds_count"]
+    if (
+        passes != len(step_s)
+        or delta["twinkle_worker_pass_tokens_sum"] != passes * shape[0] * shape[1]
+    ):
+        print(f"  (the worker ran {passes:.0f} passes for {len(step_s)} steps)")
+    pass_s = delta["twinkle_worker_pass_seconds_sum"] / len(step_s)
+    optim_s = delta["twinkle_worker_optim_step_seconds_sum"] / len(step_s)
+    tokens = shape[0] * shape[1]
+    mean_s, p50_s = wall_s / len(step_s), statistics.median(step_s)
+    print(
+        f"lone {shape[0]}x{shape[1]:<4} {len(cluster.clients)} tenants x {steps} steps:"
+        f" {tokens / mean_s:7.0f} tok/s, step mean {mean_s * 1e3:6.1f} ms p50 {p50_s * 1e3:6.1f} ms"
+        f" max {max(step_s) * 1e3:6.1f} ms | worker pass {pass_s * 1e3:6.1f} ms"
+        f" ({tokens / pass_s:5.0f} tok/s), optim {optim_s * 1e3:5.1f} ms"
+        f" | step/pass mean {mean_s / pass_s:5.2f}x p50 {p50_s / pass_s:5.2f}x",
+        flush=True,
+    )
 
 
 async def _step_s(client: tinker.TrainingClient, batch: list[types.Datum]) -> float:
@@ -126,6 +203,9 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--model", type=Path, help="an existing model directory to use instead")
+    parser.add_argument(
+        "--lone", action="store_true", help="tenants one after another (see the docstring)"
+    )
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", OMP_WAIT_POLICY="PASSIVE", TINKER_TELEMETRY="0")
     tmp = Path(tempfile.mkdtemp(prefix="twinkle-throughput-"))
@@ -137,6 +217,14 @@ def main() -> None:
         build += ["--vocab-size", str(args.vocab_size)]
         subprocess.run(build, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     shapes: list[Shape] = [(int(d), int(n)) for d, n in (s.split("x") for s in args.shapes)]
+    if args.lone:
+        cluster = Cluster(tmp / "lone", model, args, merge=True)
+        try:
+            for shape in shapes:
+                _lone(cluster, shape, args.steps)
+        finally:
+            cluster.close()
+        return
     rate: dict[tuple[bool, Shape, int], float] = {}
     for merge in (True, False):
         cluster = Cluster(tmp / ("merged" if merge else "unmerged"), model, args, merge)

@@ -352,7 +352,6 @@ class TrainerService:
             self._wake.clear()
             await self._fail_stalled()
             await self._redeliver_gaps()
-            await self.snapshots.idle()
             while True:
                 cycles = self._plan()
                 wakes = [cycle.wake_at for cycle in cycles if cycle.wake_at is not None]
@@ -362,6 +361,9 @@ class TrainerService:
                 for cycle in cycles:
                     if cycle:
                         await self._run_cycle(cycle)
+            # Only once no op is ready: the op that woke this loop does not wait behind another
+            # model's idle snapshot (one write per look; an op arriving during it waits for it).
+            await self.snapshots.idle()
 
     def _plan(self) -> list[Cycle[Msg | None]]:
         """The next cycles: one across every model, or one per model with merging off.

@@ -19,6 +19,7 @@ COPY requirements-gateway.txt /app/
 RUN /opt/venv/bin/pip install -r /app/requirements-gateway.txt setuptools">=70.1"
 COPY pyproject.toml README.md /app/
 COPY protocol /app/protocol
+COPY natskv /app/natskv
 COPY twinkle_async /app/twinkle_async
 COPY admin_cli /app/admin_cli
 RUN /opt/venv/bin/pip install --no-deps --no-build-isolation /app

@@ -21,6 +21,7 @@ RUN /opt/venv/bin/pip install --extra-index-url ${TORCH_INDEX} torch==${TORCH_VE
         -r /app/requirements-worker.txt setuptools">=70.1" ${EXTRA}
 COPY pyproject.toml README.md /app/
 COPY protocol /app/protocol
+COPY natskv /app/natskv
 COPY twinkle_async /app/twinkle_async
 COPY admin_cli /app/admin_cli
 COPY workers /app/workers

@@ -1,7 +1,9 @@
 """The gateway's NATS connection: ensure the topology, publish jobs, read and write KV.
 
 Wraps nats-py once (its `connect()` takes dozens of parameters) so the rest of the gateway sees
-a small typed surface. Every call has a timeout.
+a small typed surface. Every call has a timeout. The KV operations (get, put, compare-and-set,
+erase, listings) are `natskv.store.KvStore`'s, shared with the workers; this module adds the
+connection, the topology, job publishing and the gateway's retry policy they run under.
 
 Riding out a NATS outage: nats-py reconnects by itself (`max_reconnect_attempts=-1`), and core
 subscriptions (the KV updates the gateway listens to) are re-sent on reconnect. What fails are
@@ -33,21 +35,14 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import (
-    APIError,
-    BadRequestError,
-    KeyNotFoundError,
-    KeyWrongLastSequenceError,
-    NoStreamResponseError,
-    ServiceUnavailableError,
-)
-from nats.js.kv import KeyValue
+from nats.js.errors import APIError, ServiceUnavailableError
 
+from natskv.store import TRANSIENT_ERRORS as TRANSIENT_ERRORS  # what the error middleware retries
+from natskv.store import KvStore
 from protocol import jobs, subjects, topology
 from protocol.backoff import BUS_RETRY
 from protocol.errors import PayloadTooLarge, Unavailable
@@ -62,19 +57,6 @@ T = TypeVar("T")
 # the server counts them against `max_payload`, nats-py's own check does not.
 _HEADER_ROOM_BYTES = 4 * 1024
 
-# What a call raises while NATS is away or coming back; worth another attempt. (Builtin
-# `TimeoutError` is asyncio's; nats' own derives from it.) The workers' wrapper retries the same.
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
-    TimeoutError,
-    nats.errors.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.NoRespondersError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.StaleConnectionError,
-    ServiceUnavailableError,
-    NoStreamResponseError,  # a stream (or bucket) electing its leader on a cluster
-)
-
 # JetStream API error codes ensure_topology tells apart.
 _STREAM_EXISTS = 10058  # "stream name already in use with a different configuration"
 _NO_PEERS = 10005  # "no suitable peers for placement": fewer nodes up than replicas
@@ -86,14 +68,15 @@ class TopologyError(RuntimeError):
     """The topology cannot be made as configured (e.g. replicas on an unclustered server)."""
 
 
-class Bus:
-    """One NATS connection with JetStream and the KV buckets of DESIGN.md §4."""
+class Bus(KvStore):
+    """One NATS connection with JetStream and the KV buckets (docs/architecture.md, "State").
+
+    Its KV operations are `KvStore`'s, each run under `_retrying`.
+    """
 
     def __init__(self, settings: BusSettings) -> None:
+        super().__init__(retry=self._retrying, request_timeout_s=settings.request_timeout_s)
         self.settings = settings
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
-        self.kv: dict[str, KeyValue] = {}
         self._reconnect_hooks: list[Callable[[], Awaitable[None]]] = []
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -232,9 +215,6 @@ class Bus:
             return attempt.result()
         raise TimeoutError("the connection dropped" if dropped in done else "timed out")
 
-    def bucket(self, name: str) -> KeyValue:
-        return self.kv[name]
-
     def max_job_bytes(self) -> int:
         """The largest encoded job one publish carries: the server's `max_payload` and the ops
         stream's largest message, whichever is smaller, less room for the headers."""
@@ -295,111 +275,6 @@ class Bus:
             await js.publish(subject, data, headers=headers, timeout=timeout_s)
 
         await self._retrying(f"publish {request_id}", attempt)
-
-    async def get(self, bucket: str, key: str) -> bytes | None:
-        kv = self.kv[bucket]
-
-        async def attempt() -> bytes | None:
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:
-                return None
-            return entry.value
-
-        return await self._retrying(f"read {bucket}/{key}", attempt)
-
-    async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
-        """A key's value and revision (for a compare-and-set), None when absent."""
-        kv = self.kv[bucket]
-
-        async def attempt() -> tuple[bytes, int] | None:
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:
-                return None
-            return entry.value or b"", int(entry.revision or 0)
-
-        return await self._retrying(f"read {bucket}/{key}", attempt)
-
-    async def put(self, bucket: str, key: str, value: bytes) -> None:
-        kv = self.kv[bucket]
-
-        async def attempt() -> None:
-            await kv.put(key, value)
-
-        await self._retrying(f"write {bucket}/{key}", attempt)
-
-    async def create(self, bucket: str, key: str, value: bytes) -> bool:
-        """Write `key` only if absent; False when it already exists.
-
-        A retried create whose first attempt did land (its answer was lost) answers False too:
-        callers read the key back (`FutureStore.claim`) rather than trust the write was theirs.
-        """
-        return await self.swap(bucket, key, value, None)
-
-    async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
-        """Write `key` only if its revision is still `revision` (None: only if absent)."""
-        return await self.swap_revision(bucket, key, value, revision) is not None
-
-    async def swap_revision(
-        self, bucket: str, key: str, value: bytes, revision: int | None
-    ) -> int | None:
-        """`swap`, answering the key's new revision, or None when it was not written.
-
-        A caller that keeps the revision can compare-and-set the key again without reading it.
-        """
-        kv = self.kv[bucket]
-
-        async def attempt() -> int | None:
-            try:
-                if revision is None:
-                    return int(await kv.create(key, value))
-                return int(await kv.update(key, value, last=revision))
-            except (KeyWrongLastSequenceError, BadRequestError):
-                return None
-
-        what = "create" if revision is None else "update"
-        return await self._retrying(f"{what} {bucket}/{key}", attempt)
-
-    async def delete(self, bucket: str, key: str) -> None:
-        kv = self.kv[bucket]
-
-        async def attempt() -> None:
-            await kv.delete(key)
-
-        await self._retrying(f"delete {bucket}/{key}", attempt)
-
-    async def erase(self, bucket: str, key: str) -> None:
-        """Remove a key with no delete marker left behind: a purge of its subject in the
-        bucket's stream, so it leaves `keys` too (a deleted key stays listed for ever)."""
-        js = self.js
-        assert js is not None
-
-        async def attempt() -> None:
-            await js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
-
-        await self._retrying(f"erase {bucket}/{key}", attempt)
-
-    async def keys(self, bucket: str, prefix: str = "") -> list[str]:
-        """Keys under `prefix.` (deleted ones included: a read of one answers None); see
-        `topology.kv_keys`."""
-        nc = self.nc
-        assert nc is not None
-        timeout_s = self.settings.request_timeout_s
-
-        async def request(subject: str, body: bytes) -> bytes:
-            return (await nc.request(subject, body, timeout=timeout_s)).data
-
-        return await self._retrying(
-            f"list {bucket}", lambda: topology.kv_keys(request, bucket, prefix)
-        )
-
-    async def values(self, bucket: str, prefix: str = "") -> list[bytes]:
-        """Current values of the keys under `prefix.`, in key order (direct reads, no consumer)."""
-        found = await asyncio.gather(
-            *(self.get(bucket, key) for key in await self.keys(bucket, prefix))
-        )
-        return [value for value in found if value]
 
     async def subscribe_kv(
         self, bucket: str, pattern: str, callback: Callable[[str, bytes], Awaitable[None]]

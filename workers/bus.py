@@ -5,9 +5,12 @@ race to configure it differently. `nats_url` may list a cluster's nodes (comma-s
 durable consumers a worker creates have as many replicas as their stream. Each owned shard is read by its durable pull consumer
 `ops-<pool>-<shard>` through a long-poll fetch loop that hands messages to a callback.
 
+The KV operations (get, put, compare-and-set, delete, listings) are `natskv.store.KvStore`'s,
+shared with the gateway, run under this module's retry policy.
+
 A NATS outage: nats-py reconnects by itself and the durable consumers live on the server, so a
-fetch loop only has to keep fetching (a fetch while NATS is away raises a timeout). A KV read or
-write goes through `retrying`: tried again with `protocol.backoff.BUS_RETRY` until
+fetch loop only has to keep fetching (a fetch while NATS is away raises a timeout). A KV read,
+write or listing goes through `retrying`: tried again with `protocol.backoff.BUS_RETRY` until
 `WORKER_RETRY_S` (5 minutes) has passed, because a worker must not lose an outcome it computed;
 only then does it raise `Unavailable`, the worker exits non-zero, and its supervisor restarts it.
 A fetch loop that dies for any other reason ends the process the same way (`SystemExit`), so a
@@ -26,9 +29,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
-from nats.js.kv import KeyValue
+from nats.js.errors import NotFoundError
 
+from natskv.store import TRANSIENT_ERRORS, KvStore
 from protocol import subjects, topology
 from protocol.backoff import BUS_RETRY
 from protocol.errors import Unavailable
@@ -39,22 +42,6 @@ T = TypeVar("T")
 
 WORKER_RETRY_S = 300.0  # how long a worker's bus call keeps trying while NATS is away
 _VALUE_HEADROOM_BYTES = 16 * 1024  # a KV subject and headers, well inside this
-
-# What a call raises while NATS is away or coming back (nats-py 2.16: a timeout for every
-# request while disconnected; OutboundBufferLimitError for a publish bigger than the reconnect
-# buffer; NoResponders / ServiceUnavailable while the server's JetStream starts; NoStreamResponse
-# while a stream or bucket of a cluster elects its leader, 4-9 s after a node's crash). The same
-# set as the gateway's `twinkle_async.bus.TRANSIENT_ERRORS` (workers never import twinkle_async).
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
-    TimeoutError,
-    nats.errors.TimeoutError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.NoRespondersError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.StaleConnectionError,
-    ServiceUnavailableError,
-    NoStreamResponseError,
-)
 
 
 async def retrying(
@@ -113,18 +100,17 @@ async def _unless_dropped(call: Callable[[], Awaitable[T]], dropped: asyncio.Eve
     raise TimeoutError("the connection dropped")
 
 
-class WorkerBus:
-    """A worker's connection, KV handles and shard fetch loops."""
+class WorkerBus(KvStore):
+    """A worker's connection, KV handles and shard fetch loops; its KV operations are
+    `KvStore`'s, each run under `retried`."""
 
     def __init__(
         self, nats_url: str, *, ack_wait_s: float = 120.0, timeout_s: float = 10.0
     ) -> None:
+        super().__init__(retry=self.retried, request_timeout_s=timeout_s)
         self.nats_url = nats_url
         self.ack_wait_s = ack_wait_s
         self.timeout_s = timeout_s
-        self.nc: Client | None = None
-        self.js: JetStreamContext | None = None
-        self.kv: dict[str, KeyValue] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._dropped = asyncio.Event()  # set while the connection is down
 
@@ -133,7 +119,7 @@ class WorkerBus:
     ) -> None:
         """Connect and wait for the gateway's topology; waits up to `retry_s` for NATS itself.
 
-        `retry_s` is also how long `put` and `get` keep trying while NATS is away.
+        `retry_s` is also how long a KV operation keeps trying while NATS is away.
         """
         self.retry_s = retry_s
 
@@ -289,94 +275,10 @@ class WorkerBus:
         assert self.nc is not None
         return self.nc.max_payload - _VALUE_HEADROOM_BYTES
 
-    async def put(self, bucket: str, key: str, value: bytes) -> None:
-        assert self.nc is not None
-        kv = self.kv[bucket]
-
-        async def attempt() -> None:
-            await kv.put(key, value)
-
-        await retrying(self.nc, f"write {bucket}/{key}", attempt, self.retry_s, self._dropped)
-
     async def retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """`call()` tried again while NATS is away, as `get` and `put` are (`retrying`)."""
+        """`call()` tried again while NATS is away (`retrying`), as every KV operation is."""
         assert self.nc is not None
         return await retrying(self.nc, what, call, self.retry_s, self._dropped)
-
-    async def get(self, bucket: str, key: str) -> bytes | None:
-        assert self.nc is not None
-        kv = self.kv[bucket]
-
-        async def attempt() -> bytes | None:
-            try:
-                return (await kv.get(key)).value
-            except nats.js.errors.KeyNotFoundError:
-                return None
-
-        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s, self._dropped)
-
-    # -- KV compare-and-set, listings, and the ops log (leases, snapshots, replay) ---------------
-
-    async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
-        """A key's value and revision (for a compare-and-set), None when absent or deleted."""
-        assert self.nc is not None
-        kv = self.kv[bucket]
-
-        async def attempt() -> tuple[bytes, int] | None:
-            try:
-                entry = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                return None
-            return entry.value or b"", int(entry.revision or 0)
-
-        return await retrying(self.nc, f"read {bucket}/{key}", attempt, self.retry_s, self._dropped)
-
-    async def swap(self, bucket: str, key: str, value: bytes, revision: int | None) -> bool:
-        """Write `key` only if its revision is still `revision` (None: only if absent)."""
-        return await self.swap_revision(bucket, key, value, revision) is not None
-
-    async def swap_revision(
-        self, bucket: str, key: str, value: bytes, revision: int | None
-    ) -> int | None:
-        """`swap`, answering the key's new revision (None: not written), so that a caller can
-        compare-and-set the key again without reading it first."""
-        assert self.nc is not None
-        kv = self.kv[bucket]
-
-        async def attempt() -> int | None:
-            try:
-                if revision is None:
-                    return int(await kv.create(key, value))
-                return int(await kv.update(key, value, last=revision))
-            except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError):
-                return None
-
-        return await retrying(
-            self.nc, f"write {bucket}/{key}", attempt, self.retry_s, self._dropped
-        )
-
-    async def delete(self, bucket: str, key: str) -> None:
-        assert self.nc is not None
-        kv = self.kv[bucket]
-
-        async def attempt() -> None:
-            await kv.delete(key)
-
-        await retrying(self.nc, f"delete {bucket}/{key}", attempt, self.retry_s, self._dropped)
-
-    async def values(self, bucket: str, prefix: str) -> list[bytes]:
-        """Current values of the keys under `prefix.`: the keys (`topology.kv_keys`), then one
-        read each."""
-        nc = self.nc
-        assert nc is not None
-        timeout_s = self.timeout_s
-
-        async def request(subject: str, body: bytes) -> bytes:
-            return (await nc.request(subject, body, timeout=timeout_s)).data
-
-        keys = await topology.kv_keys(request, bucket, prefix)
-        found = await asyncio.gather(*(self.get(bucket, key) for key in keys))
-        return [value for value in found if value]
 
     async def reset_consumer(self, stream: str, durable: str) -> None:
         """Restart a durable consumer's delivery at its ack floor, in stream order (ADR-60).

@@ -1,6 +1,7 @@
-"""What the multi-host end-to-end tests read and kill: KV records, shard owners, the pids of the
-workers and NATS nodes `up` runs, the ops stream's leader, a checkpoint's adapter in the store,
-and a second gateway over the same cluster."""
+"""What the end-to-end tests read of a running cluster and kill: KV records, shard owners, the
+pids of the processes `up` runs (workers, gateway, NATS nodes), the ops stream's leader, a
+checkpoint's adapter in the store, the Prometheus series of a `/metrics` endpoint, and a second
+gateway over the same cluster."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import nats
 import numpy as np
 import safetensors.numpy
+from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import records, subjects, topology
 from protocol.records import CheckpointRecord, LeaseRecord
@@ -79,6 +83,36 @@ def worker_pids(cluster: Cluster) -> dict[str, int]:
     }
 
 
+def children_of(parent: int) -> dict[int, str]:
+    """Live child processes of `parent` (a zombie nobody reaped counts as gone): pid -> command
+    line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def pids_of(cluster: Cluster) -> dict[str, set[int]]:
+    """`up`'s children by kind: nats-server, gateway, worker."""
+    kinds: dict[str, set[int]] = {"nats": set(), "gateway": set(), "worker": set()}
+    for pid, cmdline in children_of(cluster.process.pid).items():
+        if "nats-server" in cmdline:
+            kinds["nats"].add(pid)
+        elif "twinkle_async gateway" in cmdline:
+            kinds["gateway"].add(pid)
+        elif "-m workers" in cmdline:
+            kinds["worker"].add(pid)
+    return kinds
+
+
 def node_pid(cluster: Cluster, server_name: str) -> int | None:
     """The pid of a NATS node `up` runs now (its config lives in `nats/<name>/`), None if none."""
     conf = str(cluster.data_dir / "nats" / server_name / "nats.conf")
@@ -135,6 +169,30 @@ def in_store(store_url: str, env: dict[str, str], cluster: Cluster, prefix: str)
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of a Prometheus text endpoint (a gateway's or a worker's `/metrics`)."""
+    resp = httpx.get(url, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
+
+
+def reader(found: Samples) -> Callable[..., float]:
+    """`value(name, **labels)` of the scraped samples; 0.0 for a series not there."""
+
+    def value(name: str, **labels: str) -> float:
+        return found.get((name, frozenset(labels.items())), 0.0)
+
+    return value
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Shared fixtures: offline settings, a real nats-server per test, a tiny model, and a real
-local cluster (`twinkle-async up` as a child process: nats-server, gateway, CPU worker).
+"""Shared fixtures: offline settings, a real nats-server per test, a tiny model, a real local
+cluster (`twinkle-async up` as a child process: nats-server, gateway, CPU worker) and the
+official SDK's client of it (`service`).
 
 No fixed ports anywhere: nats-server and the gateway pick their own and report them.
 """
@@ -35,6 +36,8 @@ from twinkle_async.nats_server import NatsServer  # noqa: E402
 API_KEY = "tml-test-key-0123456789"
 OTHER_TENANT_KEY = "tml-other-tenant-key-9876543210"
 if TYPE_CHECKING:
+    import tinker
+
     from tests.s3_server import S3Server
 
 ADMIN_KEY = "twa-test-admin-key"  # every test cluster's admin key (`/admin/v1`, twinkle-admin)
@@ -231,6 +234,16 @@ def cluster(
         yield running
     finally:
         stop_cluster(running)
+
+
+@pytest.fixture
+def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
+    """The official SDK's client of the session's `cluster`, closed after each test. A module
+    whose tests run on a cluster of its own overrides it with a fixture over `sdk_service`."""
+    from tests.sdk_helpers import sdk_service  # the SDK is imported by the tests that use it
+
+    with sdk_service(cluster) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

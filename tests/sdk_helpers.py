@@ -1,8 +1,12 @@
-"""Small helpers the end-to-end tests share: toy data and training loops with the real SDK."""
+"""Small helpers the end-to-end tests share: the SDK's client of a test cluster, toy data,
+training loops with the real SDK, and the trainer's own logprobs of a prompt."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tinker
@@ -10,6 +14,22 @@ from tinker import types
 
 from twinkle_async.bus import Bus
 from twinkle_async.settings import bus_from_env
+
+if TYPE_CHECKING:
+    from tests.conftest import Cluster
+
+PROMPT = [7, 19, 23, 42, 101, 7, 19, 250]  # a prompt of the tiny models' vocabulary
+
+
+@contextmanager
+def sdk_service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
+    """The official SDK's client of `cluster` with its test key; closed as a run that
+    succeeded. The `service` fixture of `tests/conftest.py` is this over the session's cluster."""
+    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
+    try:
+        yield client
+    finally:
+        client.close("success").result()
 
 
 def toy_batch(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0) -> list[types.Datum]:
@@ -29,6 +49,16 @@ def toy_batch(n: int = 4, length: int = 12, vocab: int = 200, seed: int = 0) -> 
             )
         )
     return batch
+
+
+def trainer_logprobs(client: tinker.TrainingClient, prompt: list[int]) -> np.ndarray:
+    """The trainer's logprobs of `prompt[1:]` after `prompt[:-1]` (a `forward`, no training)."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(prompt[:-1]),
+        loss_fn_inputs={"target_tokens": prompt[1:], "weights": [0.0] * (len(prompt) - 1)},
+    )
+    out = client.forward([datum], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].data, dtype=np.float64)
 
 
 def n_targets(batch: list[types.Datum]) -> int:

@@ -7,7 +7,6 @@ graph calling a forbidden function is a 400 naming the node."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,9 @@ import tinker
 import torch
 from tinker import types
 
+from tests.cluster_helpers import reader, scrape
 from tests.conftest import OTHER_TENANT_KEY, Cluster
 from tests.sdk_helpers import toy_batch
-from tests.test_e2e_metrics import reader, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -36,13 +35,6 @@ def clipped_surrogate(logprobs, advantages, old):  # type: ignore[no-untyped-def
         "custom/ratio:mean": ratio.mean(),
         "custom/clipped:sum": (ratio != clipped).float().sum(),
     }
-
-
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
 
 
 def rl_data(seed: int, n: int = 3) -> list[types.Datum]:

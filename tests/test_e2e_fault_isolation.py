@@ -5,7 +5,6 @@ step is bit-identical to the same run beside a well-behaved neighbour."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,20 +13,12 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from tests.conftest import Cluster
 from tests.sdk_helpers import toy_batch
 
 pytestmark = pytest.mark.e2e
 
 SANE = types.AdamParams(learning_rate=1e-2)
 OVERFLOWING = types.AdamParams(learning_rate=1e38)
-
-
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
 
 
 def logprobs(client: tinker.TrainingClient, batch: list[types.Datum]) -> list[np.ndarray]:

@@ -43,13 +43,6 @@ def other(cluster: Cluster) -> Iterator[Wire]:
     client.close()
 
 
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
-
-
 def _adam(lr: float = 1e-2) -> dict[str, float]:
     return {
         "learning_rate": lr,

@@ -5,7 +5,6 @@ chunked metrics combine to the unchunked values."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +19,6 @@ from tests.sdk_helpers import toy_batch, train_steps
 pytestmark = pytest.mark.e2e
 
 BETA = 0.05
-
-
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
 
 
 def lp_arrays(out: types.ForwardBackwardOutput) -> list[np.ndarray]:

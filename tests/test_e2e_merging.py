@@ -34,13 +34,6 @@ TENANTS = [
 ]
 
 
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
-
-
 def test_eight_tenants_with_their_own_settings_each_get_their_solo_run(
     service: tinker.ServiceClient, tiny_model: Path
 ) -> None:

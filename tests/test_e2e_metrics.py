@@ -5,41 +5,19 @@ the worker's `tw_workers` heartbeat) must show every named series, each one move
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 import tinker
-from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
 from protocol import records, subjects
 from protocol.records import WorkerRecord
+from tests.cluster_helpers import reader, scrape
 from tests.conftest import Cluster
 from tests.sdk_helpers import kv_values, toy_batch
 
 pytestmark = pytest.mark.e2e
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    resp = httpx.get(url, timeout=30)
-    assert resp.status_code == 200, resp.text
-    assert resp.headers["content-type"].startswith("text/plain")
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(resp.text)
-        for s in family.samples
-    }
-
-
-def reader(found: Samples) -> Callable[..., float]:
-    def value(name: str, **labels: str) -> float:
-        return found.get((name, frozenset(labels.items())), 0.0)
-
-    return value
 
 
 async def _trainer_record(nats_url: str, base_model: str) -> WorkerRecord:

@@ -10,7 +10,6 @@ the pool are merged in one pass and each gets its solo result.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,17 +19,9 @@ import tinker
 from tinker import types
 
 from tests.conftest import Cluster
-from tests.sdk_helpers import toy_batch, train_steps
-from tests.test_e2e_sampling import PROMPT, trainer_logprobs
+from tests.sdk_helpers import PROMPT, toy_batch, train_steps, trainer_logprobs
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
 
 
 def _files(cluster: Cluster, path: str) -> Path:

@@ -19,9 +19,9 @@ from tinker import types
 
 from protocol import subjects
 from protocol.jobs import decode_outcome
+from tests.cluster_helpers import pids_of
 from tests.conftest import Cluster, start_cluster, stop_cluster
 from tests.sdk_helpers import kv_values
-from tests.test_e2e_supervision import pids_of
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,9 @@ import pytest
 import tinker
 from tinker import types
 
+from tests.cluster_helpers import pids_of
 from tests.conftest import Cluster, start_cluster, stop_cluster
-from tests.test_e2e_supervision import pids_of, wait_until
+from tests.wait_helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 

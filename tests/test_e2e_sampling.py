@@ -4,7 +4,6 @@ and clear errors for bad sampling input."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,27 +13,9 @@ from tinker import types
 
 from examples import rl
 from tests.conftest import OTHER_TENANT_KEY, Cluster
-from tests.sdk_helpers import toy_batch, train_steps
+from tests.sdk_helpers import PROMPT, toy_batch, train_steps, trainer_logprobs
 
 pytestmark = pytest.mark.e2e
-
-PROMPT = [7, 19, 23, 42, 101, 7, 19, 250]
-
-
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
-
-
-def trainer_logprobs(client: tinker.TrainingClient, prompt: list[int]) -> np.ndarray:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(prompt[:-1]),
-        loss_fn_inputs={"target_tokens": prompt[1:], "weights": [0.0] * (len(prompt) - 1)},
-    )
-    out = client.forward([datum], "cross_entropy").result()
-    return np.asarray(out.loss_fn_outputs[0]["logprobs"].data, dtype=np.float64)
 
 
 def test_prompt_logprobs_match_the_trainer(service: tinker.ServiceClient, tiny_model: Path) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import json
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,21 +20,13 @@ from tinker import types
 
 from protocol import records, subjects
 from protocol.records import WorkerRecord
+from tests.cluster_helpers import reader, scrape
 from tests.conftest import OTHER_TENANT_KEY, Cluster
-from tests.sdk_helpers import kv_values
-from tests.test_e2e_metrics import reader, scrape
+from tests.sdk_helpers import PROMPT, kv_values
 
 pytestmark = pytest.mark.e2e
 
-PROMPT = [7, 19, 23, 42, 101, 7, 19, 250]
 SHORT = types.SamplingParams(max_tokens=5, temperature=1.0, stop=[])
-
-
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
 
 
 def route_count(cluster: Cluster, route: str) -> float:

@@ -11,7 +11,6 @@ that leaves the client training.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +25,6 @@ pytestmark = pytest.mark.e2e
 
 PROMPT = [7, 19, 23, 42, 101, 7]
 TRUNCATION = 2.0
-
-
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
 
 
 def sample(client: tinker.TrainingClient, n: int, seed: int) -> list[types.SampledSequence]:

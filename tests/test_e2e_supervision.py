@@ -30,8 +30,10 @@ from tinker import types
 
 from protocol import records, subjects
 from protocol.records import WorkerRecord
+from tests.cluster_helpers import pids_of
 from tests.conftest import Cluster, start_cluster, stop_cluster
 from tests.sdk_helpers import kv_values, n_targets, toy_batch
+from tests.wait_helpers import wait_until
 from twinkle_async.nats_server import NatsServer
 
 pytestmark = pytest.mark.e2e
@@ -47,42 +49,6 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
-
-
-def children_of(parent: int) -> dict[int, str]:
-    """Live child processes of `parent`: pid -> command line."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == parent and fields[0] != "Z":
-            found[int(entry.name)] = cmdline
-    return found
-
-
-def pids_of(cluster: Cluster) -> dict[str, set[int]]:
-    """`up`'s children by kind: nats-server, gateway, worker."""
-    kinds: dict[str, set[int]] = {"nats": set(), "gateway": set(), "worker": set()}
-    for pid, cmdline in children_of(cluster.process.pid).items():
-        if "nats-server" in cmdline:
-            kinds["nats"].add(pid)
-        elif "twinkle_async gateway" in cmdline:
-            kinds["gateway"].add(pid)
-        elif "-m workers" in cmdline:
-            kinds["worker"].add(pid)
-    return kinds
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 # -- training --------------------------------------------------------------------------------

@@ -17,13 +17,6 @@ from tests.sdk_helpers import toy_batch, train_steps
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
-def service(cluster: Cluster):
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
-
-
 def test_sft_loss_falls_below_half(service: tinker.ServiceClient, tiny_model: Path) -> None:
     client = service.create_lora_training_client(
         base_model=str(tiny_model), rank=8, seed=1

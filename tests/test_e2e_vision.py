@@ -31,6 +31,7 @@ from tinker import types
 
 from tests.conftest import ADMIN_KEY, Cluster, build_model, start_cluster, stop_cluster
 from tests.image_helpers import composite_logprobs, encoded, png_declaring
+from tests.sdk_helpers import sdk_service
 from tests.wire import Wire
 from workers.tiny_model import IMAGE_PAD_ID, VISION_END_ID, VISION_START_ID
 
@@ -61,9 +62,9 @@ def vl_cluster(tmp_path_factory: pytest.TempPathFactory, vl_model: Path) -> Iter
 
 @pytest.fixture(scope="module")
 def service(vl_cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=vl_cluster.base_url, api_key=vl_cluster.api_key)
-    yield client
-    client.close("success").result()
+    """One client of the module's vision cluster for all its tests (the shared `client` too)."""
+    with sdk_service(vl_cluster) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

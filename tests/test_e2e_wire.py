@@ -26,13 +26,6 @@ def wire(cluster: Cluster) -> Iterator[Wire]:
     client.close()
 
 
-@pytest.fixture
-def service(cluster: Cluster) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    yield client
-    client.close("success").result()
-
-
 def _logprobs(out: types.ForwardBackwardOutput) -> list[np.ndarray]:
     return [np.asarray(o["logprobs"].data, dtype=np.float32) for o in out.loss_fn_outputs]
 

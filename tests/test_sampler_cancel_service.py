@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from protocol import subjects
 from protocol.errors import Cancelled, ErrorCategory, TwinkleError
 from protocol.jobs import Outcome, SampleJob, decode_outcome, encode_outcome
 from protocol.sampling import TEXT_ONLY, SampledSequence, SampleOutput
+from tests.wait_helpers import until
 from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings
@@ -97,13 +97,6 @@ def pending(request_id: str, state: str = "pending") -> Outcome:
 async def outcome_of(bus: Bus, request_id: str) -> Outcome | None:
     data = await bus.get(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
     return decode_outcome(data) if data else None
-
-
-async def until(check: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 async def submit(gateway: Bus, request_id: str, state: str = "pending") -> None:

@@ -24,7 +24,7 @@ from protocol import subjects
 from protocol.errors import ErrorCategory, TwinkleError
 from protocol.jobs import Outcome, SampleJob, decode_outcome, encode_outcome
 from protocol.sampling import TEXT_ONLY, SampledSequence, SampleOutput
-from tests.test_sampler_cancel_service import until
+from tests.wait_helpers import until
 from twinkle_async.bus import Bus
 from twinkle_async.nats_server import NatsServer
 from twinkle_async.settings import BusSettings

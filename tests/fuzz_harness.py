@@ -148,12 +148,12 @@ _VIOLATION_TYPES: dict[tuple[str, ...], type[Violation]] = {}
 
 def violation(signature: tuple[str, ...], request: str, response: str) -> Violation:
     """The error to raise for a broken property. Hypothesis tells failures apart by their
-    exception type and where they were raised, which is the same line for every property here:
-    a class of its own per signature keeps two distinct failures of one test apart."""
-    kind = _VIOLATION_TYPES.setdefault(
-        signature, type(f"Violation{len(_VIOLATION_TYPES)}", (Violation,), {})
-    )
-    return kind(f"{' | '.join(signature)}\n  {request}\n  -> {response}")
+    exception type and where they were raised, and one raise site serves many routes: a class
+    of its own per signature keeps two distinct failures of one test apart."""
+    if signature not in _VIOLATION_TYPES:
+        name = f"Violation{len(_VIOLATION_TYPES)}"
+        _VIOLATION_TYPES[signature] = type(name, (Violation,), {})
+    return _VIOLATION_TYPES[signature](f"{' | '.join(signature)}\n  {request}\n  -> {response}")
 
 
 @dataclass

@@ -47,11 +47,11 @@ demo: install
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check protocol twinkle_async workers admin_cli tests examples bench
+	$(VENV)/bin/ruff format --check protocol natskv twinkle_async workers admin_cli tests examples bench
 	$(VENV)/bin/mypy
 
 format: install
-	$(VENV)/bin/ruff format protocol twinkle_async workers admin_cli tests examples bench
+	$(VENV)/bin/ruff format protocol natskv twinkle_async workers admin_cli tests examples bench
 	$(VENV)/bin/ruff check --fix .
 
 clean:

@@ -49,7 +49,7 @@ def rl_batch(base: list[types.Datum], sampler: list[np.ndarray], loss: str) -> l
 def expected_loss(
     loss: str, data: list[types.Datum], lps: list[np.ndarray], config: dict[str, float]
 ) -> float:
-    """The documented per-token formulas (reference/losses.md), summed, from the returned logprobs."""
+    """The documented per-token formulas (docs/compatibility.md), summed, from the returned logprobs."""
     total = 0.0
     for datum, lp in zip(data, lps, strict=True):
         q = np.asarray(datum.loss_fn_inputs["logprobs"].data, dtype=np.float64)

@@ -1,5 +1,5 @@
 """Every built-in loss in the trainer's model (fp32, CPU) against an independent reference: a PEFT model
-carrying the same adapter, with each loss written out here from reference/losses.md (per-token
+carrying the same adapter, with each loss written out here from Tinker's documented formulas (per-token
 logprobs, loss:sum, LoRA gradients); forward-only passes; a shared pass mixing loss functions;
 request validation; and chunk invariance under the SDK's own result combiner.
 """
@@ -133,7 +133,7 @@ def assert_close_loss(got: float, want: float) -> None:
     assert abs(got - want) <= TOLERANCE * max(1.0, abs(want)), (got, want)
 
 
-# -- the reference formulas (reference/losses.md §2 and Appendix A), written independently ------
+# -- the reference formulas (Tinker's loss documentation), written independently ------
 
 DEFAULTS: dict[str, dict[str, float]] = {
     "cross_entropy": {},

@@ -3,8 +3,8 @@ prompt and sampled-token logprobs against the trainer engine (base and trained a
 seeded sampling alone and in concurrent mixed batches, stop reasons, and the adapters the
 backend refuses.
 
-The engine core runs as one child process with one thread (settings below, from the
-reference environment notes §5/§6). They are set before this module imports vLLM; they are
+The engine core runs as one child process with one thread (settings below; see
+docs/architecture.md, "Sampling"). They are set before this module imports vLLM; they are
 defaults only, so a CI environment can override them.
 """
 

@@ -219,3 +219,21 @@ def test_every_import_of_our_modules_resolves() -> None:
                     ):
                         broken.append(f"{where}: {module} has no {name}")
     assert not broken, "\n".join(broken)
+
+
+# Documents outside the repository, which a reader of the code cannot open.
+_OUTSIDE = ("DESIGN.md", "reference/", "reference environment notes", "STYLE.md")
+
+
+def test_docstrings_cite_only_files_in_the_repository() -> None:
+    """A docstring or comment points at `docs/` (or another file of the repository), never at
+    notes that live outside it."""
+    found = []
+    for package in [*OURS, "tests", "bench", "examples"]:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path == Path(__file__):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), start=1):
+                if any(cited in line for cited in _OUTSIDE):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

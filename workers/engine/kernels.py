@@ -85,7 +85,7 @@ def _source(function: Callable[..., object] | None) -> str:
 def lora_path(device: torch.device | str, dtype: torch.dtype | None = None) -> LoraKind:
     """The `segment_lora` kind a pass on `device` runs, for the engine's dtype by default.
 
-    The engine computes in bf16 on CUDA and fp32 elsewhere (`workers.trainer.engine.Engine`); shapes are
+    The engine computes in bf16 on CUDA and fp32 elsewhere (`workers.engine.model.MultiSlotModel`); shapes are
     assumed aligned (every Qwen3 / Qwen3.5 size and the usual ranks are multiples of 8).
     """
     device = torch.device(device)

@@ -87,8 +87,8 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from protocol.errors import ServerError, UserError
+from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from protocol.sampling import SampledSequence, SampleOutput, SampleSpec, TopK, keep_last_n
-from workers.trainer.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 logger = logging.getLogger(__name__)
 

@@ -45,12 +45,13 @@ from protocol.jobs import (
     TombstoneJob,
     UnloadModelJob,
     decode_job,
-    decode_outcome,
     encode_outcome,
 )
-from protocol.records import CheckpointRecord, WorkerRecord
+from protocol.records import CheckpointRecord
 from workers.bus import WorkerBus
 from workers.settings import WorkerSettings
+from workers.trainer.gaps import Gaps
+from workers.trainer.heartbeat import Heartbeat
 from workers.trainer.leases import LeaseKeeper
 from workers.trainer.operations import (
     Result,
@@ -73,8 +74,6 @@ Item = Pending[Msg | None]
 
 
 _STARTUP_GATHER_S = 0.2
-# a model waiting this long for a seq has its shard's un-acked ops delivered again
-GAP_REDELIVER_S = 5.0
 
 
 def _creates(job: Job) -> bool:
@@ -101,7 +100,6 @@ class TrainerService:
         self.residency = ops.residency  # read here: slots used and parked
         self.settings = settings
         self.metrics = ops.metrics
-        self.metrics_url = metrics_url  # reported in the heartbeat
         self.sequencer: Sequencer[Msg | None] = Sequencer()
         self._wake = asyncio.Event()
         # the engine is not thread-safe: every engine call (training or torch sampling) runs here
@@ -111,6 +109,7 @@ class TrainerService:
         self.pass_models: deque[int] = deque(maxlen=1000)
         # what ran for each tenant, flushed to KV with every heartbeat
         self.usage = UsageBook(settings.worker_id)
+        self.heartbeat = Heartbeat(bus, settings, ops, self.usage, metrics_url)
         self.log_reader = ModelLog(bus, settings.pool, settings.n_shards)
         self.leases = LeaseKeeper(
             bus,
@@ -119,12 +118,12 @@ class TrainerService:
             settings.n_shards,
             lease_s=settings.lease_s,
             renew_s=settings.lease_renew_s,
-            live_workers=self._live_workers,
+            live_workers=self.heartbeat.live_workers,
             on_gain=self._gain_shard,
             on_lose=self._lose_shard,
         )
         self._shard_tasks: dict[int, asyncio.Task[None]] = {}
-        self._redelivered: dict[int, float] = {}  # shard -> when its ops were last redelivered
+        self.gaps = Gaps(bus, settings, self.sequencer, self._shard_tasks)
         self.journal = CrashJournal(bus, settings.worker_id)
         self.fair_share = FairShare()  # tokens served per tenant and model: who goes first
         self.snapshots = Snapshots(
@@ -145,7 +144,7 @@ class TrainerService:
         await self.journal.inherit(self.settings.worker_id)  # restarted after a crash?
         tasks = [
             asyncio.create_task(self._cycle_loop(), name="cycles"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self.heartbeat.run(), name="heartbeat"),
             asyncio.create_task(self._keepalive_loop(), name="keepalive"),
             asyncio.create_task(self.leases.run(), name="leases"),
         ]
@@ -169,16 +168,6 @@ class TrainerService:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- shards ------------------------------------------------------------------------------
-
-    async def _live_workers(self) -> dict[str, float]:
-        """The pool's trainers with a fresh heartbeat, and when it was."""
-        fresh = time.time() - 3 * self.settings.heartbeat_s
-        live = {}
-        for value in await self.bus.values(subjects.BUCKET_WORKERS, self.settings.pool):
-            record = records.decode(value, WorkerRecord)
-            if record.role == "trainer" and record.heartbeat_at >= fresh:
-                live[record.worker_id] = record.heartbeat_at
-        return live
 
     async def _gain_shard(self, shard: int, previous_owner: str | None) -> None:
         """Consume a shard just leased: from its oldest unfinished op, in stream order. What
@@ -245,7 +234,7 @@ class TrainerService:
         if not self.sequencer.offer(pending):
             if self.sequencer.attach(job, msg):
                 return  # its replayed copy acks it when it has run
-            await self._answer_late(job)
+            await self.gaps.answer_late(job, self._store)
             await msg.ack()
             return
         self._wake.set()
@@ -271,56 +260,6 @@ class TrainerService:
             failed=self.ops.failed,
         )
         self._wake.set()
-
-    async def _answer_late(self, job: Job) -> None:
-        """An op at or below its model's applied seq: a redelivery, or one the line moved past.
-
-        A redelivery's result is stored already. One that arrives after its model's line skipped
-        past it (a stalled gap) never ran: its future must not stay pending.
-        """
-        data = await self.bus.get(subjects.BUCKET_FUTURES, subjects.future_key(job.request_id))
-        if data is not None and decode_outcome(data).state != "pending":
-            log.info("duplicate op %s seq %d of %s", job.request_id, job.seq_id, job.model_id)
-            return
-        if self.sequencer.buffered(job):
-            return  # a redelivery of an op still waiting for its turn
-        log.warning(
-            "op %s seq %d of %s arrived after its model moved past it",
-            job.request_id,
-            job.seq_id,
-            job.model_id,
-        )
-        err = ServerError(
-            f"request seq_id {job.seq_id} of {job.model_id} arrived after the model's later"
-            " requests had run, so it was not applied; restore from your last checkpoint"
-        )
-        await self._store(failed_outcome(job, err))
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            record = WorkerRecord(
-                worker_id=self.settings.worker_id,
-                pool=self.settings.pool,
-                base_model=self.settings.base_model,
-                arch=self.model.arch,
-                vocab_size=self.model.vocab_size,
-                max_context=self.model.max_context,
-                max_rank=self.settings.max_rank,
-                slots_total=self.model.max_slots,
-                slots_used=self.residency.slots_used(),
-                heartbeat_at=time.time(),
-                sampler_backend=self.settings.sampler,
-                metrics_url=self.metrics_url,
-                vision=self.model.geometry,
-            )
-            self._update_slot_gauges()
-            key = subjects.worker_key(self.settings.pool, self.settings.worker_id)
-            try:
-                await self.bus.put(subjects.BUCKET_WORKERS, key, records.encode(record))
-                await self.usage.flush(self.bus.put)
-            except Exception:
-                log.exception("worker heartbeat failed")
-            await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _keepalive_loop(self) -> None:
         """Ops waiting in the sequencer or running stay un-acked; tell JetStream they live."""
@@ -350,8 +289,8 @@ class TrainerService:
             except TimeoutError:
                 pass
             self._wake.clear()
-            await self._fail_stalled()
-            await self._redeliver_gaps()
+            await self.gaps.fail_stalled(self._finish_unsequenced)
+            await self.gaps.redeliver()
             while True:
                 cycles = self._plan()
                 wakes = [cycle.wake_at for cycle in cycles if cycle.wake_at is not None]
@@ -402,20 +341,13 @@ class TrainerService:
             await self._run([item], self.ops.other)
         elapsed_s = time.perf_counter() - started
         self.metrics.observe_cycle(elapsed_s)
-        self._update_slot_gauges()
+        self.heartbeat.update_gauges()
         log.debug(
             "cycle: %d fwd, %d optim, %d other in %.1f ms",
             len(cycle.shared_pass),
             len(cycle.early_steps) + len(cycle.optim_steps),
             len(cycle.others),
             elapsed_s * 1e3,
-        )
-
-    def _update_slot_gauges(self) -> None:
-        self.metrics.set_slots(
-            used=self.residency.slots_used(),
-            parked=len(self.residency.parked),
-            total=self.model.max_slots,
         )
 
     async def _run(self, items: list[Item], fn: Callable[[list[Job]], list[Result]]) -> None:
@@ -614,7 +546,7 @@ class TrainerService:
         try:
             await item.handle.ack()
         except Exception:
-            # delivered again later, and answered as the duplicate it is (`_answer_late`)
+            # delivered again later, and answered as the duplicate it is (`Gaps.answer_late`)
             log.warning("op %s: its ack failed", item.job.request_id, exc_info=True)
 
     async def _fail_model(self, model_id: str, why: str) -> None:
@@ -648,45 +580,3 @@ class TrainerService:
         if item.replay in ("", "publish"):
             await self._store(outcome)
         await self._ack(item)
-
-    async def _redeliver_gaps(self) -> None:
-        """Have a shard's un-acked ops delivered again, in order, when one of its models has
-        waited `GAP_REDELIVER_S` for a seq. A delivery the server sent on a connection that
-        died with its NATS node (or its consumer's leader) counts as delivered and comes back
-        only after `ack_wait` (120 s); the gateway published it, so it is in the log. The
-        copies of what is already buffered here are duplicates (`Sequencer.offer`). Once per
-        shard every `GAP_REDELIVER_S`: a seq the gateway never published waits its gap timeout."""
-        now = time.monotonic()
-        for model_id in self.sequencer.gapped(now, GAP_REDELIVER_S):
-            shard = subjects.shard_of(model_id, self.settings.n_shards)
-            if shard not in self._shard_tasks or now - self._redelivered.get(shard, -1e9) < (
-                GAP_REDELIVER_S
-            ):
-                continue
-            self._redelivered[shard] = now
-            log.warning(
-                "model %s: waiting %.0f s for a seq; shard %d's un-acked ops delivered again",
-                model_id,
-                GAP_REDELIVER_S,
-                shard,
-            )
-            durable = subjects.consumer_name(self.settings.pool, shard)
-            try:
-                await self.bus.reset_consumer(subjects.STREAM_OPS, durable)
-            except Exception:
-                log.exception("shard %d: redelivery failed; trying again later", shard)
-
-    async def _fail_stalled(self) -> None:
-        for model_id, items in self.sequencer.stalled(
-            time.monotonic(), self.settings.gap_timeout_s
-        ).items():
-            first = items[0].job.seq_id
-            log.error(
-                "model %s: seq before %d never arrived; failing %d ops", model_id, first, len(items)
-            )
-            for item in items:
-                err = ServerError(
-                    f"request seq_id {item.job.seq_id} of {model_id} waited {self.settings.gap_timeout_s:.0f} s "
-                    f"for an earlier request that never arrived; restore from your last checkpoint"
-                )
-                await self._finish_unsequenced(item, failed_outcome(item.job, err))

@@ -169,8 +169,9 @@ def test_every_flag_up_passes_parses(
     (options,) = seen
     parsers = {"workers": worker_main.parse_args, "workers.sampler.main": sampler_main.parse_args}
     commands = _commands("m", "nats://127.0.0.1:4222", options)
-    assert [role for role, _ in commands] == roles
-    for role, command in commands:
+    assert [awaited.role for awaited, _ in commands] == roles
+    for awaited, command in commands:
+        role = awaited.role
         module, args = command[2], command[3:]
         settings = parsers[module](args)
         assert settings.base_model == "m"

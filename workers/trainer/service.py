@@ -165,6 +165,7 @@ class TrainerService:
         """On a clean stop, before the bus closes: release every shard at once (a crashed
         worker's leases expire instead), then stop the engine thread."""
         await self.leases.release_all()
+        await self.snapshots.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- shards ------------------------------------------------------------------------------

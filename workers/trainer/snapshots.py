@@ -173,6 +173,8 @@ class Snapshots:
         # models changed since their snapshot: their last applied op, and when it was applied
         self._unsnapped: dict[str, tuple[Item, float]] = {}
         self._uploads: dict[str, asyncio.Task[None]] = {}  # by model: at most one going up
+        # every upload task until it ends (`_uploads` forgets a model's on a handover)
+        self._tasks: set[asyncio.Task[None]] = set()
         self._look: asyncio.Future[bool] | None = None  # at an artifact store that is away
         self._looked_at = 0.0
 
@@ -238,6 +240,13 @@ class Snapshots:
         await self.journal.leave(step)
         await self.journal.forgive(step)
 
+    async def close(self) -> None:
+        """Stop the uploads still going (a clean stop): their snapshots stay due, and the
+        model's next owner snapshots it."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def _look_again(self) -> None:
         """Start a look at the artifact store that is away, on a thread of its own so that no
         cycle waits for it (a frozen store takes 2 s to give up). Its answer ends the outage
@@ -301,6 +310,8 @@ class Snapshots:
             raise
         upload = asyncio.create_task(self._upload(item, state.step, staging))
         self._uploads[model_id] = upload
+        self._tasks.add(upload)
+        upload.add_done_callback(self._tasks.discard)
         await asyncio.wait({upload}, timeout=_INLINE_S)
 
     async def _upload(self, item: Item, step: int, staging: Path) -> None:

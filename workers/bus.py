@@ -42,6 +42,9 @@ T = TypeVar("T")
 
 WORKER_RETRY_S = 300.0  # how long a worker's bus call keeps trying while NATS is away
 _VALUE_HEADROOM_BYTES = 16 * 1024  # a KV subject and headers, well inside this
+FETCH_POLL_S = 5.0  # the long poll of an idle shard's fetch
+BACKLOG_POLL_S = 1.0  # a backlog's fetch: the ops are there already
+FETCH_BATCH_MAX = 256  # ops one fetch takes off a backlog
 
 
 async def retrying(
@@ -212,10 +215,16 @@ class WorkerBus(KvStore):
         await self.retried(f"ack wait of {durable}", lambda: self._set_ack_wait(stream, durable))
 
         async def loop() -> None:
+            # One message at a time while the shard is idle, the backlog's size when ops queue:
+            # a fetch of many that meets a stray status (the late 408 of an expired pull) waits
+            # for the rest of its batch until the long poll ends, which held a lone op up to 5 s
+            batch = 1
             try:
                 while True:
                     try:
-                        msgs = await sub.fetch(batch=256, timeout=5.0)
+                        msgs = await sub.fetch(
+                            batch=batch, timeout=FETCH_POLL_S if batch == 1 else BACKLOG_POLL_S
+                        )
                     except TRANSIENT_ERRORS as exc:
                         # nothing arrived within the long-poll window, or NATS is away: the
                         # client reconnects by itself and the durable consumer waits on the
@@ -230,6 +239,7 @@ class WorkerBus(KvStore):
                         log.exception("fetch from %s failed; retrying", durable)
                         await asyncio.sleep(1.0)
                         continue
+                    batch = min(FETCH_BATCH_MAX, msgs[-1].metadata.num_pending) or 1
                     try:
                         for msg in msgs:
                             await on_msg(msg)

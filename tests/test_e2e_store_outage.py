@@ -123,7 +123,11 @@ def test_training_goes_on_and_saves_fail_retryably_while_the_store_is_away(
         _steps(a, 41, 2)
         _steps(b, 42, 2)
         before = str(a.save_state(f"before-{outage}").result().path)
-        assert _snapshot(stored, a.model_id) is not None
+        # the save's snapshot goes up and is recorded beside the model's next ops
+        deadline = time.monotonic() + 10
+        while _snapshot(stored, a.model_id) is None:
+            assert time.monotonic() < deadline, "no snapshot after the save"
+            time.sleep(0.1)
 
         if outage == "killed":
             store.kill()

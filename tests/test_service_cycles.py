@@ -183,6 +183,9 @@ async def test_the_journal_lists_a_snapshot_after_an_op_until_it_is_written(
     await service._run(_step(service), _ran)
 
     assert during == [["req-b", snapshot_step("m-b")]]
+    # the op is over; its snapshot is recorded beside the model's next ops
+    assert _journal(bus)[-1] == [snapshot_step("m-b")]
+    await service.snapshots.settle()
     assert _journal(bus)[-1] == []  # cleared once every step is over
     assert subjects.snapshot_key("m-b") in [key for _, key, _ in bus.writes]
 
@@ -265,6 +268,7 @@ async def test_a_snapshot_step_inherited_from_a_dead_worker_is_struck(
         assert sorted(await heir.inherit("w-dead")) == sorted(["req-a", step])
         assert heir.strikes == {"req-a": 1, step: 1}
         again = CrashJournal(bus, "w-third")
+        dead = CrashJournal(bus, "w-dead")  # restarted under its id, and killed again
         await dead.running(["req-a"])
         await dead.enter(step)
         await again.inherit("w-dead")

@@ -2,8 +2,9 @@
 
 Before each engine call the worker writes the request ids it is about to run to KV
 (`tw_futures`, `running.<worker_id>`), and clears them only once every step of those requests
-is over: the engine call, their outcomes, and what follows (a state snapshot). A state snapshot
-between cycles (a model gone idle) is on the list too, by its model (`snapshot_step`). A worker
+is over: the engine call, their outcomes, and what follows (a state snapshot's capture). A state
+snapshot is on the list by its model (`snapshot_step`) from its capture until its files are
+recorded, which goes on beside the model's next engine calls (`workers.trainer.snapshots`). A worker
 that stops in between (killed by the pass watchdog for running past `pass_timeout_s`, crashed,
 out of memory) leaves them there. Whoever carries on — the same worker restarted under its id,
 or the worker that takes its shards over — inherits that list: each entry on it gets one more
@@ -64,10 +65,11 @@ class CrashJournal:
         self.bus = bus
         self.worker_id = worker_id
         self.strikes: dict[str, int] = {}
-        self._running: list[str] = []
+        self._running: list[str] = []  # the engine call's requests
+        self._steps: list[str] = []  # steps entered beside them (snapshots being written)
 
     async def running(self, request_ids: list[str]) -> None:
-        """What runs from now on (the list replaces the last one)."""
+        """What the engine runs from now on (replaces the last call's; entered steps stay)."""
         self._running = list(request_ids)
         await self._write()
 
@@ -76,14 +78,15 @@ class CrashJournal:
         await self._write()
 
     async def enter(self, entry: str) -> None:
-        """One more step runs beside what is on the list (a snapshot after a request)."""
-        self._running.append(entry)
+        """One more step runs beside the engine calls until it `leave`s (a snapshot being
+        captured and written while the model's next ops run)."""
+        self._steps.append(entry)
         await self._write()
 
     async def leave(self, entry: str) -> None:
         """A step that `enter` listed is over."""
-        if entry in self._running:
-            self._running.remove(entry)
+        if entry in self._steps:
+            self._steps.remove(entry)
         await self._write()
 
     async def forgive(self, entry: str) -> None:
@@ -93,7 +96,8 @@ class CrashJournal:
             await self.bus.put(_BUCKET, strikes_key(entry), b"0")
 
     async def _write(self) -> None:
-        await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode(self._running))
+        listed = self._running + self._steps
+        await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode(listed))
 
     async def inherit(self, worker_id: str) -> list[str]:
         """Take over what `worker_id` was running when it stopped: one strike each."""

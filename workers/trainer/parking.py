@@ -167,20 +167,18 @@ class ParkedAdapters:
         """The slot's part of `buffer` on the host, view by view: no packed copy of the adapter
         is made on the device (a MoE adapter with its moments can be gigabytes)."""
         row = buffer[slot]
+        in_row = int(row.count_nonzero())  # non-zeros, NaN included; one device sync
+        if in_row == 0:
+            return None
         # No views: the adapter trains no layer this model has (MLP only, on a model whose MLP
         # the bank does not wrap). Its part is empty, so an all-zero row stores nothing.
         views = self._views(buffer, slot, rank, groups)
-        counts = [view.count_nonzero() for view in views]
-        in_views = torch.stack(counts).sum() if counts else row.new_zeros((), dtype=torch.long)
-        # One device sync: non-zeros (NaN included) in the adapter's part and in the whole row.
-        in_packed, in_row = torch.stack([in_views, row.count_nonzero()]).tolist()
-        if in_row == 0:
-            return None
-        if in_packed != in_row:
-            return HostRow(row.to("cpu", copy=True), whole_row=True)
         host = torch.empty(sum(view.numel() for view in views), dtype=buffer.dtype)
         for view, chunk in zip(views, torch.split(host, [v.numel() for v in views]), strict=True):
             chunk.view(view.shape).copy_(view)
+        # counted on the host copy: one op, where a count per view was one per layer
+        if int(host.count_nonzero()) != in_row:
+            return HostRow(row.to("cpu", copy=True), whole_row=True)
         return HostRow(host, whole_row=False)
 
     def _copy_in(

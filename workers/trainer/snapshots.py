@@ -20,11 +20,13 @@ prunes its snapshots; the trainer service (`workers.trainer.service`) calls it a
 and between cycles. A write is on the crash journal by its model (`workers.watchdog`): one that
 stopped the worker `max_attempts` times in a row fails the model instead of stopping it again.
 
-With an artifact store the upload and the record follow in a task of their own (one per model
-at a time), which the cycles wait for `_INLINE_S` at most: a healthy upload is recorded before
-the next op runs, a slow one goes on while training does. A store that is away (killed, frozen,
-unreachable: `workers.artifacts`) holds no op up and fails no model: an upload that fails leaves
-its model unsnapped and its snapshot due, and while the store is known to be away no snapshot is
+The next op waits for the capture (a copy of the slot on the engine thread) and the files'
+write (a fault there fails the model: it would fail again on every try). The upload to an
+artifact store and the record follow in a task of their own, one per model at a time, beside
+the model's next ops (a snapshot due while the model's previous one is still going up waits for
+the next optim_step). A fault there fails no op and no model: the model stays unsnapped and its
+snapshot due. A store that is away (killed, frozen, unreachable:
+`workers.artifacts`) holds no op up either, and while it is known to be away no snapshot is
 tried. Looks at the store run on a thread of their own, one every `_LOOK_EVERY_S` at most; once
 it answers, the next snapshot due is written (the model's next optim_step or save_state, or its
 idle snapshot). Recovery meanwhile: the snapshot record still names the model's last snapshot
@@ -71,7 +73,6 @@ Item = Pending[Any]
 
 STATE_DIR = ".state"
 _LOOK_EVERY_S = 2.0  # looks at an artifact store that is away, at most this often
-_INLINE_S = 1.0  # the cycles wait this long at most for a snapshot's upload and record
 
 
 def state_dir(root: Path, run_id: str) -> Path:
@@ -172,8 +173,8 @@ class Snapshots:
         self._steps_since: dict[str, int] = {}
         # models changed since their snapshot: their last applied op, and when it was applied
         self._unsnapped: dict[str, tuple[Item, float]] = {}
-        self._uploads: dict[str, asyncio.Task[None]] = {}  # by model: at most one going up
-        # every upload task until it ends (`_uploads` forgets a model's on a handover)
+        self._writes: dict[str, asyncio.Task[None]] = {}  # by model: at most one at a time
+        # every write task until it ends (`_writes` forgets a model's on a handover)
         self._tasks: set[asyncio.Task[None]] = set()
         self._look: asyncio.Future[bool] | None = None  # at an artifact store that is away
         self._looked_at = 0.0
@@ -182,7 +183,7 @@ class Snapshots:
         """The model is no longer this worker's to snapshot (handed over, failed, unloaded)."""
         self._steps_since.pop(model_id, None)
         self._unsnapped.pop(model_id, None)
-        self._uploads.pop(model_id, None)  # one going up records nothing
+        self._writes.pop(model_id, None)  # one still being written records nothing
 
     def applied(self, item: Item) -> None:
         """An op of the model ran: an idle snapshot now stands at it."""
@@ -206,19 +207,21 @@ class Snapshots:
             await self.bus.delete(subjects.BUCKET_RUNS, subjects.snapshot_key(job.model_id))
 
     async def take(self, item: Item, current: Callable[[], bool] = lambda: True) -> None:
-        """Write the model's state as of this op, then point its snapshot record at it.
+        """Capture the model's state as of this op; its files and record follow in a task.
 
-        `current`: whether the op is still the model's latest here (asked again after each
-        wait; an idle snapshot runs between cycles, and the shard may move meanwhile).
+        `current`: whether the op is still the model's latest here (asked again before the
+        record moves; an idle snapshot runs between cycles, and the shard may move meanwhile).
+        The capture is all the next op waits for: the files are written (and uploaded) and the
+        record moved beside the model's next ops (`_persist`), one write per model at a time.
         """
         model_id = item.job.model_id
         if not item.stream_seq or not self.has(model_id):
             return
-        if self.store is not None and (self.store.away or model_id in self._uploads):
-            # not now: the store is away (until a look finds it back), or the model's previous
-            # snapshot is still going up; the model stays unsnapped, its snapshot due
+        if model_id in self._writes or (self.store is not None and self.store.away):
+            # not now: the model's previous snapshot is still being written, or the store is
+            # away (until a look finds it back); the model stays unsnapped, its snapshot due
             self._steps_since[model_id] = self.settings.snapshot_every
-            if self.store.away:
+            if self.store is not None and self.store.away:
                 self._look_again()
             return
         step = snapshot_step(model_id)
@@ -230,15 +233,41 @@ class Snapshots:
                 f" last {strikes} times",
             )
             return
+        # On the journal from the capture until the record moved: a stop in between strikes it.
         await self.journal.enter(step)
         try:
-            await self._write(item, current)
-        except Exception:
+            written = await self._write(item)
+        except BaseException:
             await self.journal.leave(step)
             raise
-        # Not in a `finally`: a stop (a cancel, or worse) leaves the step on the list.
-        await self.journal.leave(step)
-        await self.journal.forgive(step)
+        self._steps_since[model_id] = 0  # due again at once if it is not recorded (`_record`)
+        record = asyncio.create_task(self._record(item, written, current, step))
+        self._writes[model_id] = record
+        self._tasks.add(record)
+        record.add_done_callback(self._tasks.discard)
+
+    async def _write(self, item: Item) -> tuple[int, Path]:
+        """Capture the model's state and write its files (to a staging directory when they go
+        to an artifact store); returns the state's step and the JSON file's path."""
+        model_id = item.job.model_id
+        seq_id = item.job.seq_id
+        state = await self.capture(model_id)
+        meta = {"model_id": model_id, "seq_id": seq_id, "stream_seq": item.stream_seq}
+        if self.store is None:
+            directory = state_dir(self.settings.checkpoint_root, model_id)
+        else:
+            directory = await asyncio.to_thread(staging_dir, self.settings.data_dir, "state")
+        try:
+            written = await asyncio.to_thread(write_state, directory, seq_id, state, meta)
+        except BaseException:
+            if self.store is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return state.step, written
+
+    async def settle(self) -> None:
+        """Wait until every snapshot under way is recorded (or has failed)."""
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def close(self) -> None:
         """Stop the uploads still going (a clean stop): their snapshots stay due, and the
@@ -287,56 +316,44 @@ class Snapshots:
         except ArtifactStoreUnavailable as err:
             log.warning("model %s: older snapshots stay until the next prune: %s", model_id, err)
 
-    async def _write(self, item: Item, current: Callable[[], bool]) -> None:
-        """Capture the model's state and write its files. On a local disk its record follows;
-        with an artifact store `_upload` puts them up and records them, and the cycles wait
-        for it `_INLINE_S` at most."""
-        model_id = item.job.model_id
-        seq_id = item.job.seq_id
-        state = await self.capture(model_id)
-        self._steps_since[model_id] = 0  # due again at once if it is not recorded (`_upload`)
-        meta = {"model_id": model_id, "seq_id": seq_id, "stream_seq": item.stream_seq}
-        if self.store is None:
-            directory = state_dir(self.settings.checkpoint_root, model_id)
-            written = await asyncio.to_thread(write_state, directory, seq_id, state, meta)
-            if current():  # else its files go with the next prune
-                await self._commit(item, state.step, str(written), "")
-            return
-        staging = await asyncio.to_thread(staging_dir, self.settings.data_dir, "state")
-        try:
-            await asyncio.to_thread(write_state, staging, seq_id, state, meta)
-        except Exception:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        upload = asyncio.create_task(self._upload(item, state.step, staging))
-        self._uploads[model_id] = upload
-        self._tasks.add(upload)
-        upload.add_done_callback(self._tasks.discard)
-        await asyncio.wait({upload}, timeout=_INLINE_S)
-
-    async def _upload(self, item: Item, step: int, staging: Path) -> None:
-        """Put a snapshot's staged files in the store, then record them, unless the model left
-        this worker meanwhile (`forget`). Any fault, a store away first of all, leaves the
-        model unsnapped and its snapshot due: no op and no model fails for it."""
-        assert self.store is not None
+    async def _record(
+        self, item: Item, written: tuple[int, Path], current: Callable[[], bool], step: str
+    ) -> None:
+        """Put a snapshot's written files up to the store (if any), then point the model's
+        record at them, unless the model left this worker meanwhile (`forget`) or an op
+        changed it since (`current`; its files go with the next prune). Any fault, a store
+        away first of all, leaves the model unsnapped and its snapshot due: no op and no model
+        fails for it."""
         model_id = item.job.model_id
         task = asyncio.current_task()
-        key = paths.snapshot_key(model_id, item.job.seq_id, uuid.uuid4().hex[:12])
+        state_step, files = written
+
+        def still_ours() -> bool:
+            return self._writes.get(model_id) is task and self.sequencer.known(model_id)
+
         try:
-            await asyncio.to_thread(_upload_files, self.store, key, staging)
-            if self._uploads.get(model_id) is task and self.sequencer.known(model_id):
-                await self._commit(item, step, "", key)
+            if self.store is None:
+                if still_ours() and current():
+                    await self._commit(item, state_step, str(files), "")
+            else:
+                key = paths.snapshot_key(model_id, item.job.seq_id, uuid.uuid4().hex[:12])
+                await asyncio.to_thread(_upload_files, self.store, key, files.parent)
+                if still_ours() and current():
+                    await self._commit(item, state_step, "", key)
+            await self.journal.forgive(step)
         except (ArtifactStoreUnavailable, Unavailable) as err:
             log.warning("model %s: state snapshot not written, due again: %s", model_id, err)
-            if self._uploads.get(model_id) is task:
+            if self._writes.get(model_id) is task:
                 self._steps_since[model_id] = self.settings.snapshot_every
         except Exception:
             log.exception("model %s: state snapshot not written, due again", model_id)
-            if self._uploads.get(model_id) is task:
+            if self._writes.get(model_id) is task:
                 self._steps_since[model_id] = self.settings.snapshot_every
         finally:
-            if self._uploads.get(model_id) is task:
-                del self._uploads[model_id]
+            # a crash never gets here: its step stays on the journal, and strikes
+            if self._writes.get(model_id) is task:
+                del self._writes[model_id]
+            await self.journal.leave(step)
 
     async def _commit(self, item: Item, step: int, written: str, key: str) -> None:
         """Point the model's snapshot record at the files written for `item`, then prune the

@@ -48,12 +48,8 @@ from tests.sampling_helpers import (  # noqa: E402
     reference_logprobs,
 )
 from tests.sampling_helpers import VLLM_TOLERANCE as TOLERANCE  # noqa: E402
-from workers.sampler.vllm_sampler import (  # noqa: E402
-    SEED_RANGE,
-    VllmSampler,
-    sampling_params,
-    trains_unembed,
-)
+from workers.sampler.vllm_mapping import SEED_RANGE, sampling_params  # noqa: E402
+from workers.sampler.vllm_sampler import VllmSampler, trains_unembed  # noqa: E402
 from workers.tiny_model import build_tiny_model  # noqa: E402
 
 MAX_LORA_RANK = 8

@@ -15,13 +15,14 @@ Step 3: map the spec to `SamplingParams`, run one `generate` to its final output
 Step 4: map the `RequestOutput` to `SampleOutput`: sampled tokens, their raw logprobs (and
         top-k), the stop reason, prompt logprobs (first entry None) and top-k prompt logprobs
         (first row empty), blanked before the last n when asked.
+Both maps live in workers/sampler/vllm_mapping.py; this module owns the engine and the adapters.
 
 Target-id logprobs and alternative-token draws need the whole distribution at every prompt
 position, which vLLM's V1 CPU runner gives only as full-vocabulary prompt logprobs (its
 `prompt_logprob_token_ids` needs the V2 runner, i.e. Triton). So such a request asks for
 full rows, bounded: (len(prompt) - 1) x vocabulary cells at most `MAX_FULL_ROW_CELLS`, else a
-`UserError` (the torch sampler serves any length). The draws are made here, from those rows,
-with a generator seeded from the request's seed.
+`UserError` (the torch sampler serves any length). The draws are made from those rows
+(workers/sampler/vllm_mapping.py), with a generator seeded from the request's seed.
 
 Work-arounds for vLLM 0.32 (docs/architecture.md, "Sampling"):
 - `lora_target_modules` is pinned to the attention and MLP projections. Without it, vLLM wraps
@@ -67,28 +68,26 @@ import logging
 import re
 import typing
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import safetensors
-from vllm import SamplingParams
 from vllm.config.lora import MaxLoRARanks
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError, VLLMServerError
 from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 from vllm.lora.request import LoRARequest
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
 from vllm.triton_utils import HAS_TRITON
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from protocol.errors import ServerError, UserError
 from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from protocol.sampling import SampledSequence, SampleOutput, SampleSpec, TopK, keep_last_n
+from protocol.sampling import SampleOutput, SampleSpec
+from workers.sampler.vllm_mapping import needs_full_rows, sample_output, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +109,6 @@ _UNEMBED_PATHS = (
 # and in Tinker's own layout.
 _PEFT_EXPERT_KEY = re.compile(r"\.experts\.(base_layer\.)?lora_[AB]\.weight$")
 _TINKER_EXPERT_KEY = re.compile(r"\.experts\.w[123]\.lora_[AB]\.weight$")
-SEED_RANGE = 2**63
 # Full-vocabulary prompt rows one request may ask vLLM for (target ids, alternative draws).
 MAX_FULL_ROW_CELLS = 2**22
 VLLM_LORA_RANKS: tuple[int, ...] = tuple(sorted(typing.get_args(MaxLoRARanks)))
@@ -481,164 +479,6 @@ class VllmSampler:
         if self._engine is None:
             raise ServerError("the vLLM sampler is not started")
         return self._engine
-
-
-def is_greedy(spec: SampleSpec) -> bool:
-    """Whether `spec` is sampled greedily: vLLM treats temperatures below its
-    `_SAMPLING_EPS` (1e-5, our `protocol.sampling.GREEDY_TEMPERATURE`) as 0."""
-    return spec.greedy
-
-
-def needs_full_rows(spec: SampleSpec) -> bool:
-    """Whether `spec` needs every vocabulary logprob at its prompt positions."""
-    return spec.target_prompt_logprobs is not None or spec.prompt_alt_tokens_k > 0
-
-
-def sampling_params(spec: SampleSpec) -> SamplingParams:
-    """vLLM's parameters for one spec: n samples, final output only, sampled-token logprobs.
-
-    vLLM refuses n > 1 when greedy; every greedy sample is the same, so one is drawn and
-    `sample_output` repeats it.
-    """
-    return SamplingParams(
-        n=1 if is_greedy(spec) else spec.num_samples,
-        max_tokens=spec.max_tokens,
-        # Exactly 0 when greedy, so nothing (here or in vLLM) divides by a tiny temperature.
-        temperature=0.0 if is_greedy(spec) else spec.temperature,
-        top_k=spec.top_k,
-        top_p=spec.top_p,
-        # torch generators take 64-bit seeds and vLLM seeds sample i with seed + i; an
-        # out-of-range seed would fail inside the engine step and take the engine down.
-        seed=None if spec.seed is None else spec.seed % SEED_RANGE,
-        stop=list(spec.stop_strings) or None,
-        stop_token_ids=list(spec.stop_token_ids) or None,
-        ignore_eos=not spec.stop_at_eos,
-        logprobs=spec.topk_sample_logprobs,  # and always the sampled token's own
-        prompt_logprobs=(
-            -1
-            if needs_full_rows(spec)
-            else spec.topk_prompt_logprobs
-            if spec.prompt_logprobs
-            else None
-        ),
-        flat_logprobs=needs_full_rows(spec),
-        # Text is only needed to find stop strings.
-        detokenize=bool(spec.stop_strings),
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-
-
-def sample_output(spec: SampleSpec, output: RequestOutput) -> SampleOutput:
-    """The protocol's view of a finished `RequestOutput`."""
-    # parallel samples can finish in any order; `index` is sample i (seeded with seed + i)
-    completions = sorted(output.outputs, key=lambda completion: completion.index)
-    sequences = [
-        _sequence(output.request_id, completion, spec.topk_sample_logprobs)
-        for completion in completions
-    ]
-    if is_greedy(spec) and len(sequences) == 1:
-        (only,) = sequences
-        sequences = [
-            replace(
-                only,
-                tokens=list(only.tokens),
-                logprobs=list(only.logprobs),
-                topk_logprobs=None if only.topk_logprobs is None else list(only.topk_logprobs),
-            )
-            for _ in range(spec.num_samples)
-        ]
-    if len(sequences) != spec.num_samples:
-        raise ServerError(
-            f"{output.request_id}: {len(sequences)} sequences for num_samples={spec.num_samples}"
-        )
-    result = SampleOutput(sequences=sequences)
-    rows = output.prompt_logprobs
-    if spec.needs_prompt_rows and (rows is None or len(rows) != len(spec.prompt)):
-        raise ServerError(f"{output.request_id}: vLLM returned no prompt logprobs")
-    if rows is not None and needs_full_rows(spec):
-        _fill_from_full_rows(spec, result, [rows[i] for i in range(1, len(spec.prompt))])
-    if rows is not None and spec.prompt_logprobs:
-        values: list[float | None] = [None]
-        topk: list[list[tuple[int, float]]] = [[]]
-        for token, row in zip(spec.prompt[1:], rows[1:], strict=True):
-            if row is None or token not in row:
-                raise ServerError(f"{output.request_id}: prompt logprob of token {token} missing")
-            values.append(float(row[token].logprob))
-            ranked = sorted(
-                (lp.rank, token_id, float(lp.logprob))
-                for token_id, lp in row.items()
-                if lp.rank is not None and lp.rank <= spec.topk_prompt_logprobs
-            )
-            topk.append([(token_id, logprob) for _, token_id, logprob in ranked])
-        result.prompt_logprobs = values
-        if spec.topk_prompt_logprobs > 0:
-            result.topk_prompt_logprobs = topk
-        keep_last_n(spec, result)
-    return result
-
-
-def _fill_from_full_rows(spec: SampleSpec, result: SampleOutput, rows: list[Any]) -> None:
-    """Target-id logprobs and alternative draws from full-vocabulary prompt rows (row i is
-    the distribution over prompt token i + 1)."""
-    if not rows:
-        table = np.zeros((0, 1))
-    else:
-        width = max(max(row) for row in rows) + 1
-        table = np.full((len(rows), width), -np.inf)
-        for i, row in enumerate(rows):
-            for token_id, logprob in row.items():
-                table[i, token_id] = logprob.logprob
-    target = spec.target_prompt_logprobs
-    if target is not None:
-        positions, ids = target.cells()
-        result.target_prompt_logprobs = [
-            0.0 if token < 0 else float(table[r, token])
-            for r, token in zip(positions, ids, strict=True)
-        ]
-    k = spec.prompt_alt_tokens_k
-    if k > 0:
-        if is_greedy(spec) or not rows:
-            draws = np.repeat(table.argmax(axis=1)[:, None], k, axis=1)[: len(rows)]
-        else:
-            rng = np.random.default_rng(None if spec.seed is None else [spec.seed % 2**64, 2**32])
-            scaled = table / spec.temperature
-            probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-            probs /= probs.sum(axis=1, keepdims=True)
-            draws = np.stack([rng.choice(probs.shape[1], size=k, p=p) for p in probs])
-        result.prompt_alt_tokens = draws.tolist()
-        result.prompt_alt_logprobs = np.take_along_axis(table, draws, axis=1).tolist()
-
-
-def _sequence(request_id: str, completion: CompletionOutput, top: int = 0) -> SampledSequence:
-    stop_reason: Literal["stop", "length"]
-    if completion.finish_reason == "stop":
-        stop_reason = "stop"
-    elif completion.finish_reason == "length":
-        stop_reason = "length"
-    else:
-        raise ServerError(f"{request_id}: sequence ended with {completion.finish_reason!r}")
-    tokens = list(completion.token_ids)
-    steps = completion.logprobs or []
-    if len(steps) != len(tokens):
-        raise ServerError(f"{request_id}: {len(steps)} logprobs for {len(tokens)} tokens")
-    logprobs: list[float] = []
-    topk: list[TopK] = []
-    for token, step in zip(tokens, steps, strict=True):
-        if step is None:
-            raise ServerError(f"{request_id}: no logprob for sampled token {token}")
-        logprobs.append(float(step[token].logprob))
-        ranked = sorted(
-            (lp.rank, token_id, float(lp.logprob))
-            for token_id, lp in step.items()
-            if lp.rank is not None and lp.rank <= top
-        )
-        topk.append([(token_id, logprob) for _, token_id, logprob in ranked])
-    return SampledSequence(
-        tokens=tokens,
-        logprobs=logprobs,
-        stop_reason=stop_reason,
-        topk_logprobs=topk if top > 0 else None,
-    )
 
 
 def _read_adapter_config(directory: Path) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""Our adapter's parameters per unit of rank against Tinker's published table.
+
+Each model of the lineup (`tests/data/lineup/models.json`, one `config.json`-shaped file per
+distinct text config) is built on the meta device and counted with the bank's own layout
+(`workers.engine.lora_counts`). The models of the families the engine serves whose adapter
+already has Tinker's shape are pinned here, one test per model id; `bench/lora_param_counts.py`
+prints the others' differences.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from workers.engine.lora import LAYER_GROUPS, LoraBank, SlotRouting
+from workers.engine.lora_counts import build_on_meta, config_from_fields, count_per_rank
+
+LINEUP = Path(__file__).parent / "data" / "lineup"
+INDEX: dict[str, str] = json.loads((LINEUP / "models.json").read_text())
+# Tinker models with no config to count: no transformers class (Kimi-K3.1-Pro's `kimi_k3`,
+# GLM-5.3-Flash's `glm5_next`) or no config seen (Inkling-2-Small).
+UNCOVERED = frozenset(
+    {"moonshotai/Kimi-K3.1-Pro", "zai-org/GLM-5.3-Flash", "thinkingmachines/Inkling-2-Small"}
+)
+# Families the engine serves today (`workers/tiny_model.py`'s architectures, and Llama, a dense
+# causal LM with the same module names as Qwen3) whose adapter has Tinker's shape. Qwen3.5 and
+# Qwen3.5-MoE are served too but not yet equal: their linear attention's `in_proj_qkv` is one
+# LoRA where Tinker has one per q, k, v slice, and `in_proj_a`/`in_proj_b` are adapted.
+MATCHING_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "qwen3_vl_moe", "gpt_oss"})
+
+
+def _fields(model_id: str) -> dict[str, object]:
+    fields: dict[str, object] = json.loads((LINEUP / INDEX[model_id]).read_text())
+    return fields
+
+
+MATCHING = [m for m in INDEX if _fields(m)["model_type"] in MATCHING_FAMILIES]
+
+
+def test_the_index_covers_tinkers_table() -> None:
+    hyperparams = pytest.importorskip("tinker_cookbook.hyperparam_utils")
+    published = set(hyperparams._LORA_PARAMS_PER_RANK_BY_COMPONENT)
+    assert set(INDEX) == published - UNCOVERED
+    assert {path.name for path in LINEUP.glob("*.json")} == set(INDEX.values()) | {"models.json"}
+
+
+@pytest.mark.parametrize("name", sorted(set(INDEX.values())))
+def test_every_config_builds_on_meta(name: str) -> None:
+    fields = json.loads((LINEUP / name).read_text())
+    assert isinstance(fields["architectures"], list)
+    model = build_on_meta(config_from_fields(fields))
+    assert all(p.is_meta for p in model.parameters())
+    counts = count_per_rank(model).per_group
+    assert counts["unembed"] > 0
+
+
+@pytest.mark.parametrize("model_id", MATCHING)
+def test_counts_equal_tinkers(model_id: str) -> None:
+    hyperparams = pytest.importorskip("tinker_cookbook.hyperparam_utils")
+    expected = hyperparams._LORA_PARAMS_PER_RANK_BY_COMPONENT[model_id]
+    counts = count_per_rank(build_on_meta(config_from_fields(_fields(model_id))))
+    assert counts.unwrappable_experts == ()
+    assert counts.per_group == {group: expected[group] for group in LAYER_GROUPS}
+
+
+def test_the_count_is_what_the_bank_allocates() -> None:
+    """The count per rank, times a rank, is the row the bank gives a slot on a real model."""
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        mlp_only_layers=[1],
+    )
+    counts = count_per_rank(build_on_meta(config)).per_group
+    bank = LoraBank(
+        Qwen3MoeForCausalLM(config),  # type: ignore[no-untyped-call]
+        max_slots=1,
+        max_rank=3,
+        routing=SlotRouting(),
+        device=torch.device("cpu"),
+    )
+    assert bank.slot_numel == 3 * sum(counts.values())
+    # layer 0: experts 3·(64 + 4·32); layer 1: a dense MLP 3·(64 + 96)
+    assert counts["mlp"] == 3 * (64 + 4 * 32) + 3 * (64 + 96)

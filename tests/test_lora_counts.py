@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tinker_cookbook.hyperparam_utils import _LORA_PARAMS_PER_RANK_BY_COMPONENT as PUBLISHED
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from workers.engine.lora import LAYER_GROUPS, LoraBank, SlotRouting
+from workers.engine.lora import LAYER_GROUPS, LoraBank, SlotRouting, find_target_linears
 from workers.engine.lora_counts import build_on_meta, config_from_fields, count_per_rank
 
 LINEUP = Path(__file__).parent / "data" / "lineup"
@@ -26,11 +27,24 @@ INDEX: dict[str, str] = json.loads((LINEUP / "models.json").read_text())
 UNCOVERED = frozenset(
     {"moonshotai/Kimi-K3.1-Pro", "zai-org/GLM-5.3-Flash", "thinkingmachines/Inkling-2-Small"}
 )
-# Families the engine serves today (`workers/tiny_model.py`'s architectures, and Llama, a dense
-# causal LM with the same module names as Qwen3) whose adapter has Tinker's shape. Qwen3.5 and
-# Qwen3.5-MoE are served too but not yet equal: their linear attention's `in_proj_qkv` is one
-# LoRA where Tinker has one per q, k, v slice, and `in_proj_a`/`in_proj_b` are adapted.
-MATCHING_FAMILIES = frozenset({"llama", "qwen3", "qwen3_moe", "qwen3_vl_moe", "gpt_oss"})
+# Families whose adapter has Tinker's shape: the dense and MoE Qwen3 and gpt-oss, Llama (the same
+# module names as Qwen3), and the multi-head latent attention families (DeepSeek-V3.1 and
+# Kimi-K2, GLM-5.3, DeepSeek-V4.1), whose `q_b_proj`/`kv_b_proj` and grouped `o_a_proj` are left
+# alone. Not yet: Qwen3.5 and Qwen3.5-MoE (their linear attention's `in_proj_qkv` is one LoRA where
+# Tinker has one per q, k, v slice, and `in_proj_a`/`in_proj_b` are adapted), Nemotron-H (its
+# `mixer` blocks and non-gated experts) and Inkling (its shared-expert bank, its dense gate/up).
+MATCHING_FAMILIES = frozenset(
+    {
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_vl_moe",
+        "gpt_oss",
+        "deepseek_v3",
+        "glm_moe_dsa",
+        "deepseek_v4",
+    }
+)
 
 
 def _fields(model_id: str) -> dict[str, object]:
@@ -42,8 +56,7 @@ MATCHING = [m for m in INDEX if _fields(m)["model_type"] in MATCHING_FAMILIES]
 
 
 def test_the_index_covers_tinkers_table() -> None:
-    hyperparams = pytest.importorskip("tinker_cookbook.hyperparam_utils")
-    published = set(hyperparams._LORA_PARAMS_PER_RANK_BY_COMPONENT)
+    published = set(PUBLISHED)
     assert set(INDEX) == published - UNCOVERED
     assert {path.name for path in LINEUP.glob("*.json")} == set(INDEX.values()) | {"models.json"}
 
@@ -60,8 +73,7 @@ def test_every_config_builds_on_meta(name: str) -> None:
 
 @pytest.mark.parametrize("model_id", MATCHING)
 def test_counts_equal_tinkers(model_id: str) -> None:
-    hyperparams = pytest.importorskip("tinker_cookbook.hyperparam_utils")
-    expected = hyperparams._LORA_PARAMS_PER_RANK_BY_COMPONENT[model_id]
+    expected = PUBLISHED[model_id]
     counts = count_per_rank(build_on_meta(config_from_fields(_fields(model_id))))
     assert counts.unwrappable_experts == ()
     assert counts.per_group == {group: expected[group] for group in LAYER_GROUPS}
@@ -92,3 +104,24 @@ def test_the_count_is_what_the_bank_allocates() -> None:
     assert bank.slot_numel == 3 * sum(counts.values())
     # layer 0: experts 3·(64 + 4·32); layer 1: a dense MLP 3·(64 + 96)
     assert counts["mlp"] == 3 * (64 + 4 * 32) + 3 * (64 + 96)
+
+
+def test_only_linears_that_compute_a_linear_are_adapted() -> None:
+    """DeepSeek-V4's grouped `o_a_proj` subclasses `nn.Linear` but multiplies per head group:
+    a LoRA pair on its `in`/`out` features gave a term of the wrong width, so the first pass of
+    a DeepSeek-V4 adapter failed. A frozen linear sharded over a group's ranks computes the
+    plain linear and stays adapted."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
+
+    from workers.engine.collective import Collective
+    from workers.engine.frozen_shards import GatheredLinear
+    from workers.engine.lora import computes_linear
+
+    assert computes_linear(torch.nn.Linear(4, 3))
+    assert not computes_linear(DeepseekV4GroupedLinear(4, 3, n_groups=2))
+    assert computes_linear(GatheredLinear(torch.nn.Linear(4, 3), Collective()))
+    assert not computes_linear(torch.nn.Conv1d(4, 3, 1))
+    v4 = json.loads((LINEUP / INDEX["deepseek-ai/DeepSeek-V4.1-Flash"]).read_text())
+    targets = find_target_linears(build_on_meta(config_from_fields(v4)))
+    leaves = {path.rsplit(".", 1)[-1] for path in targets}
+    assert "o_b_proj" in leaves and not leaves & {"o_a_proj", "q_b_proj", "kv_b_proj"}

@@ -35,6 +35,8 @@ class GatheredLinear(nn.Linear):
     """A frozen `nn.Linear` whose `weight` holds this rank's rows only; the whole weight is
     gathered for each use. `in_features` and `out_features` are the whole layer's."""
 
+    same_as_linear = True  # computes what the linear it replaced did (`lora.computes_linear`)
+
     def __init__(self, linear: nn.Linear, collective: Collective) -> None:
         out_features, in_features = linear.weight.shape
         nn.Module.__init__(self)

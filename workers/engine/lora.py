@@ -60,11 +60,27 @@ _ATTN_PARENTS = frozenset({"self_attn", "linear_attn", "attention", "self_attent
 _MLP_PARENTS = frozenset({"mlp", "feed_forward", "shared_expert", "shared_experts"})
 # Linears of a MoE block that are never trained: the router and Qwen3.5's shared-expert gate.
 _UNTRAINED_LEAVES = frozenset({"gate", "router", "shared_expert_gate"})
+# Multi-head latent attention's up-projections out of its low-rank latents (DeepSeek-V3/V4,
+# Kimi-K2, GLM-5): only the linears that touch the residual stream are adapted, as Tinker does
+# (`q_a_proj`, `kv_a_proj_with_mqa`, `o_proj`; docs/compatibility.md).
+_LOW_RANK_LEAVES = frozenset({"q_b_proj", "kv_b_proj"})
 # Multimodal checkpoints also have `attn`/`mlp` blocks in their vision tower; tenants train text.
 _VISION_PREFIXES = ("visual", "vision")
 
 # The slot of rows that use no adapter (sampling from the base model): no update at all.
 BASE_SLOT = -1
+
+
+def computes_linear(module: nn.Module) -> bool:
+    """Whether `module` computes `x·Wᵀ + b` on its whole input: an `nn.Linear`, or a subclass
+    that keeps its `forward` or says it computes the same (`same_as_linear`: a frozen linear
+    whose weight is sharded over ranks). A subclass with a `forward` of its own may compute
+    something else from the weight (DeepSeek-V4's grouped `o_a_proj` multiplies per head
+    group), which a LoRA pair on its `in`/`out` features would not match."""
+    if not isinstance(module, nn.Linear):
+        return False
+    kind = type(module)
+    return kind.forward is nn.Linear.forward or bool(getattr(kind, "same_as_linear", False))
 
 
 def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
@@ -73,7 +89,7 @@ def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
     output_embeddings = get_output_embeddings() if get_output_embeddings is not None else None
     targets: dict[str, LayerGroup] = {}
     for path, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not computes_linear(module):
             continue
         if module is output_embeddings:
             targets[path] = "unembed"
@@ -82,7 +98,7 @@ def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
         if any(part.startswith(_VISION_PREFIXES) for part in parts):
             continue
         parent = parts[-2] if len(parts) >= 2 else ""
-        if parent in _ATTN_PARENTS:
+        if parent in _ATTN_PARENTS and parts[-1] not in _LOW_RANK_LEAVES:
             targets[path] = "attn"
         elif parent in _MLP_PARENTS and parts[-1] not in _UNTRAINED_LEAVES:
             targets[path] = "mlp"

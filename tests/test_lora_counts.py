@@ -125,3 +125,16 @@ def test_only_linears_that_compute_a_linear_are_adapted() -> None:
     targets = find_target_linears(build_on_meta(config_from_fields(v4)))
     leaves = {path.rsplit(".", 1)[-1] for path in targets}
     assert "o_b_proj" in leaves and not leaves & {"o_a_proj", "q_b_proj", "kv_b_proj"}
+
+
+def test_a_shared_expert_bank_is_reported_not_silently_skipped() -> None:
+    """Inkling holds its two shared experts as a 3-D bank (`shared_experts.gate_proj
+    [2, I, H]`), which the bank does not adapt yet: it is reported with the unwrappable expert
+    blocks, so an MLP adapter is refused at `create_model` (`Residency.check_targets`) instead
+    of training without it. A DeepSeek-style shared expert of linears is adapted and not
+    reported."""
+    inkling = json.loads((LINEUP / INDEX["thinkingmachines/Inkling-Small"]).read_text())
+    reported = count_per_rank(build_on_meta(config_from_fields(inkling))).unwrappable_experts
+    assert reported and all(path.endswith(".mlp.shared_experts") for path in reported)
+    deepseek = json.loads((LINEUP / INDEX["deepseek-ai/DeepSeek-V3.1"]).read_text())
+    assert count_per_rank(build_on_meta(config_from_fields(deepseek))).unwrappable_experts == ()

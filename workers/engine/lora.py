@@ -119,17 +119,23 @@ def find_expert_modules(model: nn.Module) -> dict[str, ExpertShape]:
 
 def find_unwrappable_experts(model: nn.Module) -> list[str]:
     """Expert blocks the bank cannot adapt: per-expert `ModuleList`s (`experts.{e}.w1`, the
-    Mixtral layout) and experts modules whose parameters are not the fused 3-D layout."""
+    Mixtral layout), experts modules whose parameters are not the fused 3-D layout, and shared
+    experts held as a 3-D bank (Inkling's `shared_experts.gate_proj [2, I, H]`) rather than
+    linears."""
     fused = find_expert_modules(model)
     unwrappable: set[str] = set()
     for path, module in model.named_modules():
         parts = path.split(".")
-        if not parts or parts[-1] not in {"experts", "routed_experts"} or path in fused:
+        if not parts or path in fused:
             continue
         if any(part.startswith(_VISION_PREFIXES) for part in parts):
             continue
-        if any(p.dim() >= 2 for p in module.parameters(recurse=True)):
-            unwrappable.add(path)
+        if parts[-1] in {"experts", "routed_experts"}:
+            if any(p.dim() >= 2 for p in module.parameters(recurse=True)):
+                unwrappable.add(path)
+        elif parts[-1] in {"shared_expert", "shared_experts"}:
+            if any(p.dim() >= 3 for p in module.parameters(recurse=False)):
+                unwrappable.add(path)
     return sorted(unwrappable)
 
 

@@ -105,8 +105,9 @@ class Residency:
         groups = trained_groups(spec)
         if spec.train_mlp and self.bank.unwrappable_experts:
             raise UserError(
-                f"train_mlp: this base model's experts ({self.bank.unwrappable_experts[0]}) are"
-                " not fused 3-D expert weights, which expert LoRA needs; use train_mlp=False"
+                f"train_mlp: this base model's expert block {self.bank.unwrappable_experts[0]}"
+                " is not laid out as fused 3-D gate/up and down weights, the only expert layout"
+                " expert LoRA adapts; use train_mlp=False"
             )
         if not groups & self.bank.groups_present():
             present = sorted(self.bank.groups_present())

@@ -443,6 +443,13 @@ TinyArch = Literal[
     "qwen3_5_moe_vl",
     "qwen3_vl",
     "qwen3_vl_moe",
+    "llama",
+    "deepseek_v3",
+    "glm_moe_dsa",
+    "deepseek_v4",
+    "nemotron_h",
+    "kimi_k25",
+    "inkling_mm_model",
 ]
 
 
@@ -453,7 +460,9 @@ def make_tiny_model(
         TinyArch,
         typer.Option(
             help="architecture; the MoE ones: qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl, "
-            "qwen3_vl_moe; vision-language: qwen3_5_vl, qwen3_5_moe_vl, qwen3_vl, qwen3_vl_moe"
+            "qwen3_vl_moe, deepseek_v3, glm_moe_dsa, deepseek_v4, nemotron_h, kimi_k25, "
+            "inkling_mm_model; vision-language: qwen3_5_vl, qwen3_5_moe_vl, qwen3_vl, "
+            "qwen3_vl_moe, kimi_k25, inkling_mm_model"
         ),
     ] = "qwen3",
     num_experts: Annotated[

@@ -21,19 +21,26 @@ of these architectures:
   with multimodal RoPE. transformers has no causal-LM class for its text model alone: it
   loads with `AutoModelForImageTextToText`;
 - `qwen3_vl_moe`: the same with a Qwen3-MoE decoder (fused experts in every layer), as
-  Qwen3-VL-30B-A3B is.
-All but the Qwen3-VL ones load with `AutoModelForCausalLM.from_pretrained(dir)` and all with
-`AutoTokenizer.from_pretrained(dir)`,
-exactly like a real checkpoint, which is what the trainer, the samplers and the SDK's
-`get_tokenizer()` do (a composite loads its text model so); the VL one also with
-`AutoModelForImageTextToText` and `AutoImageProcessor`.
+  Qwen3-VL-30B-A3B is;
+- `llama`, `deepseek_v3`, `glm_moe_dsa`, `deepseek_v4`, `nemotron_h`, `kimi_k25` and
+  `inkling_mm_model`: the other families of the Tinker lineup, built in
+  `workers.tiny_families` (whose docstring lists each one's modules). `kimi_k25` is the
+  Kimi-K2.5 composite over a DeepSeek-V3 text model, `inkling_mm_model` Inkling; neither
+  writes an image processor (transformers' need torchvision).
+All but the composites without a causal-LM class (Qwen3-VL, Kimi-K2.5, Inkling) load with
+`AutoModelForCausalLM.from_pretrained(dir)`, those with `AutoModelForImageTextToText`, and all
+with `AutoTokenizer.from_pretrained(dir)`, exactly like a real checkpoint, which is what the
+trainer, the samplers and the SDK's `get_tokenizer()` do (a composite loads its text model so);
+the Qwen VL ones also with `AutoModelForImageTextToText` and `AutoImageProcessor`.
 
 Invariants: the same arguments give the same files; special tokens are `<|endoftext|>` = 0 (pad),
 `<|im_start|>` = 1 and `<|im_end|>` = 2 (eos), and in a VL tokenizer `<|vision_start|>`,
-`<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>` = 3, 4, 5, 6; the model's `vocab_size` equals the tokenizer's
-length, so every id the tokenizer produces is a valid model input. `head_dim` is 32, a size
-vLLM's CPU attention supports. The MoE routers start from random (not zero) weights, so a short
-random input already spreads its tokens over several experts of every layer.
+`<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>` = 3, 4, 5, 6; the model's `vocab_size` equals
+the tokenizer's length, so every id the tokenizer produces is a valid model input. `head_dim` is
+32, a size vLLM's CPU attention supports. `num_layers` defaults to 2, or to the depth that shows
+every block kind of a family (`workers.tiny_families.FAMILY_NUM_LAYERS`). The MoE routers start
+from random (not zero) weights, so a short random input already spreads its tokens over several
+experts of every layer.
 
 Run as `python -m workers.tiny_model DIR [--arch ARCH] [--num-experts E] [--top-k K]
 [--moe-intermediate-size I]`; it prints DIR.
@@ -83,6 +90,13 @@ from transformers.models.qwen3_vl_moe import (
 )
 from transformers.utils import logging as transformers_logging
 
+from workers.tiny_families import (
+    FAMILY_MODEL_CLASSES,
+    FAMILY_NUM_LAYERS,
+    family_config,
+    finish_family_model,
+)
+
 Arch = Literal[
     "qwen3",
     "qwen3_5",
@@ -93,12 +107,35 @@ Arch = Literal[
     "qwen3_5_moe_vl",
     "qwen3_vl",
     "qwen3_vl_moe",
+    "llama",
+    "deepseek_v3",
+    "glm_moe_dsa",
+    "deepseek_v4",
+    "nemotron_h",
+    "kimi_k25",
+    "inkling_mm_model",
 ]
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 MOE_ARCHS: frozenset[Arch] = frozenset(
-    {"qwen3_moe", "qwen3_5_moe", "gpt_oss", "qwen3_5_moe_vl", "qwen3_vl_moe"}
+    {
+        "qwen3_moe",
+        "qwen3_5_moe",
+        "gpt_oss",
+        "qwen3_5_moe_vl",
+        "qwen3_vl_moe",
+        "deepseek_v3",
+        "glm_moe_dsa",
+        "deepseek_v4",
+        "nemotron_h",
+        "kimi_k25",
+        "inkling_mm_model",
+    }
 )
-VL_ARCHS: frozenset[Arch] = frozenset({"qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl", "qwen3_vl_moe"})
+VL_ARCHS: frozenset[Arch] = frozenset(
+    {"qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_vl", "qwen3_vl_moe", "kimi_k25", "inkling_mm_model"}
+)
+# The VL archs whose image processor is written beside the model (the others' need torchvision)
+_QWEN_VL_ARCHS = frozenset(arch for arch in VL_ARCHS if arch.startswith("qwen"))
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, IM_START_ID, EOS_ID = 0, 1, 2
@@ -126,6 +163,7 @@ _MODEL_CLASSES: dict[Arch, type[PreTrainedModel]] = {
     "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+    **FAMILY_MODEL_CLASSES,  # type: ignore[dict-item]  # its keys are Arch names
 }
 
 CHAT_TEMPLATE = (
@@ -278,6 +316,26 @@ def _config(
         num_experts_per_tok=top_k,
         moe_intermediate_size=moe_intermediate_size,
     )
+    if arch in FAMILY_MODEL_CLASSES:
+        return family_config(
+            arch,
+            shared={
+                key: common[key]
+                for key in (
+                    "vocab_size",
+                    "hidden_size",
+                    "max_position_embeddings",
+                    "initializer_range",
+                    "eos_token_id",
+                    "pad_token_id",
+                )
+            },
+            vision_token_ids=_VISION_TOKEN_IDS,
+            num_layers=num_layers,
+            num_experts=num_experts,
+            top_k=top_k,
+            moe_intermediate_size=moe_intermediate_size,
+        )
     if arch == "qwen3":
         return Qwen3Config(**common, intermediate_size=2 * hidden_size)
     if arch == "qwen3_5":
@@ -373,7 +431,7 @@ def build_tiny_model(
     arch: Arch = "qwen3",
     *,
     hidden_size: int = 64,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     vocab_size: int = 512,
     seed: int = 0,
     num_experts: int | None = None,
@@ -402,6 +460,8 @@ def build_tiny_model(
         raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), not {top_k}")
     if moe_intermediate_size < 1:
         raise ValueError("moe_intermediate_size must be at least 1")
+    if num_layers is None:
+        num_layers = FAMILY_NUM_LAYERS.get(arch, 2)
     directory = Path(directory)
     tokenizer = build_tokenizer(vocab_size, vision=arch in VL_ARCHS)
     config = _config(
@@ -417,13 +477,15 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _MODEL_CLASSES[arch](config)
+        with torch.no_grad():
+            finish_family_model(arch, model)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    if arch in VL_ARCHS:
+    if arch in _QWEN_VL_ARCHS:
         # the Pillow processor: the same maths as the torchvision one, which needs torchvision
         Qwen2VLImageProcessorPil(
             patch_size=PATCH_SIZE,
@@ -443,12 +505,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--arch", choices=ARCHS, default="qwen3")
     parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument(
+        "--num-layers", type=int, help="decoder layers (default 2; deepseek_v4 3, nemotron_h 5)"
+    )
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    moe = parser.add_argument_group(
-        "MoE archs (qwen3_moe, qwen3_5_moe, gpt_oss, qwen3_5_moe_vl, qwen3_vl_moe)"
-    )
+    moe = parser.add_argument_group(f"MoE archs ({', '.join(a for a in ARCHS if a in MOE_ARCHS)})")
     moe.add_argument("--num-experts", type=int, help=f"routed experts (default {NUM_EXPERTS})")
     moe.add_argument("--top-k", type=int, help=f"experts per token (default {TOP_K})")
     moe.add_argument(

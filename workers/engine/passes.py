@@ -94,6 +94,16 @@ class PassResults:
     contributed: set[int] = field(default_factory=set)
 
 
+def carries_state(model: nn.Module) -> bool:
+    """Whether any mixer of `model` scans a state along the row: Gated DeltaNet (Qwen3.5's
+    `linear_attn`) and Mamba2 (Nemotron-H's `mixer`), both recognised by the decay `A_log`
+    they learn. transformers' torch paths of both ignore sequence boundaries inside a row."""
+    return any(
+        name.endswith("linear_attn") or isinstance(getattr(module, "A_log", None), torch.Tensor)
+        for name, module in model.named_modules()
+    )
+
+
 class PassRunner:
     """Runs calls on one model with an adapter bank bound through `routing`."""
 
@@ -116,9 +126,9 @@ class PassRunner:
         self.pass_tokens = pass_tokens
         self.chunk_tokens = chunk_tokens
         self.vision = vision  # a vision-language model's tower: rows with images
-        # Linear-attention layers (Qwen3.5's Gated DeltaNet) carry a state along the row on the
-        # torch path, so sequences sharing a row would leak into each other: pad those instead.
-        self.packs = not any(name.endswith("linear_attn") for name, _ in model.named_modules())
+        # Recurrent mixers carry a state along the row on the torch path, so sequences sharing
+        # a row would leak into each other: pad those instead (`carries_state`).
+        self.packs = not carries_state(model)
 
     def run(self, items: Sequence[Checked], slots: Sequence[int]) -> PassResults:
         """Every item (validated, its loss looked up; `slots[i]` holds item i's adapter)."""

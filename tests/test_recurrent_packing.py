@@ -1,0 +1,59 @@
+"""Packing on models whose mixers carry a state along the row: Gated DeltaNet (Qwen3.5's
+`linear_attn`) and Mamba2 (Nemotron-H's `mixer`). transformers' torch paths of both scan the
+whole row and ignore sequence boundaries, so two datums sharing a row would leak one's state
+into the other. The pass runner pads such models instead of packing: a request of several short
+datums gives each datum what it gives alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocol.api import LoraConfig
+from protocol.tensors import DatumArrays, FwdBwdRequest
+from tests.conftest import build_model
+from tests.engine_helpers import Trainer
+from workers.engine.passes import carries_state
+
+
+def _request(model_id: str, lengths: list[int], vocab: int, seed: int) -> FwdBwdRequest:
+    rng = np.random.default_rng(seed)
+    datums = [
+        DatumArrays(
+            rng.integers(0, vocab, length).astype(np.int32),
+            {"target_tokens": rng.integers(0, vocab, length).astype(np.int64)},
+        )
+        for length in lengths
+    ]
+    return FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, datums)
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
+def test_a_packed_row_equals_its_datums_one_by_one(
+    arch: str, tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
+) -> None:
+    model_dir = build_model(tmp_path_factory.mktemp(arch), arch)
+    engine = Trainer(str(model_dir), max_slots=2, max_rank=8)
+    assert carries_state(engine.core.decoder)
+    # an adapter the family can train today: Nemotron-H's experts are not adapted yet
+    engine.create("m", LoraConfig(rank=4, train_mlp=arch != "nemotron_h"))
+    vocab = engine.core.vocab_size
+    lengths = [5, 3, 7, 2]
+    [together] = engine.forward_backward([("m", _request("m", lengths, vocab, seed=1))])
+    assert not isinstance(together, Exception)
+    single = _request("m", lengths, vocab, seed=1)
+    for i, datum in enumerate(single.datums):
+        alone_request = FwdBwdRequest("m", 1, "cross_entropy", True, {}, [datum])
+        [alone] = engine.forward_backward([("m", alone_request)])
+        assert not isinstance(alone, Exception)
+        got = together.loss_fn_outputs[i]["logprobs"]
+        want = alone.loss_fn_outputs[0]["logprobs"]
+        assert np.abs(got - want).max() <= 1e-5, (arch, i)
+
+
+def test_a_model_without_recurrent_mixers_packs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model_dir = build_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    engine = Trainer(str(model_dir), max_slots=1, max_rank=8)
+    assert not carries_state(engine.core.decoder)

@@ -157,6 +157,7 @@ def test_worker_modules_live_in_a_room() -> None:
         "metrics",
         "settings",
         "tiny_model",
+        "tiny_families",
         "usage",
         "watchdog",
     }

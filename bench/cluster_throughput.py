@@ -11,7 +11,9 @@ steps/s, the p50/p99 step latency, and the merged/unmerged throughput ratio.
         [--shapes 1x32 4x128] [--threads 1]
 
 `--lone`: instead, the tenants train one after another, each alone on the cluster for its K
-steps (each call's future `.result()`-ed, as SDK users do), so every step is a lone tenant's.
+steps, so every step is a lone tenant's: once with each call's future `.result()`-ed before the
+next call is sent, once pipelined as tinker-cookbook's loops do (`forward_backward` and
+`optim_step` submitted back to back, then both waited for).
 Beside their tokens/s it prints the worker's own pass time for exactly these batches (its
 `/metrics`: engine seconds of the shared passes and optimizer steps that ran them) and the
 ratio of a step's wall time to that pass time, mean and p50 (and the mean to the pass and the
@@ -130,8 +132,12 @@ def _engine_totals(metrics_url: str) -> dict[str, float]:
     return totals
 
 
-def _lone(cluster: Cluster, shape: Shape, steps: int) -> None:
-    """The tenants one after another, each alone for `steps` steps; prints one line."""
+def _lone(cluster: Cluster, shape: Shape, steps: int, pipelined: bool) -> None:
+    """The tenants one after another, each alone for `steps` steps; prints one line.
+
+    `pipelined`: each step submits `forward_backward` and `optim_step` back to back and then
+    waits for both, as tinker-cookbook's `sl_loop` and `rl_loop` do; otherwise each call's
+    future is waited for before the next call is sent (four HTTP calls in a row a step)."""
     batch = _batch(*shape)
     adam = types.AdamParams(learning_rate=1e-3)
     cluster.clients[0].forward_backward(batch, "cross_entropy").result()  # warm-up
@@ -142,8 +148,14 @@ def _lone(cluster: Cluster, shape: Shape, steps: int) -> None:
     for client in cluster.clients:
         for _ in range(steps):
             step_started = time.perf_counter()
-            client.forward_backward(batch, "cross_entropy").result()
-            client.optim_step(adam).result()
+            if pipelined:
+                pass_future = client.forward_backward(batch, "cross_entropy")
+                step_future = client.optim_step(adam)
+                pass_future.result()
+                step_future.result()
+            else:
+                client.forward_backward(batch, "cross_entropy").result()
+                client.optim_step(adam).result()
             step_s.append(time.perf_counter() - step_started)
     wall_s = time.perf_counter() - started
     after = _engine_totals(cluster.metrics_url)
@@ -158,8 +170,9 @@ def _lone(cluster: Cluster, shape: Shape, steps: int) -> None:
     optim_s = delta["twinkle_worker_optim_step_seconds_sum"] / len(step_s)
     tokens = shape[0] * shape[1]
     mean_s, p50_s = wall_s / len(step_s), statistics.median(step_s)
+    pattern = "pipelined" if pipelined else "awaited  "
     print(
-        f"lone {shape[0]}x{shape[1]:<4} {len(cluster.clients)} tenants x {steps} steps:"
+        f"lone {pattern} {shape[0]}x{shape[1]:<4} {len(cluster.clients)} tenants x {steps} steps:"
         f" {tokens / mean_s:7.0f} tok/s, step mean {mean_s * 1e3:6.1f} ms p50 {p50_s * 1e3:6.1f} ms"
         f" max {max(step_s) * 1e3:6.1f} ms | worker pass {pass_s * 1e3:6.1f} ms"
         f" ({tokens / pass_s:5.0f} tok/s), optim {optim_s * 1e3:5.1f} ms"
@@ -223,7 +236,8 @@ def main() -> None:
         cluster = Cluster(tmp / "lone", model, args, merge=True)
         try:
             for shape in shapes:
-                _lone(cluster, shape, args.steps)
+                for pipelined in (False, True):
+                    _lone(cluster, shape, args.steps, pipelined)
         finally:
             cluster.close()
         return

@@ -35,7 +35,9 @@ def dense_reference(
             w_gu, w_d = frozen.gate_up[expert], frozen.down[expert]
             if shape.transposed:
                 w_gu, w_d = w_gu.t(), w_d.t()  # [2I, H], [H, I]
-            if slot != BASE_SLOT and layer.slot_scales[slot] != 0.0:
+            if slot != BASE_SLOT and layer.slot_scales[slot] != 0.0 and not shape.gated:
+                w_gu, w_d = w_gu + delta("w1", slot, expert), w_d + delta("w2", slot, expert)
+            elif slot != BASE_SLOT and layer.slot_scales[slot] != 0.0:
                 gate, up = delta("w1", slot, expert), delta("w3", slot, expert)
                 fused = torch.cat([gate, up]) if shape.concatenated else torch.stack([gate, up], 1)
                 w_gu, w_d = w_gu + fused.reshape(w_gu.shape), w_d + delta("w2", slot, expert)

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from tests.moe_reference import dense_reference
 from workers.engine import moe_kernels
@@ -22,7 +29,7 @@ from workers.engine.lora import (
     find_target_linears,
     find_unwrappable_experts,
 )
-from workers.engine.moe_lora import MultiSlotLoraExperts
+from workers.engine.moe_lora import MultiSlotLoraExperts, expert_shape
 
 H, I_MOE, E, TOP_K = 64, 32, 8, 2
 
@@ -70,6 +77,31 @@ def _gpt_oss() -> nn.Module:
     return model
 
 
+def _nemotron_h() -> nn.Module:
+    """Non-gated relu² experts (`up_proj [E, I, H]`, `down_proj [E, H, I]`) behind an attention
+    block and a Mamba2 block."""
+    config = NemotronHConfig(
+        vocab_size=300,
+        hidden_size=H,
+        layers_block_type=["mamba", "attention", "moe"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=8,
+        n_routed_experts=E,
+        num_experts_per_tok=TOP_K,
+        moe_intermediate_size=I_MOE,
+        moe_shared_expert_intermediate_size=2 * I_MOE,
+        n_group=1,
+        topk_group=1,
+    )
+    torch.manual_seed(0)
+    return NemotronHForCausalLM(config).eval()
+
+
 def _bank(model: nn.Module, ranks: list[int]) -> tuple[LoraBank, SlotRouting]:
     model.requires_grad_(False)
     routing = SlotRouting()
@@ -106,7 +138,7 @@ def _assert_close(actual: torch.Tensor | None, expected: torch.Tensor | None) ->
     assert error <= 1e-5 * float(expected.abs().max()), error
 
 
-BUILDERS = {"qwen3_moe": _qwen3_moe, "gpt_oss": _gpt_oss}
+BUILDERS = {"qwen3_moe": _qwen3_moe, "gpt_oss": _gpt_oss, "nemotron_h": _nemotron_h}
 
 
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
@@ -169,7 +201,7 @@ def test_grouped_expert_lora_equals_the_dense_reference(
 def test_rows_without_an_adapter_compute_exactly_the_base(arch: str) -> None:
     model = BUILDERS[arch]()
     x, index, weights = _inputs(6)
-    base_out = [m(x, index, weights) for m in model.modules() if hasattr(m, "gate_up_proj")]
+    base_out = [m(x, index, weights) for m in model.modules() if expert_shape(m) is not None]
     bank, routing = _bank(model, [4])
     layers = list(bank.expert_layers.values())
     with torch.no_grad():
@@ -195,6 +227,26 @@ def test_tinkers_shared_outer_parameter_count() -> None:
         if layout.path.rsplit(".", 1)[-1] in {"w1", "w2", "w3"}
     )
     assert expert_params == 2 * 3 * (H + E * I_MOE) * rank
+
+
+def test_non_gated_experts_count_two_projections_and_mixers_are_classified() -> None:
+    """Nemotron-H: 2·(H + E·I)·r per MoE block (up, down), its shared expert with the MLP, its
+    Mamba2 mixer's and attention's linears with attention, the router nowhere."""
+    model = _nemotron_h()
+    rank = 4
+    bank, _ = _bank(model, [rank])
+    [path] = bank.expert_layers
+    expert_params = sum(
+        a.numel() + b.numel()
+        for layout, a, b in bank.slot_views(bank.weights, 0, rank)
+        if layout.path.startswith(path + ".")
+    )
+    assert expert_params == 2 * (H + E * I_MOE) * rank
+    groups = {path: layer.group for path, layer in bank.layers.items()}
+    assert groups["model.layers.0.mixer.out_proj"] == "attn"
+    assert groups["model.layers.1.mixer.q_proj"] == "attn"
+    assert groups["model.layers.2.mixer.shared_experts.up_proj"] == "mlp"
+    assert not any(p.endswith("mixer.gate") for p in groups)
 
 
 def test_routers_are_never_targets_and_moe_blocks_are_found() -> None:

@@ -35,8 +35,7 @@ def test_a_packed_row_equals_its_datums_one_by_one(
     model_dir = build_model(tmp_path_factory.mktemp(arch), arch)
     engine = Trainer(str(model_dir), max_slots=2, max_rank=8)
     assert carries_state(engine.core.decoder)
-    # an adapter the family can train today: Nemotron-H's experts are not adapted yet
-    engine.create("m", LoraConfig(rank=4, train_mlp=arch != "nemotron_h"))
+    engine.create("m", LoraConfig(rank=4))
     vocab = engine.core.vocab_size
     lengths = [5, 3, 7, 2]
     [together] = engine.forward_backward([("m", _request("m", lengths, vocab, seed=1))])

@@ -40,7 +40,6 @@ from protocol.errors import ServerError
 from workers.engine.collective import Collective
 from workers.engine.lora_kernels import LoraKind, segment_lora
 from workers.engine.moe_lora import (
-    EXPERT_PROJECTIONS,
     ExpertFactors,
     ExpertParallel,
     ExpertProjection,
@@ -64,6 +63,9 @@ _UNTRAINED_LEAVES = frozenset({"gate", "router", "shared_expert_gate"})
 # Kimi-K2, GLM-5): only the linears that touch the residual stream are adapted, as Tinker does
 # (`q_a_proj`, `kv_a_proj_with_mqa`, `o_proj`; docs/compatibility.md).
 _LOW_RANK_LEAVES = frozenset({"q_b_proj", "kv_b_proj"})
+# A hybrid model's per-block mixer (Nemotron-H: `model.layers.N.mixer` is a Mamba2 mixer, an
+# attention, or a MoE): its group follows what the block is (`_mixer_group`).
+_MIXER_PARENTS = frozenset({"mixer"})
 # Multimodal checkpoints also have `attn`/`mlp` blocks in their vision tower; tenants train text.
 _VISION_PREFIXES = ("visual", "vision")
 
@@ -83,6 +85,17 @@ def computes_linear(module: nn.Module) -> bool:
     return kind.forward is nn.Linear.forward or bool(getattr(kind, "same_as_linear", False))
 
 
+def _mixer_group(mixer: nn.Module) -> LayerGroup | None:
+    """The group of a hybrid block's mixer: a MoE or an MLP trains with the MLP; attention and
+    the sequence mixers standing in for it (Mamba2) with attention, as Tinker counts them."""
+    name = type(mixer).__name__
+    if hasattr(mixer, "experts") or name.endswith(("MLP", "MoE", "Moe")):
+        return "mlp"
+    if "Attention" in name or "Mamba" in name:
+        return "attn"
+    return None
+
+
 def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
     """The linears a slot may train, by module path, grouped by the block that holds them."""
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
@@ -98,9 +111,16 @@ def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
         if any(part.startswith(_VISION_PREFIXES) for part in parts):
             continue
         parent = parts[-2] if len(parts) >= 2 else ""
-        if parent in _ATTN_PARENTS and parts[-1] not in _LOW_RANK_LEAVES:
+        group: LayerGroup | None = None
+        if parent in _MIXER_PARENTS:
+            group = _mixer_group(model.get_submodule(".".join(parts[:-1])))
+        elif parent in _ATTN_PARENTS:
+            group = "attn"
+        elif parent in _MLP_PARENTS:
+            group = "mlp"
+        if group == "attn" and parts[-1] not in _LOW_RANK_LEAVES:
             targets[path] = "attn"
-        elif parent in _MLP_PARENTS and parts[-1] not in _UNTRAINED_LEAVES:
+        elif group == "mlp" and parts[-1] not in _UNTRAINED_LEAVES:
             targets[path] = "mlp"
     return targets
 
@@ -290,7 +310,8 @@ def lay_out_slot(
 ) -> tuple[list[LayerLayout], int]:
     """Where every adaptable layer's factors sit in a slot's row, and the row's length.
 
-    Layouts in order: the linears, then each fused experts block's w1, w3, w2. In the row, every
+    Layouts in order: the linears, then each fused experts block's w1, w3, w2 (non-gated
+    experts: w1, w2). In the row, every
     factor one rank holds whole comes first (the linears' A and B, the experts' shared factors)
     and the per-expert factors last, from `per_expert_start` on (`LoraBank`): under expert
     parallelism that tail is what differs between ranks, one contiguous part of each row.
@@ -309,7 +330,7 @@ def lay_out_slot(
         layouts.append(LayerLayout(path, group, linear.in_features, linear.out_features, 0, 0))
     for path, shape in experts.items():
         part = slices.get(path)
-        for projection in EXPERT_PROJECTIONS:
+        for projection in shape.projections:
             in_f, out_f, a_e, b_e = projection_shape(shape, projection)
             offset, total = (part.offset, part.total) if part else (0, 0)
             if whole and part:
@@ -459,7 +480,7 @@ class LoraBank:
         self, model: nn.Module, path: str, shape: ExpertShape, by_path: dict[str, LayerLayout]
     ) -> None:
         factors: dict[ExpertProjection, ExpertFactors] = {}
-        for projection in EXPERT_PROJECTIONS:
+        for projection in shape.projections:
             layout = by_path[f"{path}.{projection}"]
             lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
             lora_A.grad = self._stacked_a(self.grads, layout)

@@ -58,8 +58,10 @@ if TYPE_CHECKING:
     from workers.engine.lora import Segment, SlotRouting
 
 ExpertProjection = Literal["w1", "w3", "w2"]
-# Tinker's names: w1 gate, w3 up, w2 down.
+# Tinker's names: w1 gate, w3 up, w2 down. Non-gated experts (Nemotron-H's relu² `up_proj`,
+# `down_proj`) have w1 (up, the activated one) and w2 (down) only.
 EXPERT_PROJECTIONS: tuple[ExpertProjection, ...] = ("w1", "w3", "w2")
+PLAIN_PROJECTIONS: tuple[ExpertProjection, ...] = ("w1", "w2")
 _BASE_SLOT = -1  # `workers.engine.lora.BASE_SLOT`
 
 
@@ -73,6 +75,14 @@ class ExpertShape:
     transposed: bool  # gate_up_proj [E, H, 2I] and down_proj [E, I, H] (gpt-oss)
     concatenated: bool  # gate rows then up rows; False: interleaved gate0, up0, gate1, …
     has_bias: bool
+    # False: non-gated experts, `down(act(up(x)))` with `up_proj [E, I, H]` (Nemotron-H); the
+    # projection before the activation is then `gate_up` of `I` rows, not `2I`
+    gated: bool = True
+
+    @property
+    def projections(self) -> tuple[ExpertProjection, ...]:
+        """The projections this block's adapter has, in the bank's order."""
+        return EXPERT_PROJECTIONS if self.gated else PLAIN_PROJECTIONS
 
 
 def expert_shape(module: nn.Module) -> ExpertShape | None:
@@ -84,7 +94,11 @@ def expert_shape(module: nn.Module) -> ExpertShape | None:
     """
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+    if not isinstance(down, torch.Tensor):
+        return None
+    if gate_up is None:
+        return _plain_shape(module, down)
+    if not isinstance(gate_up, torch.Tensor):
         return None
     if gate_up.dim() != 3 or down.dim() != 3:
         return None
@@ -108,6 +122,20 @@ def expert_shape(module: nn.Module) -> ExpertShape | None:
     )
 
 
+def _plain_shape(module: nn.Module, down: torch.Tensor) -> ExpertShape | None:
+    """Non-gated fused experts: 3-D `up_proj [E, I, H]`, `down_proj [E, H, I]` and `act_fn`,
+    called as the gated ones are (Nemotron-H's `NemotronHExperts`)."""
+    up = getattr(module, "up_proj", None)
+    if not isinstance(up, torch.Tensor) or up.dim() != 3 or down.dim() != 3:
+        return None
+    n_experts, intermediate, hidden = (int(n) for n in up.shape)
+    if tuple(down.shape) != (n_experts, hidden, intermediate) or not callable(
+        getattr(module, "act_fn", None)
+    ):
+        return None
+    return ExpertShape(n_experts, hidden, intermediate, False, True, False, gated=False)
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """The frozen tensors of a fused experts module, typed."""
@@ -124,14 +152,18 @@ def expert_weights(module: nn.Module, shape: ExpertShape) -> ExpertWeights:
         value = getattr(module, name, None)
         return value if isinstance(value, torch.Tensor) else None
 
-    gate_up, down = tensor("gate_up_proj"), tensor("down_proj")
+    gate_up = tensor("gate_up_proj" if shape.gated else "up_proj")
+    down = tensor("down_proj")
     assert gate_up is not None and down is not None  # `expert_shape` found them
     return ExpertWeights(
         gate_up,
         down,
         tensor("gate_up_proj_bias") if shape.has_bias else None,
         tensor("down_proj_bias") if shape.has_bias else None,
-        cast(Callable[[torch.Tensor], torch.Tensor], module._apply_gate),
+        cast(
+            Callable[[torch.Tensor], torch.Tensor],
+            module._apply_gate if shape.gated else module.act_fn,
+        ),
     )
 
 
@@ -181,7 +213,7 @@ class MultiSlotLoraExperts(nn.Module):
         self.shape = shape  # this rank's experts
         self.parallel = parallel
         self.group = "mlp"
-        for projection in EXPERT_PROJECTIONS:
+        for projection in shape.projections:
             self.register_parameter(f"{projection}_lora_A", factors[projection].lora_A)
             self.register_parameter(f"{projection}_lora_B", factors[projection].lora_B)
         self.slot_scales = slot_scales  # shared with the bank: alpha/rank, 0 where not trained
@@ -301,16 +333,20 @@ def experts_forward(
     scales = plan.scales.to(dtype)
     routed_weight = top_k_weights.reshape(-1).index_select(0, plan.routed).unsqueeze(-1)
 
-    # Step 2: [segments, longest segment, 2r]; the tiles' padding reads an appended zero row.
+    # Step 2: [segments, longest segment, 2r] (non-gated: r); the tiles' padding reads an
+    # appended zero row.
+    before_act: tuple[ExpertProjection, ...] = ("w1", "w3") if shape.gated else ("w1",)
     a_shared = torch.cat(
         [
             select_rows(layer.factor(p, "A"), plan.slots, 1, rank, into_grad=True, span=plan.span)
-            for p in ("w1", "w3")
+            for p in before_act
         ],
         1,
     ).to(dtype)
     shrunk = torch.bmm(plan.segment_rows(x), a_shared.transpose(1, 2)) * scales
-    u = F.pad(shrunk.reshape(-1, rank), (0, 0, 0, 1)).index_select(0, plan.u_index)
+    # One factor's rows are the token positions themselves: `z_index` places them.
+    u_index = plan.u_index if shape.gated else plan.z_index
+    u = F.pad(shrunk.reshape(-1, rank), (0, 0, 0, 1)).index_select(0, u_index)
 
     # Step 3. index_select rather than indexing: its backward is one index_add, not a sort.
     x_rows = x.index_select(0, plan.token)
@@ -318,16 +354,23 @@ def experts_forward(
         x_rows, frozen.gate_up, frozen.gate_up_bias, plan, shape.transposed
     )  # type: ignore[no-untyped-call]
 
-    # Step 4: back in row order, row j's gate update at 2j and its up at 2j + 1; rows of no
-    # active segment read a zero row.
-    b_factors = (layer.factor("w1", "B"), layer.factor("w3", "B"))
+    # Step 4: back in row order, row j's gate update at 2j and its up at 2j + 1 (non-gated: its
+    # one update at j); rows of no active segment read a zero row.
+    b_factors = [layer.factor(p, "B") for p in before_act]
     update = GroupedProduct.apply(u, plan, -1, rank, *b_factors)  # type: ignore[no-untyped-call]
     update = F.pad(update, (0, 0, 0, 1)) if plan.ungrouped else update
-    update = update.index_select(0, plan.update_index).view(-1, 2, shape.intermediate)
-    if shape.concatenated:
-        gate_up = gate_up + update.view(gate_up.shape)
+    if not shape.gated:
+        # `update_index` names the gate's row then the up's; one factor has the first only,
+        # and its zero row sits right after its positions
+        first = plan.update_index.view(-1, 2)[:, 0]
+        first = torch.where(first < plan.positions, first, plan.positions)
+        gate_up = gate_up + update.index_select(0, first)
     else:
-        gate_up = (gate_up.view(-1, shape.intermediate, 2) + update.transpose(1, 2)).flatten(1)
+        update = update.index_select(0, plan.update_index).view(-1, 2, shape.intermediate)
+        if shape.concatenated:
+            gate_up = gate_up + update.view(gate_up.shape)
+        else:
+            gate_up = (gate_up.view(-1, shape.intermediate, 2) + update.transpose(1, 2)).flatten(1)
     # Scaled by the router weight, the activations weight the base down projection and the
     # down A factors alike.
     hidden = frozen.apply_gate(gate_up) * routed_weight

@@ -41,7 +41,7 @@ from protocol.errors import UserError
 from protocol.jobs import AdapterLayout
 from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE
 from workers.engine.lora import LayerGroup, LayerLayout
-from workers.engine.moe_lora import EXPERT_PROJECTIONS, ExpertShape
+from workers.engine.moe_lora import ExpertShape
 from workers.trainer.expert_files import (
     PER_EXPERT_NAMES,
     AdapterScales,
@@ -158,7 +158,19 @@ def adapter_config(
 ) -> dict[str, Any]:
     """PEFT's `adapter_config.json` for the checkpoint's adapter file in `layout`."""
     blocks = expert_paths(checkpoint.tensors, model.experts)
-    own = {f"{block}.{projection}" for block in blocks for projection in EXPERT_PROJECTIONS}
+    own = {
+        f"{block}.{projection}"
+        for block in blocks
+        for projection in model.experts[block].projections
+    }
+    # non-gated experts are written in the trainer's form whatever the layout (expert_files.py)
+    plain = sorted(
+        f"{block}.{projection}"
+        for block in blocks
+        if not model.experts[block].gated
+        for projection in model.experts[block].projections
+    )
+    gated = [block for block in blocks if model.experts[block].gated]
     trained = {
         key[len("base_model.model.") :].rpartition(".lora_")[0]
         for key in checkpoint.tensors
@@ -170,12 +182,12 @@ def adapter_config(
     elif layout == "per-expert":
         experts = [
             f"{block}.{e}.{name}"
-            for block in blocks
+            for block in gated
             for e in range(model.experts[block].num_experts)
             for name in PER_EXPERT_NAMES.values()
-        ]
+        ] + plain
     else:
-        experts = []
+        experts = plain
     targets = target_modules_for([*linears, *experts], [*model.linear_paths, *experts])
     config = {
         "peft_type": "LORA",
@@ -196,7 +208,7 @@ def adapter_config(
         "alpha_pattern": {},
     }
     if layout == "peft":
-        config.update(peft_config_fields(blocks, checkpoint.rank, checkpoint.lora_alpha))
+        config.update(peft_config_fields(gated, checkpoint.rank, checkpoint.lora_alpha))
     return config
 
 

@@ -26,6 +26,9 @@ hidden H, intermediate I, rank r) holds Tinker's shared-outer adapter, keyed as 
   what tinker-cookbook's `weights.build_lora_adapter` writes and vLLM's per-expert loader takes.
 - "tinker": the trainer's form as is (tinker-cookbook's `weights.build_hf_model` reads it).
 
+Non-gated experts (Nemotron-H: `up_proj`, `down_proj`; the trainer's X.w1 and X.w2) are written
+in the trainer's form whatever the layout asked for.
+
 Invariants:
 - Both directions only copy values and write PEFT's zero blocks, so a checkpoint round-trips
   bit-exactly.
@@ -152,12 +155,20 @@ def to_file(
 ) -> Tensors:
     """`tensors` (the trainer's form) in a file layout; other layers' tensors unchanged."""
     blocks = expert_paths(tensors, experts)
-    own = {adapter_key(f"{x}.{p}", m) for x in blocks for p in EXPERT_PROJECTIONS for m in MATRICES}
+    own = {
+        adapter_key(f"{x}.{p}", m) for x in blocks for p in experts[x].projections for m in MATRICES
+    }
     written: Tensors = {key: value for key, value in tensors.items() if key not in own}
     if layout == "tinker":
         return {**written, **{key: tensors[key] for key in own}}
     for block in blocks:
         shape = experts[block]
+        if not shape.gated:
+            for projection in shape.projections:
+                for matrix in MATRICES:
+                    key = adapter_key(f"{block}.{projection}", matrix)
+                    written[key] = tensors[key]
+            continue
 
         def factor(projection: str, matrix: Matrix, block: str = block) -> torch.Tensor:
             return tensors[adapter_key(f"{block}.{projection}", matrix)]

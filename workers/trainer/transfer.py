@@ -473,6 +473,8 @@ def _merge_experts(
     if projection == "w2":
         weight = frozen.down
         update = delta.transpose(1, 2) if shape.transposed else delta
+    elif not shape.gated:  # up_proj [E, I, H], all of it
+        weight, update = frozen.gate_up, delta
     else:
         weight = frozen.gate_up
         rows = weight.transpose(1, 2) if shape.transposed else weight  # [E, 2I, H] view

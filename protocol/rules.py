@@ -240,6 +240,29 @@ def check_adam(params: AdamParams) -> AdamParams:
     return params
 
 
+# -- base models --------------------------------------------------------------------------------
+
+# Tinker base models whose family (`model_type`) has no model class in the transformers this
+# service runs (5.19): no worker can load them, so a request naming one is refused with its family
+# rather than with the answer for a model that is merely not served here. A family leaves this
+# table when a transformers release the workers use gains its class.
+UNBUILDABLE_FAMILIES: dict[str, str] = {"moonshotai/Kimi-K3.1-Pro": "kimi_k3"}
+
+
+def check_buildable(field: str, base_model: str, served: Iterable[str]) -> None:
+    """Refuse a base model of a family we have no implementation of, naming it and its family;
+    `served` (the base models served now) is listed as the alternatives."""
+    family = UNBUILDABLE_FAMILIES.get(base_model)
+    if family is not None:
+        names = ", ".join(sorted(served)) or "none"
+        raise UserError(
+            f"{field}: {base_model!r} is of the {family} family, which has no implementation"
+            f" here (the installed transformers has no {family} model class), so it cannot be"
+            f" served; served base models: {names}",
+            code="unsupported_family",
+        )
+
+
 def check_lora_config(config: LoraConfig, max_rank: int | None) -> LoraConfig:
     """An adapter shape a worker with adapters up to `max_rank` can hold (None: rank >= 1)."""
     if config.rank < 1 or (max_rank is not None and config.rank > max_rank):

@@ -89,6 +89,7 @@ class Registry:
     def check_base_model(self, base_model: str) -> WorkerRecord | None:
         served = self.served_models()
         if base_model not in served:
+            rules.check_buildable("base_model", base_model, served)
             names = ", ".join(sorted(served)) or "none"
             raise UserError(
                 f"base_model {base_model!r} is not served here; served base models: {names}"

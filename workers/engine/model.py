@@ -58,7 +58,7 @@ from workers.engine.losses import check_inputs, get_loss, resolve_config
 from workers.engine.memory import free_memory, plan_slots
 from workers.engine.optimizer import SlotAdamW
 from workers.engine.passes import CUSTOM, Checked, PassResults, PassRunner, not_finite
-from workers.engine.vision import VisionTower
+from workers.engine.vision import VisionTower, no_images
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ log = logging.getLogger(__name__)
 def load_causal_lm(base_model: str, dtype: torch.dtype) -> PreTrainedModel:
     """The causal LM of `base_model`: its text model where transformers has a causal-LM class
     for it (a Qwen3.5 composite loads its language model so), else, for a vision-language
-    model without one (Qwen3-VL), the composite itself, whose decoder and output layer the
-    passes run and whose vision tower `VisionTower` uses."""
+    model without one (Qwen3-VL, Kimi-K2.5, Inkling), the composite itself, whose decoder and
+    output layer the passes run and whose vision tower `VisionTower` uses where it is
+    Qwen-VL's (LoRA never adapts a tower or its projector: `workers.engine.lora`)."""
     config = AutoConfig.from_pretrained(base_model)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(config, "vision_config"):
         composite: PreTrainedModel = AutoModelForImageTextToText.from_pretrained(
@@ -165,6 +166,8 @@ class MultiSlotModel:
             least = 64
         # A vision-language model's frozen vision tower, beside its text model (None: text)
         self.vision = VisionTower.load(base_model, self.dtype, str(self.device), model=model)
+        # why an image is refused, when it is (a text model, or a tower the engine cannot run)
+        self.no_images = None if self.vision else no_images(base_model, model.config)
         self.passes = PassRunner(
             model,
             self.routing,
@@ -251,7 +254,7 @@ class MultiSlotModel:
         """A text model takes no image; a VL model's image placeholder tokens stand exactly
         where its images are (a stray one would take another tenant's pass down)."""
         if datum.images and self.vision is None:
-            raise UserError(f"{field}: {self.base_model} is a text model and takes no images")
+            raise UserError(f"{field}: {self.no_images}")
         if self.vision is None:
             return
         where = np.zeros(datum.tokens.shape[0], dtype=bool)

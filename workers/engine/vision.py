@@ -16,6 +16,11 @@ from it:
 Invariant: the text model run on `embed(...)` with `positions(...)` gives the composite model's
 logits for the same ids and images (≤ 1e-5 in fp32; `tests/test_vision.py`).
 
+Other vision-language families (Kimi-K2.5's `vision_tower` + `mm_projector`, Inkling's
+`vision_tower`) load as text models: their tower is not Qwen-VL's (no `model.visual`, no patch
+grid positions), so `load` gives None for them and `no_images` says why an image is refused,
+naming what their image path lacks here (their image processors need torchvision).
+
 Place in the flow: loaded by the engine for a VL base model; the passes call it for the rows
 that hold images.
 """
@@ -39,7 +44,11 @@ from transformers import (
     AutoModelForImageTextToText,
     PretrainedConfig,
 )
+from transformers.models.auto.image_processing_auto import (  # type: ignore[attr-defined]
+    IMAGE_PROCESSOR_MAPPING_NAMES,  # each family's image processor classes, by backend
+)
 from transformers.utils.hub import cached_file
+from transformers.utils.import_utils import is_torchvision_available
 
 from protocol.errors import UserError
 from protocol.images import DatumImage, VisionGeometry
@@ -92,8 +101,9 @@ class VisionTower:
         model: nn.Module | None = None,
     ) -> VisionTower | None:
         """The tower of `base_model` (a local checkpoint directory or a hub id, as the text
-        model is loaded from), or None for a text model. `model`: the engine's model, whose
-        tower is taken as it is when it is the composite (Qwen3-VL)."""
+        model is loaded from), or None for a text model and for a family whose tower is not
+        Qwen-VL's (`no_images` says why). `model`: the engine's model, whose tower is taken as
+        it is when it is the composite (Qwen3-VL)."""
         config = AutoConfig.from_pretrained(base_model)
         if getattr(config, "vision_config", None) is None:
             return None
@@ -103,8 +113,11 @@ class VisionTower:
             return cls(held, config, processor)
         with torch.device("meta"):  # only to learn the tower's class: no memory
             composite = AutoModelForImageTextToText.from_config(config)  # type: ignore[no-untyped-call]
-        tower_class = type(composite.model.visual)
+        tower = getattr(getattr(composite, "model", None), "visual", None)
         del composite
+        if not isinstance(tower, nn.Module):  # Kimi-K2.5's, Inkling's `vision_tower`: text only
+            return None
+        tower_class: Any = type(tower)  # a transformers model class: `_from_config`
         visual = tower_class._from_config(config.vision_config, dtype=dtype)
         tensors = visual.state_dict(keep_vars=True)  # the module's own parameters and buffers
         missing = set(tensors)
@@ -226,6 +239,26 @@ class VisionTower:
         if image != len(grids):
             raise ValueError(f"{len(grids)} images for {image} image placeholder runs")
         return out
+
+
+def no_images(base_model: str, config: PretrainedConfig) -> str:
+    """Why `base_model` takes no images here, for a model `VisionTower.load` gave None for: a
+    text model, or a vision-language family whose image path this engine does not compute,
+    with what that path lacks on this worker (an image processor that needs torchvision)."""
+    if getattr(config, "vision_config", None) is None:
+        return f"{base_model} is a text model and takes no images"
+    family = str(config.model_type)
+    backends = IMAGE_PROCESSOR_MAPPING_NAMES.get(family, {})
+    missing = ""
+    if backends and "pil" not in backends and not is_torchvision_available():
+        processor = next(iter(backends.values()))
+        missing = (
+            f"its image processor ({processor}) needs torchvision, which is not installed, and "
+        )
+    return (
+        f"{base_model} ({family}) takes text only here: {missing}the engine places image "
+        "features for Qwen-VL's vision towers only; send the text without the image"
+    )
 
 
 def _checkpoint_file(base_model: str, name: str) -> str | None:

@@ -3,7 +3,9 @@
 Builds random-weight models in memory (no hub, nothing saved): a Qwen3-4B-shaped Qwen3 (hidden
 2560, 36 layers, FFN 9728, 32 query / 8 KV heads of 128, vocab 151936, tied) and a small
 Qwen3.5-shaped hybrid (Gated DeltaNet linear attention + full attention), and Qwen3-30B-A3B's MoE
-layer sizes with 6 layers (128 fused experts, top-8; the experts' shared-outer LoRA). Wraps each with the
+layer sizes with 6 layers (128 fused experts, top-8; the experts' shared-outer LoRA); on request
+(`--models deepseek_v3`, run by `bench/gpu_check.sh` as a step of its own) one DeepSeek-V3 decoder
+layer at full size (multi-head latent attention, 256 experts top-8, one shared expert). Wraps each with the
 project's `workers.engine.lora.LoraBank` (fp32 adapters, rank 16 on attention and MLP, one slot per
 tenant) and times merged training passes: forward + backward over N = 1, 4, 16 tenants' rows,
 each tenant `--seqs` sequences of `--seq-len` tokens, one segment per tenant, the loss a chunked
@@ -16,7 +18,7 @@ Rows of the table:
   runs through every layer: the ceiling for any LoRA kind.
 - `solo`: the same N tenants as N one-tenant passes, with the device's default kind: what
   merging saves.
-- `per-expert` (MoE model, where the grouped GEMM runs): the default kind with the experts'
+- `per-expert` (MoE models, where the grouped GEMM runs): the default kind with the experts'
   frozen products as one matmul per expert instead of one grouped GEMM; before the table, the
   two are compared on one pass's LoRA gradients.
 
@@ -25,7 +27,8 @@ embedding lookup not at all) plus, on a MoE model, the active experts' (top-k of
 - `MFU6` = 6·P·T / time / peak: 2·P·T forward + 4·P·T backward, the full-training count.
 - `MFUlora` = (4·P·T + attention + LoRA) / time / peak, the work a frozen-base LoRA step does:
   forward and activation gradient (no base weight gradient), attention 6·s·d_attn per token and
-  full-attention layer (linear-attention layers not counted), LoRA 6·r·Σ(in+out) per token.
+  full-attention layer (linear-attention layers not counted; multi-head latent attention's
+  d_attn = heads · (query-key dim + value dim) / 2), LoRA 6·r·Σ(in+out) per token.
   The lm_head recomputed by the checkpointed loss (2·V·h per token) is in neither count.
 Peak: 989 TFLOP/s, dense bf16 of an H100 or H200 (`--peak-tflops`).
 
@@ -116,6 +119,43 @@ def qwen3_moe(tiny: bool) -> Any:
     return Qwen3MoeConfig(**shape)
 
 
+def deepseek_v3(tiny: bool) -> Any:
+    """One DeepSeek-V3 decoder layer at full size (the MoE layers of DeepSeek-V3.1 and Kimi-K2
+    have the same shapes): multi-head latent attention (128 heads, query and KV ranks 1536 and
+    512, query-key heads of 128 + 64 rotary dims, values of 128), 256 routed experts of width
+    2048, top-8 from 4 of 8 groups, one shared expert, the 129280-token vocabulary untied.
+    13.4B parameters (27 GB in bf16): 11.3B the experts, 1.9B the embeddings and the head. One
+    layer leaves room on an 80 GB GPU for 16 tenants' adapters. Tiny: the same routing (256
+    experts, top-8, groups) at hidden 64."""
+    from transformers import DeepseekV3Config
+
+    shape = dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=1,
+        first_k_dense_replace=0, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, vocab_size=129280, tie_word_embeddings=False,
+        max_position_embeddings=163840,
+    )  # fmt: skip
+    if tiny:
+        shape |= dict(
+            hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_attention_heads=2, num_key_value_heads=2, q_lora_rank=48, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, vocab_size=512,
+        )  # fmt: skip
+    return DeepseekV3Config(**shape)
+
+
+def attention_width(text: Any) -> int:
+    """d_attn of the attention FLOPs: heads · head_dim, or for multi-head latent attention
+    heads · (query-key dim + value dim) / 2 (its scores and its values differ in width)."""
+    query_key = getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0)
+    if query_key:
+        return int(text.num_attention_heads * (query_key + text.v_head_dim) // 2)
+    return int(text.num_attention_heads * text.head_dim)
+
+
 @dataclass
 class Bench:
     """One model on the device, wrapped with a LoraBank of `max_slots` trained slots."""
@@ -155,7 +195,7 @@ def build(name: str, config: Any, device: torch.device, dtype: torch.dtype, slot
             matmul_params += int(active * (gate_up.numel() + down.numel()))
     layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     full_layers = sum(t == "full_attention" for t in layer_types)
-    d_attn = text.num_attention_heads * text.head_dim
+    d_attn = attention_width(text)
     routing = SlotRouting()
     bank = LoraBank(model, max_slots=slots, max_rank=RANK, routing=routing, device=device)
     generator = torch.Generator().manual_seed(0)
@@ -397,7 +437,9 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, help="sequences per tenant (default 2; tiny 2)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 512; tiny 16)")
     parser.add_argument("--reps", type=int, help="timed passes per row (default 3; tiny 1)")
-    parser.add_argument("--models", default="qwen3,qwen3_5,qwen3_moe")
+    parser.add_argument(
+        "--models", default="qwen3,qwen3_5,qwen3_moe", help="of qwen3,qwen3_5,qwen3_moe,deepseek_v3"
+    )
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--budget-s", type=float, default=230.0, help="skip rows past this")
     args = parser.parse_args()
@@ -430,6 +472,7 @@ def main() -> None:
         "qwen3": ("qwen3-4b", qwen3_4b),
         "qwen3_5": ("qwen3.5-s", qwen3_5_small),
         "qwen3_moe": ("qwen3-30b-a3b-6l", qwen3_moe),
+        "deepseek_v3": ("dsv3-1l", deepseek_v3),
     }
     for key in args.models.split(","):
         name, make_config = builders[key]
@@ -447,7 +490,7 @@ def main() -> None:
             print(f"[{name}] could not be built: {type(exc).__name__}: {exc}", flush=True)
             continue
         modes = kinds if key == "qwen3" else [lora_path(device, dtype)]
-        if key == "qwen3_moe" and "grouped" in kinds:
+        if key in ("qwen3_moe", "deepseek_v3") and "grouped" in kinds:
             modes.append("per-expert")
             try:
                 print(compare_expert_products(bench, args, min(4, max(tenants))), flush=True)

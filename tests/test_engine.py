@@ -516,7 +516,12 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
 
     engine = Trainer(str(tiny_qwen3_5), max_slots=2, max_rank=8)
     groups = {layout.path: layout.group for layout in engine.bank.layouts}
-    assert groups["model.layers.0.linear_attn.in_proj_qkv"] == "attn"
+    # Tinker's adapter: one pair per q, k, v slice of the fused projection, none on the
+    # per-head scalars `in_proj_a`/`in_proj_b`; a PEFT file holds the slices as one block LoRA
+    for part in ("q", "k", "v"):
+        assert groups[f"model.layers.0.linear_attn.in_proj_qkv.{part}"] == "attn"
+    assert "model.layers.0.linear_attn.in_proj_qkv" not in groups
+    assert not any(path.endswith(("in_proj_a", "in_proj_b")) for path in groups)
     assert groups["model.layers.0.linear_attn.out_proj"] == "attn"
     assert groups["model.layers.1.self_attn.q_proj"] == "attn"
     assert groups["model.layers.0.mlp.down_proj"] == "mlp"

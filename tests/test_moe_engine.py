@@ -200,8 +200,9 @@ def test_checkpoints_round_trip_in_peft_expert_layout(
     assert not any(".w1." in k or ".w2." in k for k in tensors)
     assert f"{first}.gate_up_proj" in config["target_parameters"]
     assert f"{first}.down_proj" in config["target_parameters"]
-    assert config["r"] == 4 and config["rank_pattern"] == {"experts.gate_up_proj": 8}
-    assert config["alpha_pattern"] == {"experts.gate_up_proj": 2 * config["lora_alpha"]}
+    # (beside them, Qwen3.5's sliced `in_proj_qkv`: a block LoRA of rank 3r, sliced_files.py)
+    assert config["r"] == 4 and config["rank_pattern"]["experts.gate_up_proj"] == 8
+    assert config["alpha_pattern"]["experts.gate_up_proj"] == 2 * config["lora_alpha"]
     # moments stay in the compact shared-outer form
     moments = safetensors.torch.load_file(str(directory / "optimizer.safetensors"))
     assert moments[f"{key}.w1.lora_A.weight.exp_avg"].shape == (1, 4, hidden)

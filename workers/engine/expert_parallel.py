@@ -20,8 +20,9 @@ from protocol.errors import ServerError
 from workers.engine.collective import Collective
 from workers.engine.lora import ExpertSlice, find_expert_modules
 
-# The fused experts module's tensors with one leading row per expert (transformers 5).
-_PER_EXPERT = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# The fused experts module's tensors with one leading row per expert (transformers 5; `up_proj`:
+# non-gated experts).
+_PER_EXPERT = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def split_experts(model: nn.Module, collective: Collective) -> dict[str, ExpertSlice]:

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Literal, cast
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,124 +39,27 @@ from torch import nn
 from protocol.errors import ServerError
 from workers.engine.collective import Collective
 from workers.engine.lora_kernels import LoraKind, segment_lora
+from workers.engine.lora_targets import LAYER_GROUPS as LAYER_GROUPS
+from workers.engine.lora_targets import ExpertSlice as ExpertSlice
+from workers.engine.lora_targets import LayerGroup as LayerGroup
+from workers.engine.lora_targets import LayerLayout as LayerLayout
+from workers.engine.lora_targets import computes_linear as computes_linear
+from workers.engine.lora_targets import find_expert_modules as find_expert_modules
+from workers.engine.lora_targets import find_target_linears as find_target_linears
+from workers.engine.lora_targets import find_unwrappable_experts as find_unwrappable_experts
+from workers.engine.lora_targets import lay_out_slot as lay_out_slot
+from workers.engine.lora_targets import per_expert_start as per_expert_start
 from workers.engine.moe_lora import (
     ExpertFactors,
     ExpertParallel,
     ExpertProjection,
     ExpertShape,
     MultiSlotLoraExperts,
-    expert_shape,
-    projection_shape,
 )
-
-LayerGroup = Literal["attn", "mlp", "unembed"]
-LAYER_GROUPS: tuple[LayerGroup, ...] = ("attn", "mlp", "unembed")
-
-# Blocks whose linears count as attention: full attention (`self_attn`) and the linear-attention
-# blocks of hybrid models such as Qwen3.5 (`linear_attn`, with in_proj_qkv/in_proj_z/out_proj…).
-# Classifying by parent rather than by projection name covers architectures we never listed.
-_ATTN_PARENTS = frozenset({"self_attn", "linear_attn", "attention", "self_attention"})
-_MLP_PARENTS = frozenset({"mlp", "feed_forward", "shared_expert", "shared_experts"})
-# Linears of a MoE block that are never trained: the router and Qwen3.5's shared-expert gate.
-_UNTRAINED_LEAVES = frozenset({"gate", "router", "shared_expert_gate"})
-# Multi-head latent attention's up-projections out of its low-rank latents (DeepSeek-V3/V4,
-# Kimi-K2, GLM-5): only the linears that touch the residual stream are adapted, as Tinker does
-# (`q_a_proj`, `kv_a_proj_with_mqa`, `o_proj`; docs/compatibility.md).
-_LOW_RANK_LEAVES = frozenset({"q_b_proj", "kv_b_proj"})
-# A hybrid model's per-block mixer (Nemotron-H: `model.layers.N.mixer` is a Mamba2 mixer, an
-# attention, or a MoE): its group follows what the block is (`_mixer_group`).
-_MIXER_PARENTS = frozenset({"mixer"})
-# Multimodal checkpoints also have `attn`/`mlp` blocks in their vision tower; tenants train text.
-_VISION_PREFIXES = ("visual", "vision")
+from workers.engine.sliced_lora import LinearSlice, SlicedLoraLinear, find_sliced_linears
 
 # The slot of rows that use no adapter (sampling from the base model): no update at all.
 BASE_SLOT = -1
-
-
-def computes_linear(module: nn.Module) -> bool:
-    """Whether `module` computes `x·Wᵀ + b` on its whole input: an `nn.Linear`, or a subclass
-    that keeps its `forward` or says it computes the same (`same_as_linear`: a frozen linear
-    whose weight is sharded over ranks). A subclass with a `forward` of its own may compute
-    something else from the weight (DeepSeek-V4's grouped `o_a_proj` multiplies per head
-    group), which a LoRA pair on its `in`/`out` features would not match."""
-    if not isinstance(module, nn.Linear):
-        return False
-    kind = type(module)
-    return kind.forward is nn.Linear.forward or bool(getattr(kind, "same_as_linear", False))
-
-
-def _mixer_group(mixer: nn.Module) -> LayerGroup | None:
-    """The group of a hybrid block's mixer: a MoE or an MLP trains with the MLP; attention and
-    the sequence mixers standing in for it (Mamba2) with attention, as Tinker counts them."""
-    name = type(mixer).__name__
-    if hasattr(mixer, "experts") or name.endswith(("MLP", "MoE", "Moe")):
-        return "mlp"
-    if "Attention" in name or "Mamba" in name:
-        return "attn"
-    return None
-
-
-def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
-    """The linears a slot may train, by module path, grouped by the block that holds them."""
-    get_output_embeddings = getattr(model, "get_output_embeddings", None)
-    output_embeddings = get_output_embeddings() if get_output_embeddings is not None else None
-    targets: dict[str, LayerGroup] = {}
-    for path, module in model.named_modules():
-        if not computes_linear(module):
-            continue
-        if module is output_embeddings:
-            targets[path] = "unembed"
-            continue
-        parts = path.split(".")
-        if any(part.startswith(_VISION_PREFIXES) for part in parts):
-            continue
-        parent = parts[-2] if len(parts) >= 2 else ""
-        group: LayerGroup | None = None
-        if parent in _MIXER_PARENTS:
-            group = _mixer_group(model.get_submodule(".".join(parts[:-1])))
-        elif parent in _ATTN_PARENTS:
-            group = "attn"
-        elif parent in _MLP_PARENTS:
-            group = "mlp"
-        if group == "attn" and parts[-1] not in _LOW_RANK_LEAVES:
-            targets[path] = "attn"
-        elif group == "mlp" and parts[-1] not in _UNTRAINED_LEAVES:
-            targets[path] = "mlp"
-    return targets
-
-
-def find_expert_modules(model: nn.Module) -> dict[str, ExpertShape]:
-    """The fused experts modules of a MoE model (`mlp.experts`), by module path."""
-    found: dict[str, ExpertShape] = {}
-    for path, module in model.named_modules():
-        if any(part.startswith(_VISION_PREFIXES) for part in path.split(".")):
-            continue
-        shape = expert_shape(module)
-        if shape is not None:
-            found[path] = shape
-    return found
-
-
-def find_unwrappable_experts(model: nn.Module) -> list[str]:
-    """Expert blocks the bank cannot adapt: per-expert `ModuleList`s (`experts.{e}.w1`, the
-    Mixtral layout), experts modules whose parameters are not the fused 3-D layout, and shared
-    experts held as a 3-D bank (Inkling's `shared_experts.gate_proj [2, I, H]`) rather than
-    linears."""
-    fused = find_expert_modules(model)
-    unwrappable: set[str] = set()
-    for path, module in model.named_modules():
-        parts = path.split(".")
-        if not parts or path in fused:
-            continue
-        if any(part.startswith(_VISION_PREFIXES) for part in parts):
-            continue
-        if parts[-1] in {"experts", "routed_experts"}:
-            if any(p.dim() >= 2 for p in module.parameters(recurse=True)):
-                unwrappable.add(path)
-        elif parts[-1] in {"shared_expert", "shared_experts"}:
-            if any(p.dim() >= 3 for p in module.parameters(recurse=False)):
-                unwrappable.add(path)
-    return sorted(unwrappable)
 
 
 @dataclass(frozen=True)
@@ -192,12 +95,13 @@ class SlotRouting:
             self.segments, self.n_rows = (), 0
 
 
-class MultiSlotLoraLinear(nn.Module):
-    """A frozen `nn.Linear` plus one LoRA update per slot, applied to that slot's rows."""
+class LoraPart(nn.Module):
+    """Every slot's LoRA pair on one linear map, and the update it adds to a slot's rows: a
+    whole wrapped linear (`MultiSlotLoraLinear`) or one output slice of a fused one
+    (`workers.engine.sliced_lora`)."""
 
     def __init__(
         self,
-        base_layer: nn.Linear,
         *,
         group: LayerGroup,
         lora_A: nn.Parameter,
@@ -206,7 +110,6 @@ class MultiSlotLoraLinear(nn.Module):
         routing: SlotRouting,
     ) -> None:
         super().__init__()
-        self.base_layer = base_layer
         self.group = group
         self.lora_A = lora_A  # [S, r_max, in], a view of the bank's weights
         self.lora_B = lora_B  # [S, out, r_max]
@@ -215,7 +118,8 @@ class MultiSlotLoraLinear(nn.Module):
         self.routing = routing
         self.kind: LoraKind | None = None  # how `update` computes (None: the device's best)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def segments_for(self, x: torch.Tensor) -> Sequence[Segment]:
+        """The bound pass's segments over the rows of dim 0 of `x`."""
         segments = self.routing.segments
         n_rows = self.routing.n_rows
         if segments and x.dim() == 2 and n_rows and x.shape[0] % n_rows == 0:
@@ -230,23 +134,7 @@ class MultiSlotLoraLinear(nn.Module):
             raise ServerError(
                 f"LoRA layer ({self.group}) got {x.shape[0]} rows, the pass has {self.routing.n_rows}"
             )
-        return self.with_segments(x, segments)
-
-    def with_segments(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        """The base output of rows `x` plus each segment's LoRA term (segments index dim 0).
-
-        `forward` passes the bound pass's segments; the engine's chunked output layer passes
-        token segments of its own.
-        """
-        y: torch.Tensor = self.base_layer(x)
-        update = self.update(x, segments)
-        if update is None:
-            return y
-        if type(self.base_layer) is nn.Linear and y._base is None and y.dtype == update.dtype:
-            # A linear's backward needs its input, not its output: add in place (no second
-            # [rows, out] tensor; the output layer's is [chunk, vocab]).
-            return y.add_(update)
-        return y + update
+        return segments
 
     def update(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor | None:
         """The LoRA term of rows `x`, or None where no row has one. The maths is
@@ -265,109 +153,42 @@ class MultiSlotLoraLinear(nn.Module):
         return update.view(*x.shape[:-1], update.shape[-1])
 
 
-@dataclass(frozen=True)
-class LayerLayout:
-    """Where one wrapped linear's A and B live inside a slot's row of the bank."""
+class MultiSlotLoraLinear(LoraPart):
+    """A frozen `nn.Linear` plus one LoRA update per slot, applied to that slot's rows."""
 
-    path: str
-    group: LayerGroup
-    in_features: int
-    out_features: int
-    a_offset: int
-    b_offset: int
-    # Fused MoE experts' factors (`workers.engine.moe_lora`): 0 for a 2-D factor, shared by the
-    # experts of a block; E for one factor per expert (A `[E, r, in]`, B `[E, out, r]`).
-    a_experts: int = 0
-    b_experts: int = 0
-    # Expert parallelism (`workers.engine.expert_parallel`): the per-expert factor here holds
-    # experts `expert_offset ..` of `experts_total` (0: all of them, no split).
-    expert_offset: int = 0
-    experts_total: int = 0
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        *,
+        group: LayerGroup,
+        lora_A: nn.Parameter,
+        lora_B: nn.Parameter,
+        slot_scales: list[float],
+        routing: SlotRouting,
+    ) -> None:
+        super().__init__(
+            group=group, lora_A=lora_A, lora_B=lora_B, slot_scales=slot_scales, routing=routing
+        )
+        self.base_layer = base_layer
 
-    @property
-    def a_size(self) -> int:
-        return max(1, self.a_experts) * self.in_features
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_segments(x, self.segments_for(x))
 
-    @property
-    def b_size(self) -> int:
-        return max(1, self.b_experts) * self.out_features
+    def with_segments(self, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+        """The base output of rows `x` plus each segment's LoRA term (segments index dim 0).
 
-
-@dataclass(frozen=True)
-class ExpertSlice:
-    """The experts one rank holds of a fused experts block: `offset ..` of `total`."""
-
-    offset: int
-    total: int
-
-
-def lay_out_slot(
-    model: nn.Module,
-    max_rank: int,
-    slices: dict[str, ExpertSlice] | None = None,
-    *,
-    whole: bool = False,
-) -> tuple[list[LayerLayout], int]:
-    """Where every adaptable layer's factors sit in a slot's row, and the row's length.
-
-    Layouts in order: the linears, then each fused experts block's w1, w3, w2 (non-gated
-    experts: w1, w2). In the row, every
-    factor one rank holds whole comes first (the linears' A and B, the experts' shared factors)
-    and the per-expert factors last, from `per_expert_start` on (`LoraBank`): under expert
-    parallelism that tail is what differs between ranks, one contiguous part of each row.
-    `slices`: the experts this rank holds of each block that is split; `whole`: lay out the
-    blocks with all their experts (the layout of one device, which checkpoints and snapshots
-    use whatever the split).
-    """
-    targets = find_target_linears(model)
-    experts = find_expert_modules(model)
-    if not targets and not experts:
-        raise ServerError("the base model has no attention, MLP or output linears to adapt")
-    slices = slices or {}
-    layouts: list[LayerLayout] = []
-    for path, group in targets.items():
-        linear = cast(nn.Linear, model.get_submodule(path))
-        layouts.append(LayerLayout(path, group, linear.in_features, linear.out_features, 0, 0))
-    for path, shape in experts.items():
-        part = slices.get(path)
-        for projection in shape.projections:
-            in_f, out_f, a_e, b_e = projection_shape(shape, projection)
-            offset, total = (part.offset, part.total) if part else (0, 0)
-            if whole and part:
-                a_e, b_e, offset, total = (
-                    (part.total if a_e else 0),
-                    (part.total if b_e else 0),
-                    0,
-                    0,
-                )
-            layouts.append(
-                LayerLayout(
-                    f"{path}.{projection}", "mlp", in_f, out_f, 0, 0, a_e, b_e, offset, total
-                )
-            )
-    offset = 0
-    placed: list[LayerLayout] = []
-    for layout in layouts:  # the factors every rank holds whole
-        a_offset = offset
-        offset += 0 if layout.a_experts else layout.a_size * max_rank
-        b_offset = offset
-        offset += 0 if layout.b_experts else layout.b_size * max_rank
-        placed.append(replace(layout, a_offset=a_offset, b_offset=b_offset))
-    for i, layout in enumerate(placed):  # then the per-expert ones
-        if layout.a_experts:
-            placed[i] = layout = replace(layout, a_offset=offset)
-            offset += layout.a_size * max_rank
-        if layout.b_experts:
-            placed[i] = replace(layout, b_offset=offset)
-            offset += layout.b_size * max_rank
-    return placed, offset
-
-
-def per_expert_start(layouts: Iterable[LayerLayout], row: int, max_rank: int) -> int:
-    """Where the per-expert factors begin in a slot's row (`row`: none)."""
-    starts = [layout.a_offset for layout in layouts if layout.a_experts]
-    starts += [layout.b_offset for layout in layouts if layout.b_experts]
-    return min(starts, default=row)
+        `forward` passes the bound pass's segments; the engine's chunked output layer passes
+        token segments of its own.
+        """
+        y: torch.Tensor = self.base_layer(x)
+        update = self.update(x, segments)
+        if update is None:
+            return y
+        if type(self.base_layer) is nn.Linear and y._base is None and y.dtype == update.dtype:
+            # A linear's backward needs its input, not its output: add in place (no second
+            # [rows, out] tensor; the output layer's is [chunk, vocab]).
+            return y.add_(update)
+        return y + update
 
 
 class LoraBank:
@@ -408,10 +229,16 @@ class LoraBank:
         self.scales: dict[LayerGroup, list[float]] = {g: [0.0] * max_slots for g in LAYER_GROUPS}
         self.ranks = [0] * max_slots  # each slot's true rank (0: free)
         self.layers: dict[str, MultiSlotLoraLinear] = {}
+        self.parts: dict[str, LoraPart] = {}  # the slices of fused linears, by layout path
         self.expert_layers: dict[str, MultiSlotLoraExperts] = {}
         by_path = {layout.path: layout for layout in self.layouts}
+        sliced = find_sliced_linears(model, list(targets))
+        self.sliced = sliced  # the linears adapted per slice (workers.engine.sliced_lora)
         for path in targets:
-            self._wrap(model, by_path[path])
+            if path in sliced:
+                self._wrap_sliced(model, path, sliced[path].slices, by_path)
+            else:
+                self._wrap(model, by_path[path])
         for path, shape in experts.items():
             self._wrap_experts(model, path, shape, by_path)
 
@@ -455,7 +282,7 @@ class LoraBank:
 
     def set_kind(self, kind: LoraKind | None) -> None:
         """How every wrapped linear computes its LoRA term (None: the device's best)."""
-        for layer in self.layers.values():
+        for layer in [*self.layers.values(), *self.parts.values()]:
             layer.kind = kind
 
     def _wrap(self, model: nn.Module, layout: LayerLayout) -> None:
@@ -475,6 +302,31 @@ class LoraBank:
         )
         setattr(parent, leaf, layer)
         self.layers[layout.path] = layer
+
+    def _wrap_sliced(
+        self,
+        model: nn.Module,
+        path: str,
+        slices: tuple[LinearSlice, ...],
+        by_path: dict[str, LayerLayout],
+    ) -> None:
+        parts: dict[str, LoraPart] = {}
+        for piece in slices:
+            layout = by_path[f"{path}.{piece.name}"]
+            lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
+            lora_A.grad = self._stacked_a(self.grads, layout)
+            lora_B = nn.Parameter(self._stacked_b(self.weights, layout))
+            lora_B.grad = self._stacked_b(self.grads, layout)
+            parts[piece.name] = self.parts[layout.path] = LoraPart(
+                group=layout.group,
+                lora_A=lora_A,
+                lora_B=lora_B,
+                slot_scales=self.scales[layout.group],
+                routing=self.routing,
+            )
+        parent_path, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        setattr(parent, leaf, SlicedLoraLinear(getattr(parent, leaf), parts, slices))
 
     def _wrap_experts(
         self, model: nn.Module, path: str, shape: ExpertShape, by_path: dict[str, LayerLayout]

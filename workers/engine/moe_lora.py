@@ -128,6 +128,8 @@ def _plain_shape(module: nn.Module, down: torch.Tensor) -> ExpertShape | None:
     up = getattr(module, "up_proj", None)
     if not isinstance(up, torch.Tensor) or up.dim() != 3 or down.dim() != 3:
         return None
+    if getattr(module, "gate_proj", None) is not None:
+        return None  # gated, each token through every one (Inkling's shared-expert bank)
     n_experts, intermediate, hidden = (int(n) for n in up.shape)
     if tuple(down.shape) != (n_experts, hidden, intermediate) or not callable(
         getattr(module, "act_fn", None)

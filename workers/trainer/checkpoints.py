@@ -42,6 +42,8 @@ from protocol.jobs import AdapterLayout
 from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE
 from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.moe_lora import ExpertShape
+from workers.engine.sliced_lora import SlicedLinear
+from workers.trainer import sliced_files
 from workers.trainer.expert_files import (
     PER_EXPERT_NAMES,
     AdapterScales,
@@ -105,6 +107,8 @@ class ModelTargets:
 
     linear_paths: Sequence[str] = ()  # every nn.Linear, so `target_modules` selects exactly
     experts: Mapping[str, ExpertShape] = field(default_factory=dict)  # fused experts blocks
+    # linears adapted per output slice, by path (`workers.trainer.sliced_files`)
+    sliced: Mapping[str, SlicedLinear] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,8 +139,9 @@ def write_checkpoint(
     written = _write_bytes(
         directory / ADAPTER_CONFIG, _json_bytes(adapter_config(checkpoint, model, layout))
     )
+    tensors = to_file(checkpoint.tensors, model.experts, layout)
     written += _write_tensors(
-        directory / ADAPTER_WEIGHTS, to_file(checkpoint.tensors, model.experts, layout)
+        directory / ADAPTER_WEIGHTS, sliced_files.to_file(tensors, model.sliced, layout)
     )
     if kind == "weights":
         if checkpoint.moments is None or checkpoint.spec is None:
@@ -177,6 +182,11 @@ def adapter_config(
         if ".lora_" in key
     }
     linears = sorted(trained - own)
+    if layout != "tinker":  # the slices of a linear are one block LoRA on it
+        parts = {
+            f"{path}.{piece.name}": path for path, s in model.sliced.items() for piece in s.slices
+        }
+        linears = sorted({parts.get(path, path) for path in linears})
     if layout == "tinker":
         experts = sorted(own)
     elif layout == "per-expert":
@@ -189,7 +199,7 @@ def adapter_config(
     else:
         experts = plain
     targets = target_modules_for([*linears, *experts], [*model.linear_paths, *experts])
-    config = {
+    config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": checkpoint.base_model,
@@ -209,20 +219,32 @@ def adapter_config(
     }
     if layout == "peft":
         config.update(peft_config_fields(gated, checkpoint.rank, checkpoint.lora_alpha))
+    if layout != "tinker":
+        fields = sliced_files.peft_config_fields(
+            linears, model.sliced, checkpoint.rank, checkpoint.lora_alpha
+        )
+        for name, entries in fields.items():
+            config[name] = {**config.get(name, {}), **entries}
     return config
 
 
 def read_checkpoint(
-    directory: Path, *, with_optimizer: bool, experts: Mapping[str, ExpertShape] | None = None
+    directory: Path,
+    *,
+    with_optimizer: bool,
+    experts: Mapping[str, ExpertShape] | None = None,
+    sliced: Mapping[str, SlicedLinear] | None = None,
 ) -> AdapterCheckpoint:
     """Read a checkpoint directory, the adapter in any `AdapterLayout` (a fused experts block's
-    only where `experts` has it); `with_optimizer` also reads the moments and step count."""
+    only where `experts` has it, a sliced linear's where `sliced` has it); `with_optimizer` also
+    reads the moments and step count."""
     config = _read_json(directory / ADAPTER_CONFIG)
     scales = adapter_scales(config)
     stored = _read_tensors(directory / ADAPTER_WEIGHTS)
     tensors = from_file(
         {key: value.to(torch.float32) for key, value in stored.items()}, experts or {}, scales
     )
+    tensors = sliced_files.from_file(tensors, sliced or {}, scales)
     checkpoint = AdapterCheckpoint(
         base_model=str(config.get("base_model_name_or_path") or ""),
         rank=scales.rank,

@@ -72,6 +72,7 @@ class SlotCheckpoints:
                 else layer.shape
                 for path, layer in bank.expert_layers.items()
             },
+            sliced=dict(bank.sliced),
         )
 
     def save(
@@ -110,7 +111,10 @@ class SlotCheckpoints:
     def read(self, directory: Path, *, with_optimizer: bool) -> StoredAdapter:
         """A checkpoint checked against this model; a `UserError` if it cannot be loaded."""
         checkpoint = read_checkpoint(
-            directory, with_optimizer=with_optimizer, experts=self.model.experts
+            directory,
+            with_optimizer=with_optimizer,
+            experts=self.model.experts,
+            sliced=self.model.sliced,
         )
         groups = match_layers(checkpoint, self.bank.whole_layouts, max_rank=self.bank.max_rank)
         spec = checkpoint.spec or LoraConfig(

@@ -69,6 +69,8 @@ from workers.artifacts import ArtifactStore, staging_dir
 from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.model import MultiSlotModel, load_causal_lm
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, expert_shape, expert_weights
+from workers.engine.sliced_lora import find_sliced_linears
+from workers.trainer import sliced_files
 from workers.trainer.checkpoints import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -98,6 +100,7 @@ def _adaptable(residency: Residency) -> list[str]:
     return [
         *(layout.path for layout in residency.bank.whole_layouts),
         *(f"{path}.{name}" for path in experts for name in names),
+        *residency.files.model.sliced,  # a block LoRA on the linear (sliced_files.py)
     ]
 
 
@@ -152,12 +155,15 @@ def _checked_adapter(residency: Residency, directory: Path) -> StoredAdapter:
     _rank(config)
     scales = adapter_scales(config)
     layouts = residency.bank.whole_layouts
-    experts = residency.files.model.experts
+    experts, sliced = residency.files.model.experts, residency.files.model.sliced
     with _fitting(residency):  # raises before any tensor is read
         header = from_file(_header(directory / ADAPTER_WEIGHTS, layouts), experts, scales)
+        header = sliced_files.from_file(header, sliced, scales)
         _complete(header, layouts, scales.rank, meta=True)
         _match(residency, header, scales.rank)
-        checkpoint = read_checkpoint(directory, with_optimizer=False, experts=experts)
+        checkpoint = read_checkpoint(
+            directory, with_optimizer=False, experts=experts, sliced=sliced
+        )
         _complete(checkpoint.tensors, layouts, checkpoint.rank, meta=False)
         groups = _match(residency, checkpoint.tensors, checkpoint.rank)
     spec = LoraConfig(
@@ -435,6 +441,9 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
     checkpoint = stored.checkpoint
     scale = checkpoint.lora_alpha / checkpoint.rank
     modules = dict(model.named_modules())
+    sliced = find_sliced_linears(
+        model, [path for path, m in modules.items() if isinstance(m, torch.nn.Linear)]
+    )
     config = getattr(model, "config", None)
     for key in checkpoint.tensors:
         if not key.endswith(".lora_A.weight"):
@@ -445,6 +454,13 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
         experts_path, _, projection = path.rpartition(".")
         if projection in EXPERT_PROJECTIONS and path not in modules:
             _merge_experts(modules[experts_path], projection, a, b, scale)
+            continue
+        if path not in modules:  # a slice of a fused linear: its rows only
+            linear = modules[experts_path]
+            assert isinstance(linear, torch.nn.Linear)
+            [piece] = [p for p in sliced[experts_path].slices if p.name == projection]
+            rows = linear.weight.detach()[piece.start : piece.stop]
+            rows.copy_((rows.to(torch.float32) + scale * (b @ a)).to(rows.dtype))
             continue
         linear = modules[path]
         assert isinstance(linear, torch.nn.Linear)

@@ -1,0 +1,133 @@
+"""Every family of the lineup trains Tinker's adapter on the shared pass, on a tiny random model
+that `workers.tiny_model --arch` builds offline (`workers/tiny_families.py`).
+
+Per family: tenants of different ranks and adapter kinds (full, MLP-only, attention-only,
+unembed-only) in one shared pass get their solo outputs and gradients; each kind's loss falls
+under a few optimizer steps; a saved adapter loads back bit-exactly; and a PEFT-loaded export
+of the full adapter computes the engine's logprobs. PEFT refuses a LoRA on a Mamba2 block's
+`out_proj` (its fused CUDA kernel reads the weight directly), so Nemotron-H's export, whose
+attention adapter Tinker puts there, is not PEFT-loadable. The MLA families' exports are checked
+with attention and the output layer: PEFT's `target_parameters` wrapper on their fused experts
+does not compute what a merged model computes (the merge does: `tests/test_moe_engine.py`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from protocol.api import AdamParams, LoraConfig
+from protocol.errors import TwinkleError
+from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from tests.conftest import build_model
+from tests.engine_helpers import (
+    PEFT_TIED_WARNING,
+    Trainer,
+    assert_same_outputs,
+    max_diff,
+    perturb_b,
+)
+
+FAMILIES = ["llama", "deepseek_v3", "glm_moe_dsa", "deepseek_v4", "nemotron_h"]
+KINDS = {
+    "full": LoraConfig(rank=8, seed=1),
+    "mlp": LoraConfig(rank=4, seed=2, train_attn=False, train_unembed=False),
+    "attn": LoraConfig(rank=2, seed=3, train_mlp=False, train_unembed=False),
+    "unembed": LoraConfig(rank=4, seed=4, train_mlp=False, train_attn=False),
+}
+TOLERANCE = 1e-5
+# PEFT warns that the experts' rank_pattern key (`gate_up_proj`, rank 2r) matched no module: it
+# matches the wrapped parameter, which PEFT looks up separately
+PEFT_PATTERN_WARNING = "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning"
+
+
+def _request(model_id: str, lengths: list[int], vocab: int, seed: int) -> FwdBwdRequest:
+    rng = np.random.default_rng(seed)
+    datums = [
+        DatumArrays(
+            rng.integers(0, vocab, length).astype(np.int32),
+            {"target_tokens": rng.integers(0, vocab, length).astype(np.int64)},
+        )
+        for length in lengths
+    ]
+    return FwdBwdRequest(model_id, 1, "cross_entropy", False, {}, datums)
+
+
+def _loss(output: FwdBwdOutput | TwinkleError) -> float:
+    assert not isinstance(output, TwinkleError)
+    return float(output.metrics["loss:sum"])
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_every_adapter_kind_trains_alone_and_shared(
+    arch: str, tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
+) -> None:
+    model_dir = build_model(tmp_path_factory.mktemp(arch), arch)
+    engine = Trainer(str(model_dir), max_slots=4, max_rank=8)
+    vocab = engine.core.vocab_size
+    for kind, spec in KINDS.items():
+        engine.create(kind, spec)
+        perturb_b(engine, kind, seed=hash(kind) % 1000)
+    batch = [(kind, _request(kind, [6, 3], vocab, seed=i)) for i, kind in enumerate(KINDS)]
+    shared = engine.forward_backward(batch)
+    shared_grads = engine.bank.grads.clone()
+    for (kind, request), together in zip(batch, shared, strict=True):
+        engine.bank.grads.zero_()
+        [alone] = engine.forward_backward([(kind, request)])
+        assert not isinstance(together, Exception) and not isinstance(alone, Exception)
+        assert_same_outputs(together, alone)
+        slot = engine.slot(kind)
+        scale = float(engine.bank.grads[slot].abs().max())
+        error = max_diff(shared_grads[slot], engine.bank.grads[slot])
+        assert error <= TOLERANCE * max(1.0, scale), (arch, kind, error, scale)
+        assert engine.bank.grads[slot].abs().sum() > 0, (arch, kind)
+    engine.bank.grads.zero_()
+
+    # each kind learns its batch
+    adam = AdamParams(learning_rate=5e-3)
+    first = [_loss(out) for out in engine.forward_backward(batch)]
+    for _ in range(5):
+        engine.optim_step([(kind, adam) for kind in KINDS])
+        last = [_loss(out) for out in engine.forward_backward(batch)]
+    for kind, before, after in zip(KINDS, first, last, strict=True):
+        assert after < before, (arch, kind, before, after)
+
+    # a saved adapter loads back to the same bits and outputs
+    ckpt = tmp_path_factory.mktemp("ckpt") / "full"
+    engine.save("full", ckpt, kind="weights", meta={})
+    saved = engine.bank.weights[engine.slot("full")].clone()
+    engine.release("full")
+    engine.load("full", ckpt, with_optimizer=True)
+    assert torch.equal(engine.bank.weights[engine.slot("full")], saved)
+
+
+@pytest.mark.filterwarnings(PEFT_TIED_WARNING, PEFT_PATTERN_WARNING)
+@pytest.mark.parametrize(
+    "arch,train_mlp", [("llama", True), ("deepseek_v3", False), ("glm_moe_dsa", False)]
+)
+def test_a_peft_loaded_export_gives_the_engines_logprobs(
+    arch: str, train_mlp: bool, tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
+) -> None:
+    from peft import PeftModel
+
+    model_dir = build_model(tmp_path_factory.mktemp(arch), arch)
+    engine = Trainer(str(model_dir), max_slots=1, max_rank=8)
+    engine.create("m", LoraConfig(rank=4, seed=5, train_mlp=train_mlp))
+    perturb_b(engine, "m", seed=7)
+    vocab = engine.core.vocab_size
+    request = _request("m", [9], vocab, seed=3)
+    request = FwdBwdRequest("m", 1, "cross_entropy", True, {}, request.datums)
+    [result] = engine.forward_backward([("m", request)])
+    out = tmp_path_factory.mktemp("export") / "m"
+    engine.save("m", out, kind="sampler_weights", meta={})
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    tokens = torch.as_tensor(request.datums[0].tokens, dtype=torch.long)[None]
+    targets = torch.as_tensor(request.datums[0].inputs["target_tokens"])[:, None]
+    with torch.no_grad():
+        logits = peft_model(input_ids=tokens).logits[0]
+    theirs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0]
+    ours = torch.as_tensor(result.loss_fn_outputs[0]["logprobs"])
+    assert max_diff(ours, theirs) <= 1e-4, arch

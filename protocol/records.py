@@ -105,6 +105,9 @@ class WorkerRecord(msgspec.Struct):
     # a vision-language model's image geometry and limits (None: a text model), which the
     # gateway reads image headers and counts their tokens with
     vision: VisionGeometry | None = None
+    # LoRA config flags this base model cannot train (`train_mlp` where its experts are not a
+    # layout the bank adapts), each with why: the gateway refuses such a create_model at once
+    refused: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

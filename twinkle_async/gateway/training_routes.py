@@ -113,6 +113,9 @@ async def create_model(request: web.Request) -> web.Response:
     lora = rules.check_lora_config(
         body.lora_config or api.LoraConfig(), worker.max_rank if worker else None
     )
+    for flag, reason in (worker.refused if worker else {}).items():
+        if getattr(lora, flag, False):  # what the base model's workers cannot train
+            raise UserError(reason)
     _check_optimizer(body.optimizer_config)
     model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
     now = time.time()

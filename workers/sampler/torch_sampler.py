@@ -307,6 +307,7 @@ class TorchSampler:
         expand = torch.tensor(source, device=device)
         # `reorder_cache` is annotated LongTensor; any int64 index tensor is what it takes.
         cache.reorder_cache(expand)  # type: ignore[arg-type]
+        _reorder_layer_state(cache, expand, len(requests))
         return RunningBatch(kept, cache, attention_mask[expand], next_logits[expand])
 
     def _pixels(self, spec: SampleSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -501,3 +502,22 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return frozenset(ids)
+
+
+def _reorder_layer_state(cache: DynamicCache, index: torch.Tensor, batch: int) -> None:
+    """Reorder what a cache layer keeps besides its keys and values, row by row as
+    `reorder_cache` did those: DeepSeek-V4's compressors keep their pending window, their
+    compressed entries and their overlap state in dicts of `[batch, …]` tensors, which
+    `reorder_cache` leaves at the prefill's batch (one row a prompt, not a sample)."""
+    for layer in cache.layers:
+        for name, value in vars(layer).items():
+            if name in ("keys", "values"):
+                continue
+            if isinstance(value, dict):
+                for key, tensor in value.items():
+                    if (
+                        isinstance(tensor, torch.Tensor)
+                        and tensor.dim()
+                        and tensor.shape[0] == batch
+                    ):
+                        value[key] = tensor.index_select(0, index.to(tensor.device))

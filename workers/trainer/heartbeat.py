@@ -56,6 +56,7 @@ class Heartbeat:
                 sampler_backend=self.settings.sampler,
                 metrics_url=self.metrics_url,
                 vision=model.geometry,
+                refused=self.ops.residency.refused(),
             )
             self.update_gauges()
             key = subjects.worker_key(self.settings.pool, self.settings.worker_id)

@@ -103,18 +103,26 @@ class Residency:
         MLP adapter on a model whose experts the bank cannot adapt is refused, never trained
         without them."""
         groups = trained_groups(spec)
-        if spec.train_mlp and self.bank.unwrappable_experts:
-            raise UserError(
-                f"train_mlp: this base model's expert block {self.bank.unwrappable_experts[0]}"
-                " is not laid out as fused 3-D gate/up and down weights, the only expert layout"
-                " expert LoRA adapts; use train_mlp=False"
-            )
+        for flag, reason in self.refused().items():
+            if getattr(spec, flag):
+                raise UserError(reason)
         if not groups & self.bank.groups_present():
             present = sorted(self.bank.groups_present())
             raise UserError(
                 f"LoRA config trains none of this base model's layer groups (it has {present});"
                 " set train_attn, train_mlp or train_unembed"
             )
+
+    def refused(self) -> dict[str, str]:
+        """The LoRA config flags this model cannot train, each with why (its heartbeat carries
+        them, so the gateway refuses such an adapter at `create_model`)."""
+        if not self.bank.unwrappable_experts:
+            return {}
+        return {
+            "train_mlp": f"train_mlp: this base model's expert block"
+            f" {self.bank.unwrappable_experts[0]} is not laid out as fused 3-D gate/up and down"
+            " weights, the only expert layout expert LoRA adapts; use train_mlp=False"
+        }
 
     def has(self, model_id: str) -> bool:
         """Whether `model_id` has an adapter here, resident or parked."""

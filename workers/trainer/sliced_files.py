@@ -101,6 +101,12 @@ def from_file(
                     f"{ADAPTER_WEIGHTS}: {key_b} is not block-diagonal: the rows of {path}'s"
                     f" slice i use ranks [i·{r}, (i+1)·{r}) only, every other entry exactly 0"
                 )
+        for piece in slices:
+            if adapter_key(f"{path}.{piece.name}", "A") in read:
+                raise UserError(
+                    f"{ADAPTER_WEIGHTS}: {path}.{piece.name} is given twice (as a slice and in"
+                    f" {key_a})"
+                )
         for i, piece in enumerate(slices):
             read[adapter_key(f"{path}.{piece.name}", "A")] = a[i * r : (i + 1) * r].clone()
             read[adapter_key(f"{path}.{piece.name}", "B")] = b[

@@ -49,7 +49,12 @@ from tests.sampling_helpers import (  # noqa: E402
 )
 from tests.sampling_helpers import VLLM_TOLERANCE as TOLERANCE  # noqa: E402
 from workers.sampler.vllm_mapping import SEED_RANGE, sampling_params  # noqa: E402
-from workers.sampler.vllm_sampler import VllmSampler, trains_unembed  # noqa: E402
+from workers.sampler.vllm_sampler import (  # noqa: E402
+    LORA_TARGET_MODULES,
+    VllmSampler,
+    modules_outside,
+    trains_unembed,
+)
 from workers.tiny_model import build_tiny_model  # noqa: E402
 
 MAX_LORA_RANK = 8
@@ -304,6 +309,29 @@ def test_trains_unembed_reads_every_target_modules_form() -> None:
     assert not trains_unembed(["q_proj", "k_proj", "v_proj", "o_proj"], None)
     assert not trains_unembed(r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj", None)
     assert not trains_unembed(None, None)
+
+
+def test_an_adapter_of_modules_the_engine_does_not_adapt_is_named() -> None:
+    """vLLM's engine adapts only its pinned target modules, and a load of anything else fails
+    its engine step: MLA's `q_a_proj` (DeepSeek-V3, GLM-5), Mamba2's `in_proj` (Nemotron-H) and
+    Gated DeltaNet's `in_proj_qkv` are named before the adapter reaches vLLM."""
+
+    def key(path: str, matrix: str = "A") -> str:
+        return f"base_model.model.{path}.lora_{matrix}.weight"
+
+    served = [
+        key("model.layers.0.self_attn.q_proj"),
+        key("model.layers.0.mlp.down_proj", "B"),
+        key("lm_head"),
+        key("model.layers.1.mlp.experts.base_layer"),  # PEFT's 3-D experts
+        key("model.layers.1.mlp.experts.3.gate_proj"),  # per-expert
+    ]
+    assert modules_outside(served, LORA_TARGET_MODULES) == []
+    mla = [*served, key("model.layers.0.self_attn.q_a_proj"), key("model.layers.0.mixer.in_proj")]
+    assert modules_outside(mla, LORA_TARGET_MODULES) == [
+        "model.layers.0.mixer.in_proj",
+        "model.layers.0.self_attn.q_a_proj",
+    ]
 
 
 def test_sampling_params_mapping() -> None:

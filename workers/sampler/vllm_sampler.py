@@ -145,6 +145,25 @@ def trains_unembed(
     return any(name.rpartition(".")[2] in _UNEMBED_MODULES for name in names)
 
 
+_ADAPTER_KEY = re.compile(r"^base_model\.model\.(.+)\.lora_[AB]\.weight$")
+
+
+def modules_outside(names: Iterable[str], targets: Iterable[str]) -> list[str]:
+    """The modules an adapter file trains (from its tensor names) that an engine adapting
+    `targets` (leaf names) would not: vLLM fails the engine step on one, so it is refused
+    first. Expert tensors and the unembedding are judged elsewhere."""
+    wanted = set(targets)
+    outside = []
+    for name in names:
+        match = _ADAPTER_KEY.match(name)
+        if match is None or _PEFT_EXPERT_KEY.search(name) or _TINKER_EXPERT_KEY.search(name):
+            continue
+        leaf = match.group(1).rpartition(".")[2]
+        if leaf not in wanted and leaf not in _UNEMBED_MODULES:
+            outside.append(match.group(1))
+    return sorted(set(outside))
+
+
 @dataclass(frozen=True)
 class ExpertTensors:
     """How an adapter file holds fused experts' LoRA, from its tensor names."""
@@ -432,9 +451,18 @@ class VllmSampler:
                 return cached.request
             config = await asyncio.to_thread(_read_adapter_config, directory)
             self._check_adapter(key, config)
+            names = await asyncio.to_thread(_tensor_names, directory)
+            targets = self.lora.target_modules if self.lora is not None else LORA_TARGET_MODULES
+            outside = modules_outside(names, targets)
+            if outside:
+                raise UserError(
+                    f"adapter {key}: trains {outside[0]}, a module this vLLM sampler does not"
+                    f" adapt (it adapts {', '.join(targets)}); sample this adapter with the"
+                    " torch sampler (--sampler torch)"
+                )
             peft_3d = False
             if self.lora is not None and self.lora.experts:
-                experts = expert_tensors(await asyncio.to_thread(_tensor_names, directory))
+                experts = expert_tensors(names)
                 if experts.tinker:
                     raise UserError(
                         f"adapter {key}: expert tensor {experts.tinker[0]!r} is in Tinker's "

@@ -30,7 +30,7 @@ from tests.engine_helpers import (
     perturb_b,
 )
 
-FAMILIES = ["llama", "deepseek_v3", "glm_moe_dsa", "deepseek_v4", "nemotron_h"]
+FAMILIES = ["llama", "deepseek_v3", "glm_moe_dsa", "deepseek_v4", "nemotron_h", "inkling_mm_model"]
 KINDS = {
     "full": LoraConfig(rank=8, seed=1),
     "mlp": LoraConfig(rank=4, seed=2, train_attn=False, train_unembed=False),
@@ -131,3 +131,34 @@ def test_a_peft_loaded_export_gives_the_engines_logprobs(
     theirs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0]
     ours = torch.as_tensor(result.loss_fn_outputs[0]["logprobs"])
     assert max_diff(ours, theirs) <= 1e-4, arch
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "inkling_mm_model", "qwen3_5"])
+def test_a_merged_model_computes_what_the_engine_computes(
+    arch: str, tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
+) -> None:
+    """`W += alpha/r · B·A` on the stock model (what a merged export writes) gives the engine's
+    logprobs for the layouts whose pairs span several frozen tensors or a slice of one: Mamba2's
+    in_proj slices and non-gated experts, Inkling's shared-expert bank and its one A over a dense
+    gate and up, Qwen3.5's in_proj_qkv slices."""
+    from workers.engine.model import load_causal_lm
+    from workers.trainer.transfer import _merge
+
+    model_dir = build_model(tmp_path_factory.mktemp(arch), arch)
+    engine = Trainer(str(model_dir), max_slots=1, max_rank=8)
+    engine.create("m", LoraConfig(rank=4, seed=9))
+    perturb_b(engine, "m", seed=11)
+    request = _request("m", [9], engine.core.vocab_size, seed=4)
+    request = FwdBwdRequest("m", 1, "cross_entropy", True, {}, request.datums)
+    [result] = engine.forward_backward([("m", request)])
+    assert not isinstance(result, TwinkleError)
+    out = tmp_path_factory.mktemp("merged") / "m"
+    engine.save("m", out, kind="sampler_weights", meta={})
+    merged = load_causal_lm(str(model_dir), torch.float32).eval()
+    _merge(merged, engine.residency.files.read(out, with_optimizer=False))
+    tokens = torch.as_tensor(request.datums[0].tokens, dtype=torch.long)[None]
+    targets = torch.as_tensor(request.datums[0].inputs["target_tokens"])[:, None]
+    with torch.no_grad():
+        logits = merged(input_ids=tokens).logits[0]
+    theirs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0]
+    assert max_diff(torch.as_tensor(result.loss_fn_outputs[0]["logprobs"]), theirs) <= 1e-4, arch

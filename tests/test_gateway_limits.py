@@ -222,3 +222,48 @@ async def test_session_labels_are_bounded_in_bytes(client: TestClient[object, ob
     honest = {"type": "create_session", "tags": ["rl"], "user_metadata": {"epoch": 3}}
     resp = await client.post("/api/v1/create_session", json=honest, headers=headers)
     assert resp.status == 200, await resp.text()
+
+
+async def test_a_flag_the_base_model_cannot_train_is_refused_at_create_model(
+    client: TestClient[object, object],
+) -> None:
+    """A worker whose base model cannot train `train_mlp` (its experts are a layout the bank
+    does not adapt) says so in its record; `create_model` refuses such an adapter with a 400
+    naming the module, before any job is published, and accepts the same model without it."""
+    bus, registry = client.app[BUS], client.app[REGISTRY]
+    reason = "train_mlp: this base model's expert block model.layers.0.mlp.experts is not laid out"
+    worker = WorkerRecord(
+        worker_id="w",
+        pool=subjects.pool_of("base"),
+        base_model="base",
+        arch="qwen3",
+        vocab_size=16,
+        max_context=10**7,
+        max_rank=8,
+        slots_total=1,
+        slots_used=0,
+        heartbeat_at=time.time() + 60,
+        refused={"train_mlp": reason},
+    )
+    await bus.put(subjects.BUCKET_WORKERS, "w", records.encode(worker))
+    deadline = time.monotonic() + 10
+    while "base" not in registry.served_models():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    headers = {"X-API-Key": API_KEY}
+    session = await client.post(
+        "/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}, headers=headers
+    )
+    session_id = (await session.json())["session_id"]
+
+    async def create(seq: int, lora: dict[str, object]) -> tuple[int, dict[str, str]]:
+        body = {"session_id": session_id, "model_seq_id": seq, "base_model": "base"}
+        resp = await client.post(
+            "/api/v1/create_model", json={**body, "lora_config": lora}, headers=headers
+        )
+        return resp.status, await resp.json()
+
+    status, answer = await create(0, {"rank": 4})
+    assert status == 400 and answer["detail"] == reason
+    status, answer = await create(1, {"rank": 4, "train_mlp": False})
+    assert status == 200 and answer["request_id"], answer

@@ -17,7 +17,13 @@ import torch
 from tinker_cookbook.hyperparam_utils import _LORA_PARAMS_PER_RANK_BY_COMPONENT as PUBLISHED
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from workers.engine.lora import LAYER_GROUPS, LoraBank, SlotRouting, find_target_linears
+from workers.engine.lora import (
+    LAYER_GROUPS,
+    LoraBank,
+    SlotRouting,
+    find_target_linears,
+    lay_out_slot,
+)
 from workers.engine.lora_counts import build_on_meta, config_from_fields, count_per_rank
 
 LINEUP = Path(__file__).parent / "data" / "lineup"
@@ -32,8 +38,8 @@ UNCOVERED = frozenset(
 # GLM-5.3, DeepSeek-V4.1), whose `q_b_proj`/`kv_b_proj` and grouped `o_a_proj` are left alone,
 # Qwen3.5 and Qwen3.5-MoE (one pair per q, k, v slice of the linear attention's `in_proj_qkv`;
 # `in_proj_a`/`in_proj_b` left alone) and Nemotron-H (its Mamba2 `in_proj`'s z and x slices,
-# `out_proj`, and non-gated experts). Not yet: Inkling (its shared-expert bank, its dense
-# gate/up).
+# `out_proj`, and non-gated experts) and Inkling (its shared-expert bank as the shared-outer bank
+# of two, one A over its dense gate and up).
 MATCHING_FAMILIES = frozenset(
     {
         "llama",
@@ -47,6 +53,7 @@ MATCHING_FAMILIES = frozenset(
         "glm_moe_dsa",
         "deepseek_v4",
         "nemotron_h",
+        "inkling_mm_model",
     }
 )
 # Nemotron-3-Ultra's published `mlp` is 77,824 per rank below what the rule that reproduces Nano's
@@ -138,14 +145,24 @@ def test_only_linears_that_compute_a_linear_are_adapted() -> None:
     assert "o_b_proj" in leaves and not leaves & {"o_a_proj", "q_b_proj", "kv_b_proj"}
 
 
-def test_a_shared_expert_bank_is_reported_not_silently_skipped() -> None:
+def test_inklings_shared_expert_bank_and_dense_glu_are_adapted() -> None:
     """Inkling holds its two shared experts as a 3-D bank (`shared_experts.gate_proj
-    [2, I, H]`), which the bank does not adapt yet: it is reported with the unwrappable expert
-    blocks, so an MLP adapter is refused at `create_model` (`Residency.check_targets`) instead
-    of training without it. A DeepSeek-style shared expert of linears is adapted and not
-    reported."""
+    [2, I, H]`) and its dense MLP as separate gate and up linears: the bank is adapted as the
+    shared-outer bank of two, `3·(H + 2·I)`, and gate and up share one A, `(H + 2·Id) +
+    (Id + H)`; no expert block is left unadapted."""
     inkling = json.loads((LINEUP / INDEX["thinkingmachines/Inkling-Small"]).read_text())
-    reported = count_per_rank(build_on_meta(config_from_fields(inkling))).unwrappable_experts
-    assert reported and all(path.endswith(".mlp.shared_experts") for path in reported)
-    deepseek = json.loads((LINEUP / INDEX["deepseek-ai/DeepSeek-V3.1"]).read_text())
-    assert count_per_rank(build_on_meta(config_from_fields(deepseek))).unwrappable_experts == ()
+    model = build_on_meta(config_from_fields(inkling))
+    layouts, _ = lay_out_slot(model, max_rank=1)
+    by_path = {layout.path: layout for layout in layouts}
+    bank = "model.language_model.layers.10.mlp.shared_experts"
+    assert (
+        by_path[f"{bank}.gate_proj"].in_features,
+        by_path[f"{bank}.gate_proj"].out_features,
+    ) == (
+        4096,
+        2 * 2048,
+    )
+    dense = "model.language_model.layers.0.mlp"
+    assert by_path[f"{dense}.gate_up_proj"].out_features == 2 * 16384
+    assert f"{dense}.gate_proj" not in by_path and f"{dense}.up_proj" not in by_path
+    assert count_per_rank(model).unwrappable_experts == ()

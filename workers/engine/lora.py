@@ -45,6 +45,7 @@ from workers.engine.lora_targets import LayerGroup as LayerGroup
 from workers.engine.lora_targets import LayerLayout as LayerLayout
 from workers.engine.lora_targets import computes_linear as computes_linear
 from workers.engine.lora_targets import find_expert_modules as find_expert_modules
+from workers.engine.lora_targets import find_shared_banks
 from workers.engine.lora_targets import find_target_linears as find_target_linears
 from workers.engine.lora_targets import find_unwrappable_experts as find_unwrappable_experts
 from workers.engine.lora_targets import lay_out_slot as lay_out_slot
@@ -56,6 +57,7 @@ from workers.engine.moe_lora import (
     ExpertShape,
     MultiSlotLoraExperts,
 )
+from workers.engine.shared_bank import BANK_PARAMETERS, HalfLoraLinear, SharedBankLora
 from workers.engine.sliced_lora import LinearSlice, SlicedLoraLinear, find_sliced_linears
 
 # The slot of rows that use no adapter (sampling from the base model): no update at all.
@@ -235,10 +237,16 @@ class LoraBank:
         sliced = find_sliced_linears(model, list(targets))
         self.sliced = sliced  # the linears adapted per slice (workers.engine.sliced_lora)
         for path in targets:
-            if path in sliced:
+            parent, _, leaf = path.rpartition(".")
+            if f"{parent}.gate_up_proj" in by_path and leaf in ("gate_proj", "up_proj"):
+                if leaf == "gate_proj":
+                    self._wrap_gate_up(model, parent, by_path[f"{parent}.gate_up_proj"])
+            elif path in sliced:
                 self._wrap_sliced(model, path, sliced[path].slices, by_path)
             else:
                 self._wrap(model, by_path[path])
+        for path in find_shared_banks(model):
+            self._wrap_bank(model, path, by_path)
         for path, shape in experts.items():
             self._wrap_experts(model, path, shape, by_path)
 
@@ -302,6 +310,46 @@ class LoraBank:
         )
         setattr(parent, leaf, layer)
         self.layers[layout.path] = layer
+
+    def _part(self, layout: LayerLayout, rows: slice | None = None) -> LoraPart:
+        """Every slot's pair of `layout` as views of the bank (B's `rows` only, if given)."""
+        lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
+        lora_A.grad = self._stacked_a(self.grads, layout)
+        b, b_grad = self._stacked_b(self.weights, layout), self._stacked_b(self.grads, layout)
+        if rows is not None:
+            b, b_grad = b[:, rows], b_grad[:, rows]
+        lora_B = nn.Parameter(b)
+        lora_B.grad = b_grad
+        return LoraPart(
+            group=layout.group,
+            lora_A=lora_A,
+            lora_B=lora_B,
+            slot_scales=self.scales[layout.group],
+            routing=self.routing,
+        )
+
+    def _wrap_bank(self, model: nn.Module, path: str, by_path: dict[str, LayerLayout]) -> None:
+        parts = {name: self._part(by_path[f"{path}.{name}"]) for name in BANK_PARAMETERS}
+        for name, part in parts.items():
+            self.parts[f"{path}.{name}"] = part
+        parent_path, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        setattr(parent, leaf, SharedBankLora(getattr(parent, leaf), parts))
+
+    def _wrap_gate_up(self, model: nn.Module, mlp_path: str, layout: LayerLayout) -> None:
+        """Gate and up of a GLU with one A (`shared_bank.HalfLoraLinear`): gate's rows of B
+        first. Both halves share the A parameter, so both add into its gradient."""
+        mlp = model.get_submodule(mlp_path)
+        gate = cast(nn.Linear, mlp.gate_proj)
+        whole = self._part(layout)
+        for name, rows in (
+            ("gate_proj", slice(0, gate.out_features)),
+            ("up_proj", slice(gate.out_features, None)),
+        ):
+            half = self._part(layout, rows)
+            half.lora_A = whole.lora_A  # one A for both
+            self.parts[f"{mlp_path}.{name}"] = half
+            setattr(mlp, name, HalfLoraLinear(getattr(mlp, name), half))
 
     def _wrap_sliced(
         self,

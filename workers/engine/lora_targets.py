@@ -23,6 +23,7 @@ from torch import nn
 
 from protocol.errors import ServerError
 from workers.engine.moe_lora import ExpertShape, expert_shape, projection_shape
+from workers.engine.shared_bank import bank_shape, shares_gate_up_a
 from workers.engine.sliced_lora import SlicedLinear, find_sliced_linears
 
 LayerGroup = Literal["attn", "mlp", "unembed"]
@@ -116,9 +117,8 @@ def find_expert_modules(model: nn.Module) -> dict[str, ExpertShape]:
 def find_unwrappable_experts(model: nn.Module) -> list[str]:
     """Expert blocks the bank cannot adapt: per-expert `ModuleList`s (`experts.{e}.w1`, the
     Mixtral layout), experts modules whose parameters are not the fused 3-D layout, and shared
-    experts held as a 3-D bank (Inkling's `shared_experts.gate_proj [2, I, H]`) rather than
-    linears."""
-    fused = find_expert_modules(model)
+    experts held as 3-D weights other than a shared-expert bank (`find_shared_banks`)."""
+    fused = {**find_expert_modules(model), **find_shared_banks(model)}
     unwrappable: set[str] = set()
     for path, module in model.named_modules():
         parts = path.split(".")
@@ -133,6 +133,18 @@ def find_unwrappable_experts(model: nn.Module) -> list[str]:
             if any(p.dim() >= 3 for p in module.parameters(recurse=False)):
                 unwrappable.add(path)
     return sorted(unwrappable)
+
+
+def find_shared_banks(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """The shared-expert banks (`workers.engine.shared_bank`), by path: (n, I, H)."""
+    found = {}
+    for path, module in model.named_modules():
+        if any(part.startswith(_VISION_PREFIXES) for part in path.split(".")):
+            continue
+        shape = bank_shape(module)
+        if shape is not None:
+            found[path] = shape
+    return found
 
 
 @dataclass(frozen=True)
@@ -198,8 +210,24 @@ def lay_out_slot(
     sliced = find_sliced_linears(model, list(targets))
     for path, group in targets.items():
         linear = cast(nn.Linear, model.get_submodule(path))
+        parent, _, leaf = path.rpartition(".")
+        if shares_gate_up_a(model.get_submodule(parent)) and leaf in ("gate_proj", "up_proj"):
+            if leaf == "gate_proj":  # one pair over gate and up (shared_bank.py)
+                up = cast(nn.Linear, model.get_submodule(f"{parent}.up_proj"))
+                out = linear.out_features + up.out_features
+                layouts.append(
+                    LayerLayout(f"{parent}.gate_up_proj", group, linear.in_features, out, 0, 0)
+                )
+            continue
         for name, out_features in _parts_of(path, linear, sliced.get(path)):
             layouts.append(LayerLayout(name, group, linear.in_features, out_features, 0, 0))
+    for path, (n, inter, hidden) in find_shared_banks(model).items():
+        for name, in_f, out_f in (
+            ("gate_proj", hidden, n * inter),
+            ("up_proj", hidden, n * inter),
+            ("down_proj", n * inter, hidden),
+        ):
+            layouts.append(LayerLayout(f"{path}.{name}", "mlp", in_f, out_f, 0, 0))
     for path, shape in experts.items():
         part = slices.get(path)
         for projection in shape.projections:

@@ -57,7 +57,15 @@ from workers.engine.lora import ExpertSlice, LoraBank, Segment, SlotRouting, lay
 from workers.engine.losses import check_inputs, get_loss, resolve_config
 from workers.engine.memory import free_memory, plan_slots
 from workers.engine.optimizer import SlotAdamW
-from workers.engine.passes import CUSTOM, Checked, PassResults, PassRunner, not_finite
+from workers.engine.passes import (
+    CUSTOM,
+    Checked,
+    OutputScaling,
+    PassResults,
+    PassRunner,
+    not_finite,
+    output_of,
+)
 from workers.engine.vision import VisionTower, no_images
 
 log = logging.getLogger(__name__)
@@ -126,7 +134,8 @@ class MultiSlotModel:
         )
         text_config = model.config.get_text_config()
         self.base_model = base_model
-        self.vocab_size = int(text_config.vocab_size)
+        # the ids the model scores: a padded vocabulary's tail is not (`passes.output_of`)
+        self.vocab_size = (output_of(model) or OutputScaling()).vocab or int(text_config.vocab_size)
         self.max_context = int(text_config.max_position_embeddings)
         self.arch = str(model.config.model_type)
         if max_slots is None:

@@ -121,6 +121,7 @@ class PassRunner:
         decoder = get_decoder() if get_decoder is not None else model.model
         self.decoder = cast(nn.Module, decoder)
         self.head: nn.Module = model.get_output_embeddings()  # type: ignore[operator]
+        self.output = output_of(model)
         self.routing = routing
         self.device = device
         self.pass_tokens = pass_tokens
@@ -207,6 +208,7 @@ class PassRunner:
                 token_segments,
                 self.chunk_tokens,
                 recompute=training,
+                output=self.output,
             )
             datum_losses: list[torch.Tensor] = []
             start = 0
@@ -377,6 +379,7 @@ def target_logprobs(
     chunk_tokens: int,
     *,
     recompute: bool,
+    output: OutputScaling | None = None,
 ) -> torch.Tensor:
     """log softmax(head(hidden))[t, targets[t, k]] for token rows `hidden` [T, H], fp32 [T, K].
 
@@ -396,7 +399,7 @@ def target_logprobs(
         ]
 
         def chunk(x: torch.Tensor, t: torch.Tensor, local: list[Segment] = local) -> torch.Tensor:
-            logits = _head_logits(head, x, local).float()
+            logits = head_logits(head, x, local, output).float()
             return cast(torch.Tensor, _TargetLogprobs.apply(logits, t))  # type: ignore[no-untyped-call]
 
         x, t = hidden[start:stop], targets[start:stop]
@@ -429,10 +432,42 @@ class _TargetLogprobs(torch.autograd.Function):
         return out.scatter_add_(-1, targets, grad), None
 
 
-def _head_logits(head: nn.Module, x: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-    if isinstance(head, MultiSlotLoraLinear):
-        return head.with_segments(x, segments)
-    logits: torch.Tensor = head(x)
+@dataclass(frozen=True)
+class OutputScaling:
+    """What a family's causal LM does around its output layer beyond `head(hidden)`: Inkling
+    divides the hidden state by `logits_mup_width_multiplier` first and drops the logits of
+    its padding vocabulary (`unpadded_vocab_size`)."""
+
+    divide_by: float = 1.0
+    vocab: int | None = None
+
+
+def output_of(model: nn.Module) -> OutputScaling | None:
+    """`model`'s `OutputScaling`, or None where its logits are `head(hidden)` as they are."""
+    text = model.config.get_text_config()  # type: ignore[union-attr, operator]
+    divide_by = float(getattr(text, "logits_mup_width_multiplier", None) or 1.0)
+    unpadded = getattr(text, "unpadded_vocab_size", None)
+    vocab = int(unpadded) if unpadded and int(unpadded) < int(text.vocab_size) else None
+    if divide_by == 1.0 and vocab is None:
+        return None
+    return OutputScaling(divide_by, vocab)
+
+
+def head_logits(
+    head: nn.Module,
+    x: torch.Tensor,
+    segments: Sequence[Segment],
+    output: OutputScaling | None = None,
+) -> torch.Tensor:
+    """The output layer's logits of token rows `x`, each segment with its slot's LoRA term,
+    as the family's causal LM computes them (`output`)."""
+    if output is not None and output.divide_by != 1.0:
+        x = x / output.divide_by
+    logits: torch.Tensor = (
+        head.with_segments(x, segments) if isinstance(head, MultiSlotLoraLinear) else head(x)
+    )
+    if output is not None and output.vocab is not None:
+        logits = logits[..., : output.vocab]
     return logits
 
 

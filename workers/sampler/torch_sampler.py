@@ -66,8 +66,9 @@ from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTraine
 
 from protocol.errors import NotFound, ServerError, TwinkleError, UserError
 from protocol.sampling import SampleOutput, SampleSpec
-from workers.engine.lora import BASE_SLOT, MultiSlotLoraLinear, Segment
+from workers.engine.lora import BASE_SLOT, Segment
 from workers.engine.model import MultiSlotModel
+from workers.engine.passes import head_logits
 from workers.sampler.batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
 from workers.sampler.snapshots import SnapshotSlots
 
@@ -390,11 +391,7 @@ class TorchSampler:
     def _head(self, hidden: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         """The output layer on token rows `hidden` [T, hidden]: logits [T, vocab], each segment
         of rows with its slot's LoRA term (an adapter may train the output layer)."""
-        head = self.model.head
-        if isinstance(head, MultiSlotLoraLinear):
-            return head.with_segments(hidden, segments)
-        logits: torch.Tensor = head(hidden)
-        return logits
+        return head_logits(self.model.head, hidden, segments, self.model.passes.output)
 
     # -- steps 3-5: draw, retire, decode -------------------------------------------------------
 

@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import safetensors
 import torch
@@ -69,6 +69,7 @@ from workers.artifacts import ArtifactStore, staging_dir
 from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.model import MultiSlotModel, load_causal_lm
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, expert_shape, expert_weights
+from workers.engine.shared_bank import BANK_PARAMETERS, bank_shape, shares_gate_up_a
 from workers.engine.sliced_lora import find_sliced_linears
 from workers.trainer import sliced_files
 from workers.trainer.checkpoints import (
@@ -455,6 +456,8 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
         if projection in EXPERT_PROJECTIONS and path not in modules:
             _merge_experts(modules[experts_path], projection, a, b, scale)
             continue
+        if path not in modules and _merge_shared(modules[experts_path], projection, a, b, scale):
+            continue
         if path not in modules:  # a slice of a fused linear: its rows only
             linear = modules[experts_path]
             assert isinstance(linear, torch.nn.Linear)
@@ -471,6 +474,32 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
             config.get_text_config().tie_word_embeddings = False
         merged = linear.weight.detach().to(torch.float32) + scale * (b @ a)
         linear.weight.copy_(merged.to(linear.weight.dtype))
+
+
+def _merge_shared(
+    parent: torch.nn.Module, leaf: str, a: torch.Tensor, b: torch.Tensor, scale: float
+) -> bool:
+    """Merge a pair laid out over several frozen tensors (`workers.engine.shared_bank`): a
+    GLU's one pair over gate and up, or a shared-expert bank's; False if `parent.leaf` is
+    neither."""
+    delta = scale * (b @ a)
+    halves: list[tuple[torch.Tensor, torch.Tensor]]
+    if leaf == "gate_up_proj" and shares_gate_up_a(parent):
+        gate = cast(torch.nn.Linear, parent.gate_proj).weight
+        up = cast(torch.nn.Linear, parent.up_proj).weight
+        halves = [(gate, delta[: gate.shape[0]]), (up, delta[gate.shape[0] :])]
+    elif leaf in BANK_PARAMETERS and (shape := bank_shape(parent)) is not None:
+        n, inter, hidden = shape
+        weight = cast(torch.Tensor, getattr(parent, leaf))
+        if leaf == "down_proj":  # [H, n·I] → [n, H, I]
+            halves = [(weight, delta.view(hidden, n, inter).permute(1, 0, 2))]
+        else:  # [n·I, H] → [n, I, H]
+            halves = [(weight, delta.view(n, inter, hidden))]
+    else:
+        return False
+    for weight, update in halves:
+        weight.data.copy_((weight.to(torch.float32) + update).to(weight.dtype))
+    return True
 
 
 def _merge_experts(

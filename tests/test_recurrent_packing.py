@@ -1,8 +1,10 @@
-"""Packing on models whose mixers carry a state along the row: Gated DeltaNet (Qwen3.5's
-`linear_attn`) and Mamba2 (Nemotron-H's `mixer`). transformers' torch paths of both scan the
-whole row and ignore sequence boundaries, so two datums sharing a row would leak one's state
-into the other. The pass runner pads such models instead of packing: a request of several short
-datums gives each datum what it gives alone."""
+"""Packing on models whose layers mix tokens along the row beyond the attention mask: Gated
+DeltaNet (Qwen3.5's `linear_attn`) and Mamba2 (Nemotron-H's `mixer`) scan a state, Inkling's
+short convolutions see the tokens before, DeepSeek-V4's compressors pool consecutive tokens.
+transformers' torch paths of all of them ignore sequence boundaries inside a row, so two datums
+sharing a row would leak one into the other (DeepSeek-V4's logprobs moved by 0.3, Inkling's by
+0.06). The pass runner pads such models instead of packing: a request of several short datums
+gives each datum what it gives alone."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def _request(model_id: str, lengths: list[int], vocab: int, seed: int) -> FwdBwd
     return FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, datums)
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5", "deepseek_v4", "inkling_mm_model"])
 def test_a_packed_row_equals_its_datums_one_by_one(
     arch: str, tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
 ) -> None:
@@ -50,9 +52,11 @@ def test_a_packed_row_equals_its_datums_one_by_one(
         assert np.abs(got - want).max() <= 1e-5, (arch, i)
 
 
-def test_a_model_without_recurrent_mixers_packs(
-    tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3", "kimi_k25"])
+def test_a_model_whose_tokens_mix_only_by_attention_packs(
+    arch: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    model_dir = build_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    model_dir = build_model(tmp_path_factory.mktemp(arch), arch)
     engine = Trainer(str(model_dir), max_slots=1, max_rank=8)
     assert not carries_state(engine.core.decoder)
+    assert engine.core.passes.packs

@@ -308,6 +308,27 @@ def test_qwen3_5_batches_with_its_recurrent_cache(
     assert max_diff(output.sequences[0].logprobs, expected[len(spec.prompt) - 1 :]) <= TOLERANCE
 
 
+@pytest.mark.parametrize(
+    "arch", ["deepseek_v3", "deepseek_v4", "glm_moe_dsa", "nemotron_h", "inkling_mm_model"]
+)
+def test_each_family_batches_as_each_request_alone(
+    arch: str,
+    make_setup: Callable[..., Setup],
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+) -> None:
+    """Prompts of different lengths in one batch (left-padded rows, one cache of the family's
+    own kind: MLA's compressed KV, DeepSeek-V4's compressor state, Mamba2's conv and SSM state,
+    Inkling's short convolutions) give what each gives alone."""
+    model = build_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch)
+    engine, sampler = make_setup(model=model)
+    sampler.load_adapter("a", adapter(engine, "src-a", 8, tmp_path / "a"))
+    requests = [(spec, "a" if i % 2 else None) for i, (spec, _) in enumerate(mixed_requests())]
+    batched = sampler.sample(requests)
+    for request, output in zip(requests, batched, strict=True):
+        assert_same(output, sampler.sample([request])[0])
+
+
 # -- continuous batching ------------------------------------------------------------------------
 
 

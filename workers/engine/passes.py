@@ -95,13 +95,22 @@ class PassResults:
 
 
 def carries_state(model: nn.Module) -> bool:
-    """Whether any mixer of `model` scans a state along the row: Gated DeltaNet (Qwen3.5's
-    `linear_attn`) and Mamba2 (Nemotron-H's `mixer`), both recognised by the decay `A_log`
-    they learn. transformers' torch paths of both ignore sequence boundaries inside a row."""
-    return any(
-        name.endswith("linear_attn") or isinstance(getattr(module, "A_log", None), torch.Tensor)
-        for name, module in model.named_modules()
-    )
+    """Whether any layer of `model` mixes tokens along the row other than through the attention
+    mask, so that datums sharing a row would leak into each other:
+    - recurrent mixers, Gated DeltaNet (Qwen3.5's `linear_attn`) and Mamba2 (Nemotron-H's
+      `mixer`), recognised by the decay `A_log` they learn;
+    - convolutions over the sequence (`nn.Conv1d`: Inkling's short convolutions);
+    - DeepSeek-V4's KV compressors, which pool consecutive tokens into one entry.
+    transformers' torch paths of all of them ignore sequence boundaries inside a row. Vision
+    towers are not the row's."""
+    for name, module in model.named_modules():
+        if any(part.startswith(("visual", "vision")) for part in name.split(".")):
+            continue
+        if name.endswith("linear_attn") or isinstance(getattr(module, "A_log", None), torch.Tensor):
+            return True
+        if isinstance(module, nn.Conv1d) or name.endswith(".compressor"):
+            return True
+    return False
 
 
 class PassRunner:

@@ -40,6 +40,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import DynamicCache, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.cache_utils import (
     DynamicLayer,
@@ -233,6 +234,24 @@ class RunningBatch:
 def mergeable(config: PretrainedConfig) -> bool:
     """Whether a model's cache is made only of layers `RunningBatch.merge` knows."""
     return all(type(layer) in _MERGEABLE_LAYERS for layer in DynamicCache(config=config).layers)
+
+
+def pads_prompts(model: nn.Module) -> bool:
+    """Whether prompts of different lengths may share a left-padded prefill (and a running
+    batch). Not for a model with a layer that reads the padding as tokens: DeepSeek-V4's KV
+    compressors and GLM-5's DSA indexer (which size their own masks), or a convolution over the
+    sequence outside a recurrent mixer (Inkling's short convolutions); such a model's requests
+    are prefilled and generated with others of the same prompt length only."""
+    for name, module in model.named_modules():
+        if any(part.startswith(("visual", "vision")) for part in name.split(".")):
+            continue
+        if name.endswith((".compressor", ".indexer")):
+            return False
+        if isinstance(module, nn.Conv1d):
+            parent = model.get_submodule(name.rpartition(".")[0])
+            if not isinstance(getattr(parent, "A_log", None), torch.Tensor):
+                return False
+    return True
 
 
 def fill_prompt_outputs(output: SampleOutput, spec: SampleSpec, logits: torch.Tensor) -> None:

@@ -69,7 +69,14 @@ from protocol.sampling import SampleOutput, SampleSpec
 from workers.engine.lora import BASE_SLOT, Segment
 from workers.engine.model import MultiSlotModel
 from workers.engine.passes import head_logits
-from workers.sampler.batch import Request, Row, RunningBatch, fill_prompt_outputs, mergeable
+from workers.sampler.batch import (
+    Request,
+    Row,
+    RunningBatch,
+    fill_prompt_outputs,
+    mergeable,
+    pads_prompts,
+)
 from workers.sampler.snapshots import SnapshotSlots
 
 # A stop string of n characters spans at most 4n tokens (a character has at most four bytes, a
@@ -99,7 +106,9 @@ class TorchSampler:
         self.eos_token_ids = _eos_token_ids(model.model, self.tokenizer)
         # Where each key was loaded from, so an evicted snapshot can come back.
         self._directories: dict[str, Path] = {}
-        self._merges = mergeable(model.model.config)
+        # prompts of different lengths padded into one batch (else: one length a batch)
+        self._pads = pads_prompts(model.model)
+        self._merges = mergeable(model.model.config) and self._pads
         self._waiting: deque[Request] = deque()
         self._running: RunningBatch | None = None
         self._tickets = 0
@@ -199,8 +208,11 @@ class TorchSampler:
         in_use = {key for key in running if key is not None}
         joining: list[Request] = []
         blocked = False
+        length = None if self._pads else len(self._waiting[0].spec.prompt) if self._waiting else 0
         for request in list(self._waiting):
             key = request.key
+            if length is not None and len(request.spec.prompt) != length:
+                continue  # waits for a batch of its own length, in arrival order
             if key is None or (not blocked and (key in in_use or len(in_use) < capacity)):
                 joining.append(request)
                 self._waiting.remove(request)

@@ -393,3 +393,19 @@ def export_layout(engine: Trainer, checkpoint: Path, root: Path, layout: Adapter
     }
     assert answer["layout"] == layout
     return target
+
+
+def cross_entropy_request(
+    model_id: str, lengths: list[int], vocab: int, seed: int, *, forward_only: bool = True
+) -> FwdBwdRequest:
+    """A cross_entropy request of one datum per length, random tokens and targets below
+    `vocab` (a model's own vocabulary, for the families whose tiny models differ)."""
+    rng = np.random.default_rng(seed)
+    datums = [
+        DatumArrays(
+            rng.integers(0, vocab, length).astype(np.int32),
+            {"target_tokens": rng.integers(0, vocab, length).astype(np.int64)},
+        )
+        for length in lengths
+    ]
+    return FwdBwdRequest(model_id, 1, "cross_entropy", forward_only, {}, datums)

@@ -13,19 +13,19 @@ does not compute what a merged model computes (the merge does: `tests/test_moe_e
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import TwinkleError
-from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from protocol.tensors import FwdBwdOutput, FwdBwdRequest
 from tests.conftest import build_model
 from tests.engine_helpers import (
     PEFT_TIED_WARNING,
     Trainer,
     assert_same_outputs,
+    cross_entropy_request,
     max_diff,
     perturb_b,
 )
@@ -43,16 +43,8 @@ TOLERANCE = 1e-5
 PEFT_PATTERN_WARNING = "ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning"
 
 
-def _request(model_id: str, lengths: list[int], vocab: int, seed: int) -> FwdBwdRequest:
-    rng = np.random.default_rng(seed)
-    datums = [
-        DatumArrays(
-            rng.integers(0, vocab, length).astype(np.int32),
-            {"target_tokens": rng.integers(0, vocab, length).astype(np.int64)},
-        )
-        for length in lengths
-    ]
-    return FwdBwdRequest(model_id, 1, "cross_entropy", False, {}, datums)
+def _train_request(model_id: str, lengths: list[int], vocab: int, seed: int) -> FwdBwdRequest:
+    return cross_entropy_request(model_id, lengths, vocab, seed, forward_only=False)
 
 
 def _loss(output: FwdBwdOutput | TwinkleError) -> float:
@@ -70,7 +62,7 @@ def test_every_adapter_kind_trains_alone_and_shared(
     for kind, spec in KINDS.items():
         engine.create(kind, spec)
         perturb_b(engine, kind, seed=hash(kind) % 1000)
-    batch = [(kind, _request(kind, [6, 3], vocab, seed=i)) for i, kind in enumerate(KINDS)]
+    batch = [(kind, _train_request(kind, [6, 3], vocab, seed=i)) for i, kind in enumerate(KINDS)]
     shared = engine.forward_backward(batch)
     shared_grads = engine.bank.grads.clone()
     for (kind, request), together in zip(batch, shared, strict=True):
@@ -117,7 +109,7 @@ def test_a_peft_loaded_export_gives_the_engines_logprobs(
     engine.create("m", LoraConfig(rank=4, seed=5, train_mlp=train_mlp))
     perturb_b(engine, "m", seed=7)
     vocab = engine.core.vocab_size
-    request = _request("m", [9], vocab, seed=3)
+    request = _train_request("m", [9], vocab, seed=3)
     request = FwdBwdRequest("m", 1, "cross_entropy", True, {}, request.datums)
     [result] = engine.forward_backward([("m", request)])
     out = tmp_path_factory.mktemp("export") / "m"
@@ -148,7 +140,7 @@ def test_a_merged_model_computes_what_the_engine_computes(
     engine = Trainer(str(model_dir), max_slots=1, max_rank=8)
     engine.create("m", LoraConfig(rank=4, seed=9))
     perturb_b(engine, "m", seed=11)
-    request = _request("m", [9], engine.core.vocab_size, seed=4)
+    request = _train_request("m", [9], engine.core.vocab_size, seed=4)
     request = FwdBwdRequest("m", 1, "cross_entropy", True, {}, request.datums)
     [result] = engine.forward_backward([("m", request)])
     assert not isinstance(result, TwinkleError)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,6 +59,23 @@ async def client(nats_server: NatsServer) -> AsyncIterator[TestClient[object, ob
         )
         await test_client.app[REGISTRY].put_run(run)
         yield test_client
+
+
+def _worker(**fields: Any) -> WorkerRecord:
+    """A live trainer's record for base model "base", with `fields` set."""
+    return WorkerRecord(
+        worker_id="w",
+        pool=subjects.pool_of("base"),
+        base_model="base",
+        arch="qwen3",
+        vocab_size=16,
+        max_context=10**7,
+        max_rank=8,
+        slots_total=1,
+        slots_used=0,
+        heartbeat_at=time.time() + 60,
+        **fields,
+    )
 
 
 def _body(seq_id: int, n_tokens: int = 1, targets: pb.Tensor | None = None) -> bytes:
@@ -138,19 +156,7 @@ async def test_a_sample_over_the_bus_message_limit_is_refused_with_nothing_left_
     """A sample job fails its publish the same way; before, its future was recorded pending
     first, and stayed pending for ever behind a 500."""
     bus, registry = client.app[BUS], client.app[REGISTRY]
-    worker = WorkerRecord(
-        worker_id="w",
-        pool=subjects.pool_of("base"),
-        base_model="base",
-        arch="qwen3",
-        vocab_size=16,
-        max_context=10**7,
-        max_rank=8,
-        slots_total=1,
-        slots_used=0,
-        heartbeat_at=time.time() + 60,
-        sampler_backend="torch",  # a trainer that samples too
-    )
+    worker = _worker(sampler_backend="torch")  # a trainer that samples too
     await bus.put(subjects.BUCKET_WORKERS, "w", records.encode(worker))
     deadline = time.monotonic() + 10
     while not registry.sampler_backends("base"):
@@ -232,19 +238,7 @@ async def test_a_flag_the_base_model_cannot_train_is_refused_at_create_model(
     naming the module, before any job is published, and accepts the same model without it."""
     bus, registry = client.app[BUS], client.app[REGISTRY]
     reason = "train_mlp: this base model's expert block model.layers.0.mlp.experts is not laid out"
-    worker = WorkerRecord(
-        worker_id="w",
-        pool=subjects.pool_of("base"),
-        base_model="base",
-        arch="qwen3",
-        vocab_size=16,
-        max_context=10**7,
-        max_rank=8,
-        slots_total=1,
-        slots_used=0,
-        heartbeat_at=time.time() + 60,
-        refused={"train_mlp": reason},
-    )
+    worker = _worker(refused={"train_mlp": reason})
     await bus.put(subjects.BUCKET_WORKERS, "w", records.encode(worker))
     deadline = time.monotonic() + 10
     while "base" not in registry.served_models():

@@ -12,22 +12,10 @@ import numpy as np
 import pytest
 
 from protocol.api import LoraConfig
-from protocol.tensors import DatumArrays, FwdBwdRequest
+from protocol.tensors import FwdBwdRequest
 from tests.conftest import build_model
-from tests.engine_helpers import Trainer
+from tests.engine_helpers import Trainer, cross_entropy_request
 from workers.engine.passes import carries_state
-
-
-def _request(model_id: str, lengths: list[int], vocab: int, seed: int) -> FwdBwdRequest:
-    rng = np.random.default_rng(seed)
-    datums = [
-        DatumArrays(
-            rng.integers(0, vocab, length).astype(np.int32),
-            {"target_tokens": rng.integers(0, vocab, length).astype(np.int64)},
-        )
-        for length in lengths
-    ]
-    return FwdBwdRequest(model_id, 1, "cross_entropy", True, {}, datums)
 
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5", "deepseek_v4", "inkling_mm_model"])
@@ -40,9 +28,11 @@ def test_a_packed_row_equals_its_datums_one_by_one(
     engine.create("m", LoraConfig(rank=4))
     vocab = engine.core.vocab_size
     lengths = [5, 3, 7, 2]
-    [together] = engine.forward_backward([("m", _request("m", lengths, vocab, seed=1))])
+    [together] = engine.forward_backward(
+        [("m", cross_entropy_request("m", lengths, vocab, seed=1))]
+    )
     assert not isinstance(together, Exception)
-    single = _request("m", lengths, vocab, seed=1)
+    single = cross_entropy_request("m", lengths, vocab, seed=1)
     for i, datum in enumerate(single.datums):
         alone_request = FwdBwdRequest("m", 1, "cross_entropy", True, {}, [datum])
         [alone] = engine.forward_backward([("m", alone_request)])

@@ -15,7 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal, cast
 
@@ -102,16 +102,17 @@ def find_target_linears(model: nn.Module) -> dict[str, LayerGroup]:
     return targets
 
 
+def _outside_vision(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """`model.named_modules()` but a vision tower's."""
+    for path, module in model.named_modules():
+        if not any(part.startswith(_VISION_PREFIXES) for part in path.split(".")):
+            yield path, module
+
+
 def find_expert_modules(model: nn.Module) -> dict[str, ExpertShape]:
     """The fused experts modules of a MoE model (`mlp.experts`), by module path."""
-    found: dict[str, ExpertShape] = {}
-    for path, module in model.named_modules():
-        if any(part.startswith(_VISION_PREFIXES) for part in path.split(".")):
-            continue
-        shape = expert_shape(module)
-        if shape is not None:
-            found[path] = shape
-    return found
+    shapes = {path: expert_shape(module) for path, module in _outside_vision(model)}
+    return {path: shape for path, shape in shapes.items() if shape is not None}
 
 
 def find_unwrappable_experts(model: nn.Module) -> list[str]:
@@ -137,14 +138,8 @@ def find_unwrappable_experts(model: nn.Module) -> list[str]:
 
 def find_shared_banks(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """The shared-expert banks (`workers.engine.shared_bank`), by path: (n, I, H)."""
-    found = {}
-    for path, module in model.named_modules():
-        if any(part.startswith(_VISION_PREFIXES) for part in path.split(".")):
-            continue
-        shape = bank_shape(module)
-        if shape is not None:
-            found[path] = shape
-    return found
+    shapes = {path: bank_shape(module) for path, module in _outside_vision(model)}
+    return {path: shape for path, shape in shapes.items() if shape is not None}
 
 
 @dataclass(frozen=True)

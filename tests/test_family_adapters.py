@@ -154,3 +154,32 @@ def test_a_merged_model_computes_what_the_engine_computes(
         logits = merged(input_ids=tokens).logits[0]
     theirs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0]
     assert max_diff(torch.as_tensor(result.loss_fn_outputs[0]["logprobs"]), theirs) <= 1e-4, arch
+
+
+def test_a_kimi_k2_checkpoint_loads_as_deepseek_v3(
+    tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
+) -> None:
+    """Kimi-K2(-Thinking)'s `config.json` names its own model type, `kimi_k2`, for the
+    DeepSeek-V3 architecture, which transformers has no class for: the worker reads it as
+    `deepseek_v3` (`workers.engine.configs`) and trains and samples it like the original."""
+    import json
+    import shutil
+
+    from workers.engine.model import load_causal_lm
+
+    original = build_model(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3")
+    kimi = tmp_path_factory.mktemp("kimi") / "kimi-k2"
+    shutil.copytree(original, kimi)
+    fields = json.loads((kimi / "config.json").read_text())
+    fields.update(model_type="kimi_k2", architectures=["KimiK2ForCausalLM"])
+    (kimi / "config.json").write_text(json.dumps(fields))
+    tokens = torch.arange(3, 12)[None]
+    with torch.no_grad():
+        want = load_causal_lm(str(original), torch.float32).eval()(input_ids=tokens).logits
+        got = load_causal_lm(str(kimi), torch.float32).eval()(input_ids=tokens).logits
+    assert torch.equal(got, want)
+    engine = Trainer(str(kimi), max_slots=1, max_rank=4)
+    engine.create("m", LoraConfig(rank=4))
+    [out] = engine.forward_backward([("m", _train_request("m", [5], engine.core.vocab_size, 1))])
+    assert not isinstance(out, TwinkleError)
+    assert engine.sampler().tokenizer is not None

@@ -32,6 +32,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from workers.engine.configs import MODEL_TYPE_ALIASES
 from workers.engine.lora import (
     LAYER_GROUPS,
     LayerGroup,
@@ -55,7 +56,10 @@ def config_from_fields(fields: Mapping[str, Any]) -> PretrainedConfig:
     `architectures` is informative, every other field a config argument (the class's defaults
     fill the rest)."""
     rest = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
-    config: PretrainedConfig = AutoConfig.for_model(str(fields["model_type"]), **rest)
+    model_type = str(fields["model_type"])
+    config: PretrainedConfig = AutoConfig.for_model(
+        MODEL_TYPE_ALIASES.get(model_type, model_type), **rest
+    )
     return config
 
 

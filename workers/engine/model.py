@@ -38,7 +38,6 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     PreTrainedModel,
@@ -50,6 +49,7 @@ from protocol.errors import TwinkleError, UserError
 from protocol.images import VisionGeometry
 from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
 from workers.engine.collective import Collective
+from workers.engine.configs import load_config
 from workers.engine.custom_loss import check_request as check_custom_request
 from workers.engine.expert_parallel import split_experts
 from workers.engine.frozen_shards import shard_frozen_linears
@@ -77,13 +77,15 @@ def load_causal_lm(base_model: str, dtype: torch.dtype) -> PreTrainedModel:
     model without one (Qwen3-VL, Kimi-K2.5, Inkling), the composite itself, whose decoder and
     output layer the passes run and whose vision tower `VisionTower` uses where it is
     Qwen-VL's (LoRA never adapts a tower or its projector: `workers.engine.lora`)."""
-    config = AutoConfig.from_pretrained(base_model)
+    config = load_config(base_model)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and hasattr(config, "vision_config"):
         composite: PreTrainedModel = AutoModelForImageTextToText.from_pretrained(
-            base_model, dtype=dtype
+            base_model, config=config, dtype=dtype
         )
         return composite
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        base_model, config=config, dtype=dtype
+    )
     return model
 
 

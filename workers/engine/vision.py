@@ -39,7 +39,6 @@ from PIL import Image
 from safetensors import safe_open
 from torch import nn
 from transformers import (
-    AutoConfig,
     AutoImageProcessor,
     AutoModelForImageTextToText,
     PretrainedConfig,
@@ -52,6 +51,7 @@ from transformers.utils.import_utils import is_torchvision_available
 
 from protocol.errors import UserError
 from protocol.images import DatumImage, VisionGeometry
+from workers.engine.configs import load_config
 
 # The checkpoint prefixes of the vision tower: transformers 5's layout, then the older one.
 _PREFIXES = ("model.visual.", "visual.")
@@ -104,7 +104,7 @@ class VisionTower:
         model is loaded from), or None for a text model and for a family whose tower is not
         Qwen-VL's (`no_images` says why). `model`: the engine's model, whose tower is taken as
         it is when it is the composite (Qwen3-VL)."""
-        config = AutoConfig.from_pretrained(base_model)
+        config = load_config(base_model)
         if getattr(config, "vision_config", None) is None:
             return None
         held = getattr(getattr(model, "model", None), "visual", None)

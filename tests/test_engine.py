@@ -518,8 +518,8 @@ def test_qwen3_5_linear_attention_is_adapted_and_isolated(
     groups = {layout.path: layout.group for layout in engine.bank.layouts}
     # Tinker's adapter: one pair per q, k, v slice of the fused projection, none on the
     # per-head scalars `in_proj_a`/`in_proj_b`; a PEFT file holds the slices as one block LoRA
-    for part in ("q", "k", "v"):
-        assert groups[f"model.layers.0.linear_attn.in_proj_qkv.{part}"] == "attn"
+    for part in ("q", "k", "v"):  # kept beside it under Tinker's names (in_proj_q, …)
+        assert groups[f"model.layers.0.linear_attn.in_proj_{part}"] == "attn"
     assert "model.layers.0.linear_attn.in_proj_qkv" not in groups
     assert not any(path.endswith(("in_proj_a", "in_proj_b")) for path in groups)
     assert groups["model.layers.0.linear_attn.out_proj"] == "attn"

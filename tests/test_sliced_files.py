@@ -8,21 +8,29 @@ import pytest
 import torch
 
 from protocol.errors import UserError
-from workers.engine.sliced_lora import LinearSlice, SlicedLinear
+from workers.engine.sliced_lora import LinearSlice, SlicedLinear, part_path
 from workers.trainer import sliced_files
 from workers.trainer.expert_files import AdapterScales, adapter_key
 
 PATH = "model.layers.0.mixer.in_proj"
 # Mamba2's in_proj: z [0, 8), x [8, 16), then B, C and dt rows no slice adapts
-SLICED = {PATH: SlicedLinear(22, (LinearSlice("z", 0, 8), LinearSlice("x", 8, 16)))}
+SLICED = {PATH: SlicedLinear(22, (LinearSlice("gate_proj", 0, 8), LinearSlice("x_proj", 8, 16)))}
 RANK, HIDDEN = 4, 6
+
+
+def test_a_slice_is_kept_beside_its_linear_under_tinkers_name() -> None:
+    # tinker-cookbook's merge reads Mamba2's z and x as `mixer.gate_proj` and `mixer.x_proj`
+    assert [part_path(PATH, piece) for piece in SLICED[PATH].slices] == [
+        "model.layers.0.mixer.gate_proj",
+        "model.layers.0.mixer.x_proj",
+    ]
 
 
 def _trainer_form() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     tensors = {adapter_key("model.layers.0.mixer.out_proj", "A"): torch.randn(RANK, 8)}
     for piece in SLICED[PATH].slices:
-        part = f"{PATH}.{piece.name}"
+        part = part_path(PATH, piece)
         tensors[adapter_key(part, "A")] = torch.randn(RANK, HIDDEN, generator=generator)
         tensors[adapter_key(part, "B")] = torch.randn(8, RANK, generator=generator)
     return tensors
@@ -72,7 +80,7 @@ def test_a_block_of_the_wrong_shape_is_refused(
 
 def test_a_half_pair_a_wrong_scale_and_a_slice_given_twice_are_refused() -> None:
     written = sliced_files.to_file(_trainer_form(), SLICED, "peft")
-    twice = {**written, **{k: v for k, v in _trainer_form().items() if ".z." in k}}
+    twice = {**written, **{k: v for k, v in _trainer_form().items() if ".gate_proj." in k}}
     with pytest.raises(UserError, match="given twice"):
         sliced_files.from_file(twice, SLICED, _scales({PATH: 2 * RANK}))
     half = {k: v for k, v in written.items() if k != adapter_key(PATH, "B")}

@@ -58,7 +58,12 @@ from workers.engine.moe_lora import (
     MultiSlotLoraExperts,
 )
 from workers.engine.shared_bank import BANK_PARAMETERS, HalfLoraLinear, SharedBankLora
-from workers.engine.sliced_lora import LinearSlice, SlicedLoraLinear, find_sliced_linears
+from workers.engine.sliced_lora import (
+    LinearSlice,
+    SlicedLoraLinear,
+    find_sliced_linears,
+    part_path,
+)
 
 # The slot of rows that use no adapter (sampling from the base model): no update at all.
 BASE_SLOT = -1
@@ -360,7 +365,7 @@ class LoraBank:
     ) -> None:
         parts: dict[str, LoraPart] = {}
         for piece in slices:
-            layout = by_path[f"{path}.{piece.name}"]
+            layout = by_path[part_path(path, piece)]
             lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
             lora_A.grad = self._stacked_a(self.grads, layout)
             lora_B = nn.Parameter(self._stacked_b(self.weights, layout))

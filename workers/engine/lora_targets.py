@@ -24,7 +24,7 @@ from torch import nn
 from protocol.errors import ServerError
 from workers.engine.moe_lora import ExpertShape, expert_shape, projection_shape
 from workers.engine.shared_bank import bank_shape, shares_gate_up_a
-from workers.engine.sliced_lora import SlicedLinear, find_sliced_linears
+from workers.engine.sliced_lora import SlicedLinear, find_sliced_linears, part_path
 
 LayerGroup = Literal["attn", "mlp", "unembed"]
 LAYER_GROUPS: tuple[LayerGroup, ...] = ("attn", "mlp", "unembed")
@@ -262,7 +262,7 @@ def _parts_of(path: str, linear: nn.Linear, sliced: SlicedLinear | None) -> list
     """(layout path, out features) of a target linear: itself, or each slice it is adapted by."""
     if sliced is None:
         return [(path, linear.out_features)]
-    return [(f"{path}.{piece.name}", piece.stop - piece.start) for piece in sliced.slices]
+    return [(part_path(path, piece), piece.stop - piece.start) for piece in sliced.slices]
 
 
 def per_expert_start(layouts: Iterable[LayerLayout], row: int, max_rank: int) -> int:

@@ -10,8 +10,9 @@ linears an adapter trains"):
 - Gated DeltaNet's `in_proj_qkv` (Qwen3.5's `linear_attn`) stacks q, k and v: three pairs,
   `2·(H + K) + (H + V)`.
 
-The bank lays each slice out as a linear of its own, `<path>.<slice>` (`in_proj.z`,
-`in_proj_qkv.q`): its A `[r, in]` and B `[slice rows, r]`. So counts, the optimizer, parking and
+The bank lays each slice out as a linear of its own beside the fused one, under Tinker's name
+(`part_path`: `linear_attn.in_proj_q`, `mixer.gate_proj` for Mamba2's z, `mixer.x_proj` for x):
+its A `[r, in]` and B `[slice rows, r]`. So counts, the optimizer, parking and
 checkpoints treat it like any linear; a PEFT file holds the slices of one linear as a block
 LoRA on it (`workers/trainer/checkpoints.py`).
 
@@ -48,16 +49,23 @@ def linear_slices(parent: nn.Module, leaf: str) -> tuple[LinearSlice, ...] | Non
     if leaf == "in_proj" and "Mamba" in kind:
         inner = getattr(parent, "intermediate_size", None)
         if isinstance(inner, int):  # rows z, x, then B, C, dt (not adapted)
-            return (LinearSlice("z", 0, inner), LinearSlice("x", inner, 2 * inner))
+            return (LinearSlice("gate_proj", 0, inner), LinearSlice("x_proj", inner, 2 * inner))
     if leaf == "in_proj_qkv":
         key, value = getattr(parent, "key_dim", None), getattr(parent, "value_dim", None)
         if isinstance(key, int) and isinstance(value, int):
             return (
-                LinearSlice("q", 0, key),
-                LinearSlice("k", key, 2 * key),
-                LinearSlice("v", 2 * key, 2 * key + value),
+                LinearSlice("in_proj_q", 0, key),
+                LinearSlice("in_proj_k", key, 2 * key),
+                LinearSlice("in_proj_v", 2 * key, 2 * key + value),
             )
     return None
+
+
+def part_path(path: str, piece: LinearSlice) -> str:
+    """Where the pair of slice `piece` of linear `path` is kept: beside the linear, under
+    Tinker's name for it (`linear_attn.in_proj_q`, Mamba2's `mixer.gate_proj` for z and
+    `mixer.x_proj` for x), as tinker-cookbook's merge reads an adapter."""
+    return f"{path.rpartition('.')[0]}.{piece.name}"
 
 
 @dataclass(frozen=True)

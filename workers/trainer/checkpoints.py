@@ -42,7 +42,7 @@ from protocol.jobs import AdapterLayout
 from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE
 from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.moe_lora import ExpertShape
-from workers.engine.sliced_lora import SlicedLinear
+from workers.engine.sliced_lora import SlicedLinear, part_path
 from workers.trainer import sliced_files
 from workers.trainer.expert_files import (
     PER_EXPERT_NAMES,
@@ -182,10 +182,9 @@ def adapter_config(
         if ".lora_" in key
     }
     linears = sorted(trained - own)
-    if layout != "tinker":  # the slices of a linear are one block LoRA on it
-        parts = {
-            f"{path}.{piece.name}": path for path, s in model.sliced.items() for piece in s.slices
-        }
+    # where each slice's pair is kept, and the linear it is a slice of
+    parts = {part_path(path, piece): path for path, s in model.sliced.items() for piece in s.slices}
+    if layout == "peft":  # the slices of a linear are one block LoRA on it
         linears = sorted({parts.get(path, path) for path in linears})
     if layout == "tinker":
         experts = sorted(own)
@@ -198,7 +197,9 @@ def adapter_config(
         ] + plain
     else:
         experts = plain
-    targets = target_modules_for([*linears, *experts], [*model.linear_paths, *experts])
+    # the slices kept beside their linear are modules of their own name outside the "peft" layout
+    known = [*model.linear_paths, *experts, *(parts if layout != "peft" else [])]
+    targets = target_modules_for([*linears, *experts], known)
     config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -219,7 +220,7 @@ def adapter_config(
     }
     if layout == "peft":
         config.update(peft_config_fields(gated, checkpoint.rank, checkpoint.lora_alpha))
-    if layout != "tinker":
+    if layout == "peft":
         fields = sliced_files.peft_config_fields(
             linears, model.sliced, checkpoint.rank, checkpoint.lora_alpha
         )

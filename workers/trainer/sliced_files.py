@@ -5,12 +5,14 @@ x, Gated DeltaNet's `in_proj_qkv` q, k and v) between the trainer's form and a f
 Pure tensor code: no file I/O, no model.
 
 In the trainer a linear P of k slices holds one pair per slice, keyed `P.<slice>`:
-A `[r, in]`, B `[rows of the slice, r]`. PEFT knows only P, so the "peft" and "per-expert"
-layouts write one LoRA on P of rank k·r: A is the slices' A stacked `[k·r, in]`, B
+A `[r, in]`, B `[rows of the slice, r]`. PEFT knows only P, so the "peft" layout writes one
+LoRA on P of rank k·r: A is the slices' A stacked `[k·r, in]`, B
 `[out, k·r]` block-diagonal (slice i's rows use ranks `[i·r, (i+1)·r)`, every other entry 0, and
 rows no slice covers all 0). The config's `rank_pattern`/`alpha_pattern` give P rank k·r and
 alpha k·alpha, so its scale is alpha/r like every other layer's, and a PEFT-loaded model computes
-exactly what the trainer does. The "tinker" layout keeps the trainer's form.
+exactly what the trainer does. The "tinker" and "per-expert" layouts keep the trainer's form,
+which is Tinker's (`in_proj_q`, `in_proj_k`, `in_proj_v`; Mamba2's `gate_proj`, `x_proj`) and
+what tinker-cookbook's `build_lora_adapter` writes.
 
 Invariants:
 - Both directions only copy values and write zeros, so a checkpoint round-trips bit-exactly.
@@ -27,7 +29,7 @@ import torch
 
 from protocol.errors import UserError
 from protocol.paths import ADAPTER_WEIGHTS
-from workers.engine.sliced_lora import SlicedLinear
+from workers.engine.sliced_lora import SlicedLinear, part_path
 from workers.trainer.expert_files import AdapterScales, adapter_key
 
 Tensors = dict[str, torch.Tensor]
@@ -35,15 +37,15 @@ Sliced = Mapping[str, SlicedLinear]
 
 
 def to_file(tensors: Mapping[str, torch.Tensor], sliced: Sliced, layout: str) -> Tensors:
-    """`tensors` (the trainer's form) with each sliced linear as PEFT's block LoRA, unless
-    `layout` is "tinker"; other tensors unchanged."""
+    """`tensors` (the trainer's form) with each sliced linear as PEFT's block LoRA in the "peft"
+    layout; the others keep the slices as they are; other tensors unchanged."""
     written = dict(tensors)
-    if layout == "tinker":
+    if layout != "peft":  # Tinker's form, which tinker-cookbook's per-expert adapter keeps too
         return written
     for path, linear in sliced.items():
         slices = linear.slices
         keys = [
-            (adapter_key(f"{path}.{s.name}", "A"), adapter_key(f"{path}.{s.name}", "B"))
+            (adapter_key(part_path(path, s), "A"), adapter_key(part_path(path, s), "B"))
             for s in slices
         ]
         if not all(a in tensors and b in tensors for a, b in keys):
@@ -102,14 +104,14 @@ def from_file(
                     f" slice i use ranks [i·{r}, (i+1)·{r}) only, every other entry exactly 0"
                 )
         for piece in slices:
-            if adapter_key(f"{path}.{piece.name}", "A") in read:
+            if adapter_key(part_path(path, piece), "A") in read:
                 raise UserError(
-                    f"{ADAPTER_WEIGHTS}: {path}.{piece.name} is given twice (as a slice and in"
+                    f"{ADAPTER_WEIGHTS}: {part_path(path, piece)} is given twice (as a slice and in"
                     f" {key_a})"
                 )
         for i, piece in enumerate(slices):
-            read[adapter_key(f"{path}.{piece.name}", "A")] = a[i * r : (i + 1) * r].clone()
-            read[adapter_key(f"{path}.{piece.name}", "B")] = b[
+            read[adapter_key(part_path(path, piece), "A")] = a[i * r : (i + 1) * r].clone()
+            read[adapter_key(part_path(path, piece), "B")] = b[
                 piece.start : piece.stop, i * r : (i + 1) * r
             ].clone()
     return read

@@ -70,7 +70,7 @@ from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.model import MultiSlotModel, load_causal_lm
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, expert_shape, expert_weights
 from workers.engine.shared_bank import BANK_PARAMETERS, bank_shape, shares_gate_up_a
-from workers.engine.sliced_lora import find_sliced_linears
+from workers.engine.sliced_lora import find_sliced_linears, part_path
 from workers.trainer import sliced_files
 from workers.trainer.checkpoints import (
     ADAPTER_CONFIG,
@@ -445,6 +445,8 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
     sliced = find_sliced_linears(
         model, [path for path, m in modules.items() if isinstance(m, torch.nn.Linear)]
     )
+    # a slice's pair, by where it is kept: (the fused linear, the slice)
+    parts = {part_path(p, piece): (p, piece) for p, s in sliced.items() for piece in s.slices}
     config = getattr(model, "config", None)
     for key in checkpoint.tensors:
         if not key.endswith(".lora_A.weight"):
@@ -456,14 +458,14 @@ def _merge(model: torch.nn.Module, stored: StoredAdapter) -> None:
         if projection in EXPERT_PROJECTIONS and path not in modules:
             _merge_experts(modules[experts_path], projection, a, b, scale)
             continue
-        if path not in modules and _merge_shared(modules[experts_path], projection, a, b, scale):
-            continue
-        if path not in modules:  # a slice of a fused linear: its rows only
-            linear = modules[experts_path]
+        if path in parts:  # a slice of a fused linear: its rows only
+            fused, piece = parts[path]
+            linear = modules[fused]
             assert isinstance(linear, torch.nn.Linear)
-            [piece] = [p for p in sliced[experts_path].slices if p.name == projection]
             rows = linear.weight.detach()[piece.start : piece.stop]
             rows.copy_((rows.to(torch.float32) + scale * (b @ a)).to(rows.dtype))
+            continue
+        if path not in modules and _merge_shared(modules[experts_path], projection, a, b, scale):
             continue
         linear = modules[path]
         assert isinstance(linear, torch.nn.Linear)

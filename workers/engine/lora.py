@@ -57,7 +57,7 @@ from workers.engine.moe_lora import (
     ExpertShape,
     MultiSlotLoraExperts,
 )
-from workers.engine.shared_bank import BANK_PARAMETERS, HalfLoraLinear, SharedBankLora
+from workers.engine.shared_bank import BANK_PARAMETERS, SharedBankLora
 from workers.engine.sliced_lora import (
     LinearSlice,
     SlicedLoraLinear,
@@ -298,12 +298,32 @@ class LoraBank:
         for layer in [*self.layers.values(), *self.parts.values()]:
             layer.kind = kind
 
-    def _wrap(self, model: nn.Module, layout: LayerLayout) -> None:
+    def _pair(
+        self, layout: LayerLayout, rows: slice | None = None
+    ) -> tuple[nn.Parameter, nn.Parameter]:
+        """Every slot's A and B of `layout` (B's `rows` only, if given), as parameters that are
+        views of the bank's weights, their `.grad` views of its gradients."""
         lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
         lora_A.grad = self._stacked_a(self.grads, layout)
-        lora_B = nn.Parameter(self._stacked_b(self.weights, layout))
-        lora_B.grad = self._stacked_b(self.grads, layout)
-        parent_path, _, leaf = layout.path.rpartition(".")
+        b, b_grad = self._stacked_b(self.weights, layout), self._stacked_b(self.grads, layout)
+        if rows is not None:
+            b, b_grad = b[:, rows], b_grad[:, rows]
+        lora_B = nn.Parameter(b)
+        lora_B.grad = b_grad
+        return lora_A, lora_B
+
+    def _wrap(
+        self,
+        model: nn.Module,
+        layout: LayerLayout,
+        path: str | None = None,
+        pair: tuple[nn.Parameter, nn.Parameter] | None = None,
+    ) -> None:
+        """Wrap the linear at `path` (the layout's own by default) with `layout`'s pair (or
+        `pair`: part of it)."""
+        path = path or layout.path
+        lora_A, lora_B = pair or self._pair(layout)
+        parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         layer = MultiSlotLoraLinear(
             cast(nn.Linear, getattr(parent, leaf)),
@@ -314,47 +334,39 @@ class LoraBank:
             routing=self.routing,
         )
         setattr(parent, leaf, layer)
-        self.layers[layout.path] = layer
+        self.layers[path] = layer
 
-    def _part(self, layout: LayerLayout, rows: slice | None = None) -> LoraPart:
-        """Every slot's pair of `layout` as views of the bank (B's `rows` only, if given)."""
-        lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
-        lora_A.grad = self._stacked_a(self.grads, layout)
-        b, b_grad = self._stacked_b(self.weights, layout), self._stacked_b(self.grads, layout)
-        if rows is not None:
-            b, b_grad = b[:, rows], b_grad[:, rows]
-        lora_B = nn.Parameter(b)
-        lora_B.grad = b_grad
-        return LoraPart(
+    def _part(self, layout: LayerLayout) -> LoraPart:
+        """Every slot's pair of `layout`, for a module that adds its update itself."""
+        lora_A, lora_B = self._pair(layout)
+        part = LoraPart(
             group=layout.group,
             lora_A=lora_A,
             lora_B=lora_B,
             slot_scales=self.scales[layout.group],
             routing=self.routing,
         )
+        self.parts[layout.path] = part
+        return part
 
     def _wrap_bank(self, model: nn.Module, path: str, by_path: dict[str, LayerLayout]) -> None:
         parts = {name: self._part(by_path[f"{path}.{name}"]) for name in BANK_PARAMETERS}
-        for name, part in parts.items():
-            self.parts[f"{path}.{name}"] = part
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         setattr(parent, leaf, SharedBankLora(getattr(parent, leaf), parts))
 
     def _wrap_gate_up(self, model: nn.Module, mlp_path: str, layout: LayerLayout) -> None:
-        """Gate and up of a GLU with one A (`shared_bank.HalfLoraLinear`): gate's rows of B
-        first. Both halves share the A parameter, so both add into its gradient."""
-        mlp = model.get_submodule(mlp_path)
-        gate = cast(nn.Linear, mlp.gate_proj)
-        whole = self._part(layout)
+        """Gate and up of a GLU with one A (`workers.engine.shared_bank`): each linear wrapped
+        with that A and its own rows of B, the gate's first. Both share the A parameter, so
+        both add into its gradient."""
+        gate = cast(nn.Linear, model.get_submodule(f"{mlp_path}.gate_proj"))
+        lora_A, _ = self._pair(layout)
         for name, rows in (
             ("gate_proj", slice(0, gate.out_features)),
             ("up_proj", slice(gate.out_features, None)),
         ):
-            half = self._part(layout, rows)
-            half.lora_A = whole.lora_A  # one A for both
-            self.parts[f"{mlp_path}.{name}"] = half
-            setattr(mlp, name, HalfLoraLinear(getattr(mlp, name), half))
+            lora_B = self._pair(layout, rows)[1]
+            self._wrap(model, layout, f"{mlp_path}.{name}", (lora_A, lora_B))
 
     def _wrap_sliced(
         self,
@@ -363,20 +375,7 @@ class LoraBank:
         slices: tuple[LinearSlice, ...],
         by_path: dict[str, LayerLayout],
     ) -> None:
-        parts: dict[str, LoraPart] = {}
-        for piece in slices:
-            layout = by_path[part_path(path, piece)]
-            lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
-            lora_A.grad = self._stacked_a(self.grads, layout)
-            lora_B = nn.Parameter(self._stacked_b(self.weights, layout))
-            lora_B.grad = self._stacked_b(self.grads, layout)
-            parts[piece.name] = self.parts[layout.path] = LoraPart(
-                group=layout.group,
-                lora_A=lora_A,
-                lora_B=lora_B,
-                slot_scales=self.scales[layout.group],
-                routing=self.routing,
-            )
+        parts = {piece.name: self._part(by_path[part_path(path, piece)]) for piece in slices}
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         setattr(parent, leaf, SlicedLoraLinear(getattr(parent, leaf), parts, slices))
@@ -386,12 +385,7 @@ class LoraBank:
     ) -> None:
         factors: dict[ExpertProjection, ExpertFactors] = {}
         for projection in shape.projections:
-            layout = by_path[f"{path}.{projection}"]
-            lora_A = nn.Parameter(self._stacked_a(self.weights, layout))
-            lora_A.grad = self._stacked_a(self.grads, layout)
-            lora_B = nn.Parameter(self._stacked_b(self.weights, layout))
-            lora_B.grad = self._stacked_b(self.grads, layout)
-            factors[projection] = ExpertFactors(lora_A, lora_B)
+            factors[projection] = ExpertFactors(*self._pair(by_path[f"{path}.{projection}"]))
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         part = self.slices.get(path)

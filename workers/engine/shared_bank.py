@@ -9,8 +9,8 @@ Job: adapt the two MLP layouts of Inkling the way Tinker counts them (docs/compa
   pair `n·I → H`, `3·(H + n·I)` per rank.
 - **A dense GLU with one A for gate and up** (`mlp.gate_proj`, `mlp.up_proj` separate linears):
   Tinker's adapter is one pair on the fused `gate_up`, A `[r, H]` and B `[2·I, r]`, the gate's
-  rows first: `(H + 2·I) + (I + H)` per rank with the down pair. Each linear is wrapped with the
-  shared A and its half of B.
+  rows first: `(H + 2·I) + (I + H)` per rank with the down pair. Each linear is wrapped as any
+  linear is (`MultiSlotLoraLinear`), with the shared A and its own rows of B.
 
 The bank lays each pair out as a linear of its own (`<bank>.gate_proj`, `<mlp>.gate_up_proj`):
 its A `[r, in]` and B `[out, r]`, so counts, the optimizer, parking and checkpoints treat it like
@@ -92,18 +92,3 @@ class SharedBankLora(nn.Module):
         out = activated @ w_down.permute(1, 0, 2).reshape(hidden, n * inter).T
         update = down_part.update(activated, segments)
         return out if update is None else out + update.to(out.dtype)
-
-
-class HalfLoraLinear(nn.Module):
-    """A frozen linear whose LoRA pair is half of a pair it shares: one A with its sibling
-    (gate or up of a GLU), its own rows of their B."""
-
-    def __init__(self, base_layer: nn.Linear, part: LoraPart) -> None:
-        super().__init__()
-        self.base_layer = base_layer
-        self.part = part
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.base_layer(x)
-        update = self.part.update(x, self.part.segments_for(x))
-        return y if update is None else y + update.to(y.dtype)

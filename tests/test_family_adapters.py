@@ -4,11 +4,11 @@ that `workers.tiny_model --arch` builds offline (`workers/tiny_families.py`).
 Per family: tenants of different ranks and adapter kinds (full, MLP-only, attention-only,
 unembed-only) in one shared pass get their solo outputs and gradients; each kind's loss falls
 under a few optimizer steps; a saved adapter loads back bit-exactly; and a PEFT-loaded export
-of the full adapter computes the engine's logprobs. PEFT refuses a LoRA on a Mamba2 block's
-`out_proj` (its fused CUDA kernel reads the weight directly), so Nemotron-H's export, whose
-attention adapter Tinker puts there, is not PEFT-loadable. The MLA families' exports are checked
-with attention and the output layer: PEFT's `target_parameters` wrapper on their fused experts
-does not compute what a merged model computes (the merge does: `tests/test_moe_engine.py`).
+computes the engine's logprobs. The export names the linears PEFT would not adapt as modules by
+their weight (`workers.trainer.checkpoints.by_weight_paths`). PEFT refuses any LoRA on a Mamba2
+block's `out_proj` (its fused CUDA kernel reads the weight directly), where Tinker puts
+Nemotron-H's attention adapter: that family's export is checked with its MLP and output layer,
+and a merged export computes its full adapter (below).
 """
 
 from __future__ import annotations
@@ -96,17 +96,17 @@ def test_every_adapter_kind_trains_alone_and_shared(
 
 
 @pytest.mark.filterwarnings(PEFT_TIED_WARNING, PEFT_PATTERN_WARNING)
-@pytest.mark.parametrize(
-    "arch,train_mlp", [("llama", True), ("deepseek_v3", False), ("glm_moe_dsa", False)]
-)
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_a_peft_loaded_export_gives_the_engines_logprobs(
-    arch: str, train_mlp: bool, tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
+    arch: str, tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
 ) -> None:
     from peft import PeftModel
 
+    from workers.engine.model import load_causal_lm
+
     model_dir = build_model(tmp_path_factory.mktemp(arch), arch)
     engine = Trainer(str(model_dir), max_slots=1, max_rank=8)
-    engine.create("m", LoraConfig(rank=4, seed=5, train_mlp=train_mlp))
+    engine.create("m", LoraConfig(rank=4, seed=5, train_attn=arch != "nemotron_h"))
     perturb_b(engine, "m", seed=7)
     vocab = engine.core.vocab_size
     request = _train_request("m", [9], vocab, seed=3)
@@ -114,7 +114,12 @@ def test_a_peft_loaded_export_gives_the_engines_logprobs(
     [result] = engine.forward_backward([("m", request)])
     out = tmp_path_factory.mktemp("export") / "m"
     engine.save("m", out, kind="sampler_weights", meta={})
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # the stock model; Inkling's composite as the worker loads it (AutoModelForCausalLM knows
+    # only its text config)
+    if arch == "inkling_mm_model":
+        base = load_causal_lm(str(model_dir), torch.float32)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, out).eval()
     tokens = torch.as_tensor(request.datums[0].tokens, dtype=torch.long)[None]
     targets = torch.as_tensor(request.datums[0].inputs["target_tokens"])[:, None]
@@ -123,6 +128,10 @@ def test_a_peft_loaded_export_gives_the_engines_logprobs(
     theirs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets)[:, 0]
     ours = torch.as_tensor(result.loss_fn_outputs[0]["logprobs"])
     assert max_diff(ours, theirs) <= 1e-4, arch
+    with torch.no_grad():
+        plain = load_causal_lm(str(model_dir), torch.float32).eval()(input_ids=tokens).logits[0]
+    untrained = torch.log_softmax(plain.float(), dim=-1).gather(1, targets)[:, 0]
+    assert max_diff(ours, untrained) > 1e-3, arch  # the adapter changes what the model computes
 
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "inkling_mm_model", "qwen3_5"])

@@ -241,6 +241,7 @@ class LoraBank:
         by_path = {layout.path: layout for layout in self.layouts}
         sliced = find_sliced_linears(model, list(targets))
         self.sliced = sliced  # the linears adapted per slice (workers.engine.sliced_lora)
+        self.glus: dict[str, int] = {}  # one-A GLUs (workers.engine.shared_bank): MLP → gate rows
         for path in targets:
             parent, _, leaf = path.rpartition(".")
             if f"{parent}.gate_up_proj" in by_path and leaf in ("gate_proj", "up_proj"):
@@ -250,7 +251,9 @@ class LoraBank:
                 self._wrap_sliced(model, path, sliced[path].slices, by_path)
             else:
                 self._wrap(model, by_path[path])
-        for path in find_shared_banks(model):
+        # the shared-expert banks and one-A GLUs (`workers.engine.shared_bank`), by path
+        self.shared_banks = find_shared_banks(model)
+        for path in self.shared_banks:
             self._wrap_bank(model, path, by_path)
         for path, shape in experts.items():
             self._wrap_experts(model, path, shape, by_path)
@@ -360,6 +363,7 @@ class LoraBank:
         with that A and its own rows of B, the gate's first. Both share the A parameter, so
         both add into its gradient."""
         gate = cast(nn.Linear, model.get_submodule(f"{mlp_path}.gate_proj"))
+        self.glus[mlp_path] = gate.out_features
         lora_A, _ = self._pair(layout)
         for name, rows in (
             ("gate_proj", slice(0, gate.out_features)),

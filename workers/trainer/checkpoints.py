@@ -43,7 +43,7 @@ from protocol.paths import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE
 from workers.engine.lora import LayerGroup, LayerLayout
 from workers.engine.moe_lora import ExpertShape
 from workers.engine.sliced_lora import SlicedLinear, part_path
-from workers.trainer import sliced_files
+from workers.trainer import bank_files, sliced_files
 from workers.trainer.expert_files import (
     PER_EXPERT_NAMES,
     AdapterScales,
@@ -101,6 +101,33 @@ def target_modules_for(trained: Iterable[str], all_linears: Iterable[str]) -> li
     return "|".join(re.escape(path) for path in trained_paths)
 
 
+# the leaves PEFT on transformers 5 reads in `target_modules` as the names fused experts had
+# before fusion (and moves onto the fused parameters)
+_EXPERT_LEAVES = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "gate"})
+
+
+def by_weight_paths(linears: Iterable[str], model: ModelTargets) -> list[str]:
+    """The trained linears a "peft" file names by their weight (`<path>.weight` in
+    `target_parameters`), where PEFT would not adapt them as modules of `target_modules`:
+
+    - beside fused experts, PEFT (on transformers 5) takes the leaves `gate_proj`, `up_proj` and
+      `down_proj` for the experts' names before fusion and moves them onto the fused
+      parameters, so a dense layer's MLP or a shared expert of those names would be left out;
+    - PEFT refuses a Mamba2 mixer's `out_proj` (the mixer of a sliced `in_proj`) as a module.
+
+    PEFT's parameter wrapper adds the same `alpha/r · B·A` to the weight, and its tensors have
+    the same keys as a module's."""
+    fused = bool(model.experts)
+    chosen = []
+    for path in linears:
+        parent, _, leaf = path.rpartition(".")
+        if (fused and leaf in _EXPERT_LEAVES) or (
+            leaf == "out_proj" and f"{parent}.in_proj" in model.sliced
+        ):
+            chosen.append(path)
+    return chosen
+
+
 @dataclass(frozen=True)
 class ModelTargets:
     """What a checkpoint file's layout needs to know of the base model."""
@@ -109,6 +136,28 @@ class ModelTargets:
     experts: Mapping[str, ExpertShape] = field(default_factory=dict)  # fused experts blocks
     # linears adapted per output slice, by path (`workers.trainer.sliced_files`)
     sliced: Mapping[str, SlicedLinear] = field(default_factory=dict)
+    # shared-expert banks and one-A GLUs, by path (`workers.trainer.bank_files`)
+    banks: bank_files.Banks = field(default_factory=dict)
+    glus: bank_files.Glus = field(default_factory=dict)
+
+
+def file_tensors(
+    tensors: Mapping[str, torch.Tensor], model: ModelTargets, layout: AdapterLayout
+) -> dict[str, torch.Tensor]:
+    """An adapter's tensors (the trainer's form) as a file in `layout` holds them."""
+    tensors = to_file(tensors, model.experts, layout)
+    tensors = sliced_files.to_file(tensors, model.sliced, layout)
+    return bank_files.to_file(tensors, model.banks, model.glus, layout)
+
+
+def trainer_tensors(
+    tensors: Mapping[str, torch.Tensor], model: ModelTargets, scales: AdapterScales
+) -> dict[str, torch.Tensor]:
+    """A file's tensors, in any layout, in the trainer's form; a `UserError` naming the first
+    tensor that is not representable."""
+    tensors = from_file(tensors, model.experts, scales)
+    tensors = sliced_files.from_file(tensors, model.sliced, scales)
+    return bank_files.from_file(tensors, model.banks, model.glus, scales)
 
 
 @dataclass
@@ -139,9 +188,8 @@ def write_checkpoint(
     written = _write_bytes(
         directory / ADAPTER_CONFIG, _json_bytes(adapter_config(checkpoint, model, layout))
     )
-    tensors = to_file(checkpoint.tensors, model.experts, layout)
     written += _write_tensors(
-        directory / ADAPTER_WEIGHTS, sliced_files.to_file(tensors, model.sliced, layout)
+        directory / ADAPTER_WEIGHTS, file_tensors(checkpoint.tensors, model, layout)
     )
     if kind == "weights":
         if checkpoint.moments is None or checkpoint.spec is None:
@@ -168,7 +216,7 @@ def adapter_config(
         for block in blocks
         for projection in model.experts[block].projections
     }
-    # non-gated experts are written in the trainer's form whatever the layout (expert_files.py)
+    # non-gated experts are written in the trainer's form outside the "peft" layout
     plain = sorted(
         f"{block}.{projection}"
         for block in blocks
@@ -196,9 +244,15 @@ def adapter_config(
             for name in PER_EXPERT_NAMES.values()
         ] + plain
     else:
-        experts = plain
+        experts = []
+    bank_parameters: list[str] = []
+    if layout == "peft":
+        linears, bank_parameters = bank_files.peft_targets(linears, model.banks, model.glus)
+    by_weight = by_weight_paths(linears, model) if layout == "peft" else []
+    linears = [path for path in linears if path not in by_weight]
     # the slices kept beside their linear are modules of their own name outside the "peft" layout
     known = [*model.linear_paths, *experts, *(parts if layout != "peft" else [])]
+    known = [path for path in known if path not in by_weight]
     targets = target_modules_for([*linears, *experts], known)
     config: dict[str, Any] = {
         "peft_type": "LORA",
@@ -219,7 +273,17 @@ def adapter_config(
         "alpha_pattern": {},
     }
     if layout == "peft":
-        config.update(peft_config_fields(gated, checkpoint.rank, checkpoint.lora_alpha))
+        plain_blocks = [block for block in blocks if not model.experts[block].gated]
+        config.update(
+            peft_config_fields(gated, checkpoint.rank, checkpoint.lora_alpha, plain_blocks)
+        )
+        parameters = [
+            *config.get("target_parameters", []),
+            *bank_parameters,
+            *(f"{path}.weight" for path in by_weight),
+        ]
+        if parameters:
+            config["target_parameters"] = parameters
     if layout == "peft":
         fields = sliced_files.peft_config_fields(
             linears, model.sliced, checkpoint.rank, checkpoint.lora_alpha
@@ -233,19 +297,19 @@ def read_checkpoint(
     directory: Path,
     *,
     with_optimizer: bool,
-    experts: Mapping[str, ExpertShape] | None = None,
-    sliced: Mapping[str, SlicedLinear] | None = None,
+    model: ModelTargets | None = None,
 ) -> AdapterCheckpoint:
-    """Read a checkpoint directory, the adapter in any `AdapterLayout` (a fused experts block's
-    only where `experts` has it, a sliced linear's where `sliced` has it); `with_optimizer` also
-    reads the moments and step count."""
+    """Read a checkpoint directory, the adapter in any `AdapterLayout` (the layouts of fused
+    experts, sliced linears and banks only where `model` has them); `with_optimizer` also reads
+    the moments and step count."""
     config = _read_json(directory / ADAPTER_CONFIG)
     scales = adapter_scales(config)
     stored = _read_tensors(directory / ADAPTER_WEIGHTS)
-    tensors = from_file(
-        {key: value.to(torch.float32) for key, value in stored.items()}, experts or {}, scales
+    tensors = trainer_tensors(
+        {key: value.to(torch.float32) for key, value in stored.items()},
+        model or ModelTargets(),
+        scales,
     )
-    tensors = sliced_files.from_file(tensors, sliced or {}, scales)
     checkpoint = AdapterCheckpoint(
         base_model=str(config.get("base_model_name_or_path") or ""),
         rank=scales.rank,

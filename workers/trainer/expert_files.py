@@ -26,8 +26,9 @@ hidden H, intermediate I, rank r) holds Tinker's shared-outer adapter, keyed as 
   what tinker-cookbook's `weights.build_lora_adapter` writes and vLLM's per-expert loader takes.
 - "tinker": the trainer's form as is (tinker-cookbook's `weights.build_hf_model` reads it).
 
-Non-gated experts (Nemotron-H: `up_proj`, `down_proj`; the trainer's X.w1 and X.w2) are written
-in the trainer's form whatever the layout asked for.
+Non-gated experts (Nemotron-H: `up_proj [E, I, H]`, `down_proj`; the trainer's X.w1 and X.w2)
+are written as PEFT's two nested wrappers at rank r in the "peft" layout (`X.base_layer.lora_*` is
+up_proj, its A shared across experts), and in the trainer's form in the other two.
 
 Invariants:
 - Both directions only copy values and write PEFT's zero blocks, so a checkpoint round-trips
@@ -42,7 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -59,6 +60,7 @@ PER_EXPERT_NAMES: dict[ExpertProjection, str] = {
 }
 _BY_PER_EXPERT_NAME = {name: projection for projection, name in PER_EXPERT_NAMES.items()}
 GATE_UP, DOWN = "gate_up_proj", "down_proj"  # transformers 5's fused parameters
+UP = "up_proj"  # the fused parameter before the activation of non-gated experts
 _INNER = ".base_layer"  # PEFT's path of the inner of two nested wrappers
 
 Tensors = dict[str, torch.Tensor]
@@ -163,15 +165,27 @@ def to_file(
         return {**written, **{key: tensors[key] for key in own}}
     for block in blocks:
         shape = experts[block]
-        if not shape.gated:
+
+        def factor(projection: str, matrix: Matrix, block: str = block) -> torch.Tensor:
+            return tensors[adapter_key(f"{block}.{projection}", matrix)]
+
+        if not shape.gated and layout != "peft":
             for projection in shape.projections:
                 for matrix in MATRICES:
                     key = adapter_key(f"{block}.{projection}", matrix)
                     written[key] = tensors[key]
             continue
-
-        def factor(projection: str, matrix: Matrix, block: str = block) -> torch.Tensor:
-            return tensors[adapter_key(f"{block}.{projection}", matrix)]
+        if not shape.gated:
+            up_a, up_b = factor("w1", "A")[0], factor("w1", "B")  # [r, H] shared, [E, I, r]
+            n, rank = shape.num_experts, up_a.shape[0]
+            written[adapter_key(block + _INNER, "A")] = (
+                up_a.expand(n, -1, -1).reshape(n * rank, -1).clone()
+            )
+            written[adapter_key(block + _INNER, "B")] = (
+                up_b.permute(1, 2, 0).reshape(up_b.shape[1], rank * n).clone()
+            )
+            written.update(_down_file(shape, factor("w2", "A"), factor("w2", "B"), block))
+            continue
 
         if layout == "per-expert":
             for e in range(shape.num_experts):
@@ -186,13 +200,19 @@ def to_file(
         )
         written[adapter_key(block + _INNER, "A")] = gate_up_a
         written[adapter_key(block + _INNER, "B")] = gate_up_b
-        down_a, down_b = factor("w2", "A"), factor("w2", "B")[0]  # [E, r, I], [H, r]
-        n, rank = shape.num_experts, down_a.shape[1]
-        written[adapter_key(block, "A")] = down_a.reshape(n * rank, -1).clone()
-        written[adapter_key(block, "B")] = (
-            down_b.unsqueeze(-1).expand(-1, -1, n).reshape(down_b.shape[0], rank * n).clone()
-        )
+        written.update(_down_file(shape, factor("w2", "A"), factor("w2", "B"), block))
     return written
+
+
+def _down_file(shape: ExpertShape, a: torch.Tensor, b: torch.Tensor, block: str) -> Tensors:
+    """PEFT's outer (down_proj) wrapper at rank r from w2's A `[E, r, I]` and shared B."""
+    n, rank, shared = shape.num_experts, a.shape[1], b[0]  # shared: [H, r]
+    return {
+        adapter_key(block, "A"): a.reshape(n * rank, -1).clone(),
+        adapter_key(block, "B"): (
+            shared.unsqueeze(-1).expand(-1, -1, n).reshape(shared.shape[0], rank * n).clone()
+        ),
+    }
 
 
 def _gate_up_file(
@@ -216,13 +236,17 @@ def _gate_up_rows(shape: ExpertShape) -> tuple[slice, slice]:
     return slice(0, None, 2), slice(1, None, 2)
 
 
-def peft_config_fields(blocks: list[str], rank: int, lora_alpha: float) -> dict[str, Any]:
-    """The `adapter_config.json` fields PEFT needs for the experts blocks of a "peft" file."""
-    if not blocks:
+def peft_config_fields(
+    blocks: list[str], rank: int, lora_alpha: float, plain: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The `adapter_config.json` fields PEFT needs for the gated (`blocks`) and non-gated
+    (`plain`) experts blocks of a "peft" file."""
+    if not blocks and not plain:
         return {}
     patterns = sorted({f"{block.rpartition('.')[2]}.{GATE_UP}" for block in blocks})
     return {
-        "target_parameters": [f"{block}.{name}" for block in blocks for name in (GATE_UP, DOWN)],
+        "target_parameters": [f"{block}.{name}" for block in blocks for name in (GATE_UP, DOWN)]
+        + [f"{block}.{name}" for block in plain for name in (UP, DOWN)],
         "rank_pattern": {pattern: 2 * rank for pattern in patterns},
         "alpha_pattern": {pattern: 2 * lora_alpha for pattern in patterns},
     }
@@ -292,7 +316,7 @@ def _tinker_factor(
     n = shape.num_experts
     if not shared or tensor.dim() != 3 or tensor.shape[0] != n or n == 1:
         return tensor  # the shapes are `match_layers`' to check
-    _check_equal(tensor, key, 0)
+    check_equal(tensor, key, 0)
     return tensor[:1].clone()
 
 
@@ -305,18 +329,21 @@ def _from_peft(
 ) -> list[tuple[ExpertProjection, torch.Tensor, torch.Tensor]]:
     """The shared-outer factors of a block's PEFT `target_parameters` wrappers."""
     n, hidden, inter = shape.num_experts, shape.hidden, shape.intermediate
+    first = GATE_UP if shape.gated else UP  # the inner wrapper's parameter
     found: dict[str, tuple[torch.Tensor, torch.Tensor, str, str, int]] = {}
     for path, keys in sorted(wrappers.items()):
         if set(keys) != {"A", "B"}:
             raise UserError(f"{ADAPTER_WEIGHTS}: no complete A/B pair for {path}")
         a, b = tensors[keys["A"]], tensors[keys["B"]]
-        features = {GATE_UP: (hidden, 2 * inter), DOWN: (inter, hidden)}  # (in, out)
+        features = {first: (hidden, (2 if shape.gated else 1) * inter), DOWN: (inter, hidden)}
         rank = a.shape[0] // n if a.dim() == 2 and a.shape[0] % n == 0 else 0
         fits = [name for name, (in_f, _) in features.items() if rank and a.shape[1] == in_f]
+        if len(fits) == 2:  # hidden == intermediate: the nesting tells them apart
+            fits = [first if path.endswith(_INNER) else DOWN]
         if not fits:
             raise UserError(
                 f"{ADAPTER_WEIGHTS}: {keys['A']} has shape {tuple(a.shape)}, expected"
-                f" [R·{n}, {hidden}] ({GATE_UP}) or [R·{n}, {inter}] ({DOWN})"
+                f" [R·{n}, {hidden}] ({first}) or [R·{n}, {inter}] ({DOWN})"
             )
         wanted = {name: (features[name][1], rank * n) for name in fits}
         name = next((name for name in fits if tuple(b.shape) == wanted[name]), None)
@@ -333,6 +360,17 @@ def _from_peft(
         a, b, key_a, key_b, rank = found[GATE_UP]
         scales.check(f"{block}.{GATE_UP}", key_a, rank)
         factors += _gate_up_factors(shape, a, b, key_a, key_b, rank, scales.rank)
+    if UP in found:
+        a, b, key_a, key_b, rank = found[UP]
+        scales.check(f"{block}.{UP}", key_a, rank)
+        if rank != scales.rank:
+            raise UserError(
+                f"{ADAPTER_WEIGHTS}: {key_a} has rank {rank}, expected the adapter's {scales.rank}"
+            )
+        per_expert_a = a.view(n, rank, hidden)
+        check_equal(per_expert_a, key_a, 0)
+        up = b.view(inter, rank, n).permute(2, 0, 1)  # [E, I, r]
+        factors.append(("w1", per_expert_a[:1].clone(), up.clone()))
     if DOWN in found:
         a, b, key_a, key_b, rank = found[DOWN]
         scales.check(f"{block}.{DOWN}", key_a, rank)
@@ -341,7 +379,7 @@ def _from_peft(
                 f"{ADAPTER_WEIGHTS}: {key_a} has rank {rank}, expected the adapter's {scales.rank}"
             )
         per_rank = b.view(hidden, rank, n)
-        _check_equal(per_rank.movedim(-1, 0), key_b, 0)
+        check_equal(per_rank.movedim(-1, 0), key_b, 0)
         factors.append(("w2", a.view(n, rank, inter).clone(), per_rank[..., 0][None].clone()))
     return factors
 
@@ -359,7 +397,7 @@ def _gate_up_factors(
     with one A for both."""
     n = shape.num_experts
     per_expert_a = a.view(n, rank, shape.hidden)
-    _check_equal(per_expert_a, key_a, 0)
+    check_equal(per_expert_a, key_a, 0)
     per_expert_b = b.view(2 * shape.intermediate, rank, n).permute(2, 0, 1)  # [E, 2I, R]
     gate_rows, up_rows = _gate_up_rows(shape)
     gate, up = per_expert_b[:, gate_rows], per_expert_b[:, up_rows]
@@ -423,13 +461,13 @@ def _from_per_expert(
     a, b = torch.stack(a_parts), torch.stack(b_parts)
     keys = [by_expert[e]["A" if projection != "w2" else "B"] for e in range(n)]
     if projection == "w2":
-        _check_equal(b, keys, 0)
+        check_equal(b, keys, 0)
         return a, b[:1].clone()
-    _check_equal(a, keys, 0)
+    check_equal(a, keys, 0)
     return a[:1].clone(), b
 
 
-def _check_equal(stacked: torch.Tensor, key: str | list[str], dim: int) -> None:
+def check_equal(stacked: torch.Tensor, key: str | list[str], dim: int) -> None:
     """A `UserError` naming the first slice along `dim` that differs from slice 0."""
     if stacked.is_meta or stacked.shape[dim] < 2:
         return

@@ -73,6 +73,8 @@ class SlotCheckpoints:
                 for path, layer in bank.expert_layers.items()
             },
             sliced=dict(bank.sliced),
+            banks=dict(bank.shared_banks),
+            glus=dict(bank.glus),
         )
 
     def save(
@@ -110,12 +112,7 @@ class SlotCheckpoints:
 
     def read(self, directory: Path, *, with_optimizer: bool) -> StoredAdapter:
         """A checkpoint checked against this model; a `UserError` if it cannot be loaded."""
-        checkpoint = read_checkpoint(
-            directory,
-            with_optimizer=with_optimizer,
-            experts=self.model.experts,
-            sliced=self.model.sliced,
-        )
+        checkpoint = read_checkpoint(directory, with_optimizer=with_optimizer, model=self.model)
         groups = match_layers(checkpoint, self.bank.whole_layouts, max_rank=self.bank.max_rank)
         spec = checkpoint.spec or LoraConfig(
             rank=checkpoint.rank,

@@ -71,7 +71,6 @@ from workers.engine.model import MultiSlotModel, load_causal_lm
 from workers.engine.moe_lora import EXPERT_PROJECTIONS, expert_shape, expert_weights
 from workers.engine.shared_bank import BANK_PARAMETERS, bank_shape, shares_gate_up_a
 from workers.engine.sliced_lora import find_sliced_linears, part_path
-from workers.trainer import sliced_files
 from workers.trainer.checkpoints import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -82,9 +81,10 @@ from workers.trainer.checkpoints import (
     match_layers,
     read_checkpoint,
     tensor_shapes,
+    trainer_tensors,
     write_checkpoint,
 )
-from workers.trainer.expert_files import DOWN, GATE_UP, PER_EXPERT_NAMES, from_file
+from workers.trainer.expert_files import DOWN, GATE_UP, PER_EXPERT_NAMES, UP
 from workers.trainer.parking import GROUP_FLAGS
 from workers.trainer.residency import Residency
 from workers.trainer.slot_checkpoints import StoredAdapter
@@ -111,15 +111,19 @@ def check_target_modules(config: dict[str, Any], adaptable: list[str]) -> None:
     parameters = config.get("target_parameters")
     if parameters is not None and not isinstance(parameters, list):
         raise UserError(f"{ADAPTER_CONFIG}: target_parameters must be a list of names")
+    # a fused experts parameter, or a linear's weight (`checkpoints.by_weight_paths`)
+    parameters_of = [
+        *(path for path in adaptable if path.endswith((f".{GATE_UP}", f".{UP}", f".{DOWN}"))),
+        *(f"{path}.weight" for path in adaptable),
+    ]
     for target in parameters or []:
         if not isinstance(target, str) or not any(
-            path.endswith((f".{GATE_UP}", f".{DOWN}"))
-            and (path == target or path.endswith("." + target))
-            for path in adaptable
+            path == target or path.endswith("." + target) for path in parameters_of
         ):
             raise UserError(
-                f"{ADAPTER_CONFIG}: target parameter {str(target)[:60]!r} is not a fused"
-                f" experts parameter this server can adapt ({GATE_UP}, {DOWN})"
+                f"{ADAPTER_CONFIG}: target parameter {str(target)[:60]!r} is neither a fused"
+                f" experts parameter this server can adapt ({GATE_UP}, {UP}, {DOWN}) nor the"
+                " weight of a layer it adapts"
             )
     targets = config.get("target_modules")
     if config.get("modules_to_save"):
@@ -156,15 +160,12 @@ def _checked_adapter(residency: Residency, directory: Path) -> StoredAdapter:
     _rank(config)
     scales = adapter_scales(config)
     layouts = residency.bank.whole_layouts
-    experts, sliced = residency.files.model.experts, residency.files.model.sliced
+    model = residency.files.model
     with _fitting(residency):  # raises before any tensor is read
-        header = from_file(_header(directory / ADAPTER_WEIGHTS, layouts), experts, scales)
-        header = sliced_files.from_file(header, sliced, scales)
+        header = trainer_tensors(_header(directory / ADAPTER_WEIGHTS, layouts), model, scales)
         _complete(header, layouts, scales.rank, meta=True)
         _match(residency, header, scales.rank)
-        checkpoint = read_checkpoint(
-            directory, with_optimizer=False, experts=experts, sliced=sliced
-        )
+        checkpoint = read_checkpoint(directory, with_optimizer=False, model=model)
         _complete(checkpoint.tensors, layouts, checkpoint.rank, meta=False)
         groups = _match(residency, checkpoint.tensors, checkpoint.rank)
     spec = LoraConfig(

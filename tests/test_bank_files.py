@@ -10,7 +10,6 @@ import torch
 
 from protocol.errors import UserError
 from workers.engine.moe_lora import ExpertShape
-from workers.engine.sliced_lora import LinearSlice, SlicedLinear
 from workers.trainer import bank_files
 from workers.trainer.checkpoints import ModelTargets, by_weight_paths
 from workers.trainer.expert_files import AdapterScales, adapter_key
@@ -106,24 +105,16 @@ def test_half_a_glu_or_a_wrongly_shaped_wrapper_is_refused() -> None:
         bank_files.from_file(written, BANKS, GLUS, SCALES)
 
 
-def test_linears_peft_would_not_adapt_as_modules_are_named_by_their_weight() -> None:
-    experts = {
-        "model.layers.1.mlp.experts": ExpertShape(
-            4, 6, 8, transposed=False, concatenated=True, has_bias=False
-        )
-    }
-    mamba = {"model.layers.2.mixer.in_proj": SlicedLinear(20, (LinearSlice("x_proj", 0, 8),))}
+def test_linears_peft_would_move_onto_fused_experts_are_named_by_their_weight() -> None:
+    experts = {"model.layers.1.mlp.experts": ExpertShape(4, 6, 8, False, True, False)}
     linears = [
         "model.layers.0.mlp.gate_proj",  # a dense layer's MLP beside fused experts
         "model.layers.1.mlp.shared_experts.down_proj",
         "model.layers.0.self_attn.o_proj",
-        "model.layers.2.mixer.out_proj",  # a Mamba2 mixer's
-        "model.layers.3.linear_attn.out_proj",  # not a Mamba2 mixer's
     ]
-    with_experts = ModelTargets(experts=experts, sliced=mamba)
-    assert by_weight_paths(linears, with_experts) == [linears[0], linears[1], linears[3]]
+    assert by_weight_paths(linears, ModelTargets(experts=experts)) == linears[:2]
     # without fused experts, PEFT adapts an MLP's linears as modules
-    assert by_weight_paths(linears, ModelTargets(sliced=mamba)) == [linears[3]]
+    assert by_weight_paths(linears, ModelTargets()) == []
 
 
 def test_an_import_may_name_an_adapted_linear_by_its_weight() -> None:

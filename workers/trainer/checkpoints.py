@@ -108,24 +108,14 @@ _EXPERT_LEAVES = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3
 
 def by_weight_paths(linears: Iterable[str], model: ModelTargets) -> list[str]:
     """The trained linears a "peft" file names by their weight (`<path>.weight` in
-    `target_parameters`), where PEFT would not adapt them as modules of `target_modules`:
-
-    - beside fused experts, PEFT (on transformers 5) takes the leaves `gate_proj`, `up_proj` and
-      `down_proj` for the experts' names before fusion and moves them onto the fused
-      parameters, so a dense layer's MLP or a shared expert of those names would be left out;
-    - PEFT refuses a Mamba2 mixer's `out_proj` (the mixer of a sliced `in_proj`) as a module.
-
-    PEFT's parameter wrapper adds the same `alpha/r · B·A` to the weight, and its tensors have
-    the same keys as a module's."""
-    fused = bool(model.experts)
-    chosen = []
-    for path in linears:
-        parent, _, leaf = path.rpartition(".")
-        if (fused and leaf in _EXPERT_LEAVES) or (
-            leaf == "out_proj" and f"{parent}.in_proj" in model.sliced
-        ):
-            chosen.append(path)
-    return chosen
+    `target_parameters`) rather than in `target_modules`: beside fused experts, PEFT (on
+    transformers 5) takes the leaves `gate_proj`, `up_proj` and `down_proj` of `target_modules`
+    for the experts' names before fusion and moves them onto the fused parameters, so a dense
+    layer's MLP or a shared expert of those names would be left out. PEFT's parameter wrapper
+    adds the same `alpha/r · B·A` to the weight, and its tensors have a module's keys."""
+    if not model.experts:
+        return []
+    return [path for path in linears if path.rpartition(".")[2] in _EXPERT_LEAVES]
 
 
 @dataclass(frozen=True)

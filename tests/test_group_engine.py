@@ -1,6 +1,6 @@
 """The engine on a worker group of 2 and 4 CPU ranks (gloo, loopback) against one device: a
-MoE model's experts split over the ranks (Qwen3-MoE, gpt-oss, Qwen3.5-MoE, DeepSeek-V3, and
-Nemotron-H's non-gated ones), a dense Qwen3 model's frozen decoder linears split (gathered for
+MoE model's experts split over the ranks (Qwen3-MoE, gpt-oss, Qwen3.5-MoE, DeepSeek-V3, GLM-5.3,
+DeepSeek-V4, Inkling, and Nemotron-H's non-gated ones), a dense Qwen3 model's frozen decoder linears split (gathered for
 each use), the same scenario (`tests.group_harness`) gives the same losses, log-probs, gradient
 norms, checkpoints, states and final adapters (≤ 1e-5, fp32), a failing tenant failing alone on
 every rank alike.
@@ -83,7 +83,18 @@ def assert_same(alone: dict[str, torch.Tensor], group: dict[str, torch.Tensor]) 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "arch", ["qwen3_moe", "qwen3", "gpt_oss", "qwen3_5_moe", "deepseek_v3", "nemotron_h"]
+    "arch",
+    [
+        "qwen3_moe",
+        "qwen3",
+        "gpt_oss",
+        "qwen3_5_moe",
+        "deepseek_v3",
+        "nemotron_h",
+        "glm_moe_dsa",
+        "deepseek_v4",
+        "inkling_mm_model",
+    ],
 )
 def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "model", arch)

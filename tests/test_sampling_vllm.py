@@ -449,3 +449,29 @@ async def test_a_model_vllm_cannot_load_here_is_named_with_the_way_out(tmp_path:
         ServerError, match="imports torchvision, which is not installed.*--sampler torch"
     ):
         await sampler.start()
+
+
+@pytest.mark.parametrize(
+    "arch", ["deepseek_v3", "glm_moe_dsa", "deepseek_v4", "nemotron_h", "inkling_mm_model"]
+)
+async def test_each_family_samples_or_is_refused_naming_the_torch_sampler(
+    arch: str, tmp_path: Path
+) -> None:
+    """The lineup's families on the installed vLLM: a family this build runs samples from the
+    base model; one it cannot run (a CPU build: MLA of this head size, sparse attention,
+    non-gated MoE) fails at `start`, at its first step rather than at a tenant's request, with
+    an error naming the model, its type and the torch sampler."""
+    model = build_tiny_model(tmp_path / arch, arch)
+    sampler = VllmSampler(str(model), max_lora_rank=MAX_LORA_RANK, max_loras=1, max_model_len=64)
+    try:
+        await sampler.start()
+    except ServerError as error:
+        message = str(error)
+        assert f"cannot run {model} (model type {arch})" in message, message
+        assert message.endswith("sample this model with the torch sampler (--sampler torch)")
+        return
+    try:
+        output = await sampler.sample(SampleSpec(prompt=(3, 4, 5), max_tokens=2), None, None)
+        assert len(output.sequences[0].tokens) == 2
+    finally:
+        await sampler.close()

@@ -68,11 +68,12 @@ import logging
 import re
 import typing
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import safetensors
+import vllm
 from vllm.config.lora import MaxLoRARanks
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError, VLLMServerError
@@ -255,7 +256,22 @@ def unloadable(base_model: str, err: Exception) -> str:
             " the CUDA ones break torch+cpu); sample this model with the torch sampler"
             " (--sampler torch)"
         )
-    return f"vLLM cannot load {base_model}: {err}"
+    return cannot_run(base_model, err)
+
+
+def cannot_run(base_model: str, err: Exception) -> str:
+    """Why this vLLM build cannot load, start or step an engine on `base_model`, for the log
+    and the worker's exit: vLLM's reason (the engine process's log has its traceback) and the
+    sampler that serves every family the trainer trains."""
+    try:
+        family = json.loads((Path(base_model) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        family = None
+    return (
+        f"vLLM {vllm.__version__} cannot run {base_model} (model type {family or '?'}) on this"
+        f" {current_platform.device_name} build: {err} (the vLLM engine log above gives the"
+        " cause); sample this model with the torch sampler (--sampler torch)"
+    )
 
 
 @dataclass(frozen=True)
@@ -334,8 +350,19 @@ class VllmSampler:
         self.engine_lora_rank = int(args.max_lora_rank)
         # Construction blocks while the engine process loads the model; keep the loop free.
         # AsyncLLM starts its output handler lazily on the first request in that case.
-        self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        try:
+            self._engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        except Exception as err:
+            raise ServerError(cannot_run(self.base_model, err)) from err
         self.lora = lora
+        # One greedy token: a model whose layers this build has no kernels for (an attention
+        # head size, a sparse attention, a non-gated MoE) fails its first step, not its load.
+        try:
+            warm_up = SampleSpec(prompt=tuple(range(min(4, self.vocab_size))), max_tokens=1)
+            await self.sample(replace(warm_up, temperature=0.0), None, None)
+        except ServerError as err:
+            await self.close()
+            raise ServerError(cannot_run(self.base_model, err)) from err
         logger.info(
             "vLLM engine up: base_model=%s dtype=%s lora=%s max_lora_rank=%d max_loras=%d "
             "max_model_len=%d",

@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--turns", type=Path)
     parser.add_argument("--foreign", type=Path)
+    # every training pass recomputes its layers in the backward (`workers.engine.recompute`)
+    parser.add_argument("--recompute", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -202,6 +204,8 @@ def main() -> None:
         return
     try:
         engine = Trainer(str(args.model), max_slots=4, max_rank=16, collective=collective)
+        if args.recompute:
+            engine.core.passes.recompute_tokens = 0
         out = scenario(engine, args.workdir, args.foreign)
         if args.rank == 0:
             safetensors.torch.save_file({k: v.contiguous() for k, v in out.items()}, str(args.out))

@@ -117,6 +117,21 @@ def test_a_group_of_2_and_4_ranks_trains_as_one_device(arch: str, tmp_path: Path
         assert_same({k: v for k, v in alone.items() if k.startswith("cross.")}, again)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_a_group_recomputing_its_layers_trains_as_one_device_keeping_them(
+    arch: str, tmp_path: Path
+) -> None:
+    """Layers recomputed in the backward (`workers.engine.recompute`) on 2 ranks: the experts'
+    exchanges, or the frozen linears' gathers, run again in the recomputation on every rank
+    alike, and the scenario's results equal one device's without recomputation."""
+    model = build_tiny_model(tmp_path / "model", arch)
+    alone = run_alone(model, tmp_path / "alone")
+    foreign = tmp_path / "alone" / "final-t3"
+    group = run_group(model, 2, tmp_path / "group", "--foreign", str(foreign), "--recompute")
+    assert_same(alone, group)
+
+
 @pytest.mark.timeout(120)
 def test_the_ranks_load_one_after_the_other(tmp_path: Path) -> None:
     """Each rank loads the whole checkpoint on the host and keeps its share; the ranks take

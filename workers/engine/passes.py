@@ -49,9 +49,13 @@ from workers.engine.custom_loss import failed as custom_failed
 from workers.engine.lora import MultiSlotLoraLinear, Segment, SlotRouting
 from workers.engine.losses import LossFn, Settings
 from workers.engine.packing import PassLayout, Piece, layout
+from workers.engine.recompute import LayerRecompute
 from workers.engine.vision import VisionTower
 
 CUSTOM = "custom"
+# the shortest pass that recomputes its layers in the backward, when it is over the pass token
+# budget (`PassRunner.recomputes`; measured in docs/long-context.md, `bench/long_context.py`)
+RECOMPUTE_FLOOR = 4096
 CUSTOM_OUTPUT_TYPE = "CustomLossReturn"
 
 
@@ -125,6 +129,7 @@ class PassRunner:
         pass_tokens: int,
         chunk_tokens: int,
         vision: VisionTower | None = None,
+        recompute_tokens: int | None = None,
     ) -> None:
         get_decoder = getattr(model, "get_decoder", None)
         decoder = get_decoder() if get_decoder is not None else model.model
@@ -139,6 +144,10 @@ class PassRunner:
         # Recurrent mixers carry a state along the row on the torch path, so sequences sharing
         # a row would leak into each other: pad those instead (`carries_state`).
         self.packs = not carries_state(model)
+        # Which training passes keep only each decoder layer's input and recompute the rest in
+        # their backward (`recompute.py`, `recomputes`).
+        self.recompute = LayerRecompute.install(self.decoder, routing)
+        self.recompute_tokens = recompute_tokens
 
     def run(self, items: Sequence[Checked], slots: Sequence[int]) -> PassResults:
         """Every item (validated, its loss looked up; `slots[i]` holds item i's adapter)."""
@@ -181,6 +190,16 @@ class PassRunner:
             results.append(FwdBwdOutput(outputs[index], {"loss:sum": total}, output_type))
         return PassResults(results, contributed)
 
+    def recomputes(self, tokens: int) -> bool:
+        """Whether a training pass of `tokens` positions (rows × width) recomputes its layers:
+        `recompute_tokens` or more where that is set; else a pass over the token budget (a
+        datum longer than it, in a pass of its own) of at least `RECOMPUTE_FLOOR`. A pass within
+        the budget keeps its activations: the budget is what a pass may hold, and keeping costs
+        no recomputation (about 1.1 to 1.2 times the step's time, docs/long-context.md)."""
+        if self.recompute_tokens is not None:
+            return tokens >= self.recompute_tokens
+        return tokens > self.pass_tokens and tokens >= RECOMPUTE_FLOOR
+
     def _run_one(
         self,
         batch: Sequence[FwdBwdRequest],
@@ -194,6 +213,8 @@ class PassRunner:
         training = any(not batch[piece.item].forward_only for piece in pieces)
         input_ids, position_ids, attention_mask = self._rows(batch, one_pass)
         segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
+        if self.recompute is not None:
+            self.recompute.on = training and self.recomputes(input_ids.numel())
         with torch.set_grad_enabled(training):
             model_inputs: dict[str, Any] = {"input_ids": input_ids}
             if self.vision is not None and any(

@@ -131,6 +131,10 @@ class SupportedModel(ResponseBody, frozen=True):
     max_context_length: int | None = None
     trainable: bool | None = None
     sampleable: bool | None = None
+    # the workers' memory plan: the longest datum they train, the longest prompt + max_tokens
+    # they sample (docs/long-context.md)
+    max_train_tokens: int | None = None
+    max_sample_tokens: int | None = None
 
 
 class GetServerCapabilitiesResponse(ResponseBody, frozen=True):

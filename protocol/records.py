@@ -108,6 +108,10 @@ class WorkerRecord(msgspec.Struct):
     # LoRA config flags this base model cannot train (`train_mlp` where its experts are not a
     # layout the bank adapts), each with why: the gateway refuses such a create_model at once
     refused: dict[str, str] = msgspec.field(default_factory=dict)
+    # the memory plan (`workers.engine.memory.plan_tokens`): the longest datum this worker
+    # trains and the longest prompt + max_tokens its sampler runs (None: not planned)
+    max_train_tokens: int | None = None
+    max_sample_tokens: int | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -220,12 +220,20 @@ def check_sample_request(
     vocab_size: int | None,
     vision: VisionGeometry | None = None,
     no_images: str = TEXT_ONLY,
+    max_sequence: int | None = None,
 ) -> None:
     """Every check of `sample_spec`, with the same errors, without building the spec: the
     gateway refuses a bad `asample` body before accepting it, and the sampler builds the spec
-    from the same body. Images are read from their headers only."""
+    from the same body. Images are read from their headers only. `max_sequence`: the longest
+    prompt + max_tokens the model's samplers plan for (their memory plan; None: unknown)."""
     prompt, _ = prompt_tokens(body.prompt, vision, no_images)
-    _checked(body, prompt, max_context, vocab_size)
+    max_tokens, _ = _checked(body, prompt, max_context, vocab_size)
+    if max_sequence is not None and len(prompt) + max_tokens > max_sequence:
+        raise UserError(
+            f"prompt: {len(prompt)} tokens + max_tokens {max_tokens} exceed the {max_sequence}"
+            " tokens of the longest sequence this base model's samplers can run (their memory"
+            " plan, reported by get_server_capabilities)"
+        )
 
 
 def _wants_prompt(body: api.SampleRequest) -> bool:

@@ -276,6 +276,24 @@ class FwdBwdSummary:
     # the image chunks, unread; `n_tokens` and `n_elements` count their placeholder tokens
     # once `check_images` has read their headers
     images: tuple[ImageRef, ...] = ()
+    # (datum index, text tokens) of the longest datum (the first of the longest)
+    longest: tuple[int, int] = (0, 0)
+
+
+def datum_too_long(index: int, tokens: int, limit: int) -> str:
+    """Why a datum longer than the workers' memory plan is refused (gateway and worker alike)."""
+    return (
+        f"datums[{index}].model_input: {tokens} tokens exceed the {limit} tokens of the longest"
+        " datum this base model's workers can train (their memory plan, reported with their"
+        " heartbeat and by get_server_capabilities)"
+    )
+
+
+def check_datum_lengths(summary: FwdBwdSummary, limit: int | None) -> None:
+    """Refuse a body whose longest datum is over `limit` tokens (None: no plan known yet)."""
+    index, tokens = summary.longest
+    if limit is not None and tokens > limit:
+        raise UserError(datum_too_long(index, tokens, limit))
 
 
 def _parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
@@ -307,7 +325,9 @@ def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
     elements = 0
     wide_targets: tuple[int, tuple[int, ...]] | None = None
     images: list[ImageRef] = []
+    longest = (0, 0)
     for index, datum in enumerate(msg.data):
+        before = tokens
         for j, chunk in enumerate(datum.model_input):
             kind = chunk.WhichOneof("chunk")
             if kind == "encoded_text":
@@ -316,6 +336,8 @@ def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
                 images.append(_image_ref(chunk, f"datum {index}: model_input chunk {j}"))
         for tensor in datum.loss_fn_inputs.values():
             elements += _declared_elements(tensor)
+        if tokens - before > longest[1]:
+            longest = (index, tokens - before)
         targets = datum.loss_fn_inputs.get(TARGET_TOKENS)
         if wide_targets is None and targets is not None and len(targets.shape) == 2:
             if not 1 <= targets.shape[1] <= MAX_LOGPROBS_K:
@@ -331,6 +353,7 @@ def _summarise(msg: pb.ForwardBackwardRequest) -> FwdBwdSummary:
         loss_id=_text_setting(msg, "loss_id"),
         wide_targets=wide_targets,
         images=tuple(images),
+        longest=longest,
     )
 
 

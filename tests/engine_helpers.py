@@ -54,6 +54,7 @@ class Trainer:
         pass_tokens: int = 16384,
         logits_chunk_elements: int | None = None,
         collective: Collective | None = None,
+        memory_limit: int | None = None,
     ) -> None:
         self.core = MultiSlotModel(
             base_model,
@@ -64,6 +65,7 @@ class Trainer:
             pass_tokens=pass_tokens,
             logits_chunk_elements=logits_chunk_elements,
             collective=collective,
+            memory_limit=memory_limit,
         )
         self.residency = Residency(self.core, lora_alpha=lora_alpha, max_parked=max_parked)
         # where the real objects keep what tests look at

@@ -221,3 +221,32 @@ def test_concurrent_clients_match_their_solo_runs(
         together = list(pool.map(lambda setup: run(*setup), setups))
     for a, b in zip(solo, together, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4, (a, b)
+
+
+def test_a_datum_over_the_memory_plan_is_refused_at_once(
+    service: tinker.ServiceClient, cluster: Cluster, tiny_model: Path
+) -> None:
+    """The worker plans the longest datum it trains and the longest sequence it samples
+    (`workers.engine.memory.plan_tokens`), reports both with its heartbeat, and the gateway
+    shows them in `get_server_capabilities` and refuses a longer datum with a 400 naming the
+    limit and the datum, before anything runs; the next step runs as usual."""
+    import time
+
+    caps = httpx.get(
+        f"{cluster.base_url}/api/v1/get_server_capabilities",
+        headers={"X-API-Key": cluster.api_key},
+    ).json()
+    [entry] = [m for m in caps["supported_models"] if m["model_name"] == str(tiny_model)]
+    limit, longest = entry["max_train_tokens"], entry["max_sample_tokens"]
+    assert 0 < limit <= entry["max_context_length"] and 0 < longest <= entry["max_context_length"]
+    client = service.create_lora_training_client(base_model=str(tiny_model), rank=4).result()
+    too_long = toy_batch(n=1, length=limit + 1)[0]
+    started = time.monotonic()
+    with pytest.raises(tinker.BadRequestError) as refused:
+        client.forward_backward([toy_batch(n=1)[0], too_long], "cross_entropy").result()
+    assert time.monotonic() - started < 1.0
+    detail = str(refused.value)
+    assert f"datums[1].model_input: {limit + 1} tokens exceed the {limit} tokens" in detail
+    out = client.forward_backward(toy_batch(n=2), "cross_entropy").result()
+    assert out.metrics["loss:sum"] > 0
+    client.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()

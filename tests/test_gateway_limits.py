@@ -261,3 +261,33 @@ async def test_a_flag_the_base_model_cannot_train_is_refused_at_create_model(
     assert status == 400 and answer["detail"] == reason
     status, answer = await create(1, {"rank": 4, "train_mlp": False})
     assert status == 200 and answer["request_id"], answer
+
+
+async def test_a_datum_over_the_workers_plan_is_refused_and_settles_the_seq(
+    client: TestClient[object, object],
+) -> None:
+    """A worker's record carries its memory plan (`max_train_tokens`); a forward_backward whose
+    longest datum is over it is a 400 naming the datum and the limit, its seq settled, and
+    `get_server_capabilities` shows the plan."""
+    bus, registry = client.app[BUS], client.app[REGISTRY]
+    await bus.put(
+        subjects.BUCKET_WORKERS,
+        "w",
+        records.encode(_worker(max_train_tokens=8, max_sample_tokens=16)),
+    )
+    deadline = time.monotonic() + 10
+    while "base" not in registry.served_models():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    for tokens in (9, 2**20):
+        status, answer = await _post(client, _body(1 if tokens == 9 else 2, n_tokens=tokens))
+        assert status == 400 and answer["category"] == "user", answer
+        assert f"datums[0].model_input: {tokens} tokens exceed the 8 tokens" in answer["detail"]
+    tombstone = await _published(client, 1)
+    assert isinstance(tombstone, TombstoneJob) and "exceed the 8 tokens" in tombstone.error
+    status, answer = await _post(client, _body(3, n_tokens=8))
+    assert status == 200, answer
+    assert isinstance(await _published(client, 3), ForwardBackwardJob)
+    resp = await client.get("/api/v1/get_server_capabilities", headers={"X-API-Key": API_KEY})
+    [model] = (await resp.json())["supported_models"]
+    assert (model["max_train_tokens"], model["max_sample_tokens"]) == (8, 16)

@@ -143,6 +143,14 @@ def up(
     token_budget: Annotated[
         int, typer.Option(min=0, help="token positions of one pass (0: measured per device)")
     ] = 0,
+    memory_limit_mib: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="plan each worker's longest datum and sample in at most this much free memory"
+            " (0: all of it)",
+        ),
+    ] = 0,
     sampler: Annotated[
         Literal["torch", "vllm", "none"],
         typer.Option(help="torch (in the trainer), vllm (own process) or none"),
@@ -241,6 +249,8 @@ def up(
         worker_args += ["--threads", str(threads)]
     if token_budget:
         worker_args += ["--token-budget", str(token_budget)]
+    if memory_limit_mib:
+        worker_args += ["--memory-limit-mib", str(memory_limit_mib)]
     if max_parked is not None:
         worker_args += ["--max-parked", str(max_parked)]
     if key_file is not None:

@@ -103,6 +103,14 @@ def worker_options(
             help="token positions of one pass (0: measured on this device once, then cached)",
         ),
     ] = 0,
+    memory_limit_mib: Annotated[
+        int,
+        typer.Option(
+            envvar="TWINKLE_MEMORY_LIMIT_MIB",
+            min=0,
+            help="plan the longest datum and sample in at most this much free memory (0: all)",
+        ),
+    ] = 0,
     gap_timeout_s: Annotated[float, typer.Option(envvar="TWINKLE_GAP_TIMEOUT_S")] = 120.0,
     ack_wait_s: worker_settings.AckWaitS = 120.0,
     sample_timeout_s: worker_settings.SampleTimeoutS = 600.0,
@@ -200,6 +208,7 @@ def worker_options(
         group_timeout_s=group_timeout_s,
         threads=threads or None,
         token_budget=token_budget or None,
+        memory_limit_mib=memory_limit_mib or None,
         gap_timeout_s=gap_timeout_s,
         ack_wait_s=ack_wait_s,
         lease_s=lease,
@@ -228,6 +237,12 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     return worker_settings.parse(worker_options, argv, PROG)
 
 
+def memory_limit(settings: WorkerSettings) -> int | None:
+    """`--memory-limit-mib` in bytes (None: unset)."""
+    mib = settings.memory_limit_mib
+    return None if mib is None else mib * 2**20
+
+
 def build_model(settings: WorkerSettings, max_slots: int | None) -> MultiSlotModel:
     """This process's multi-slot model on `settings.device`, its images limited as configured."""
     from workers.engine.model import MultiSlotModel
@@ -237,6 +252,7 @@ def build_model(settings: WorkerSettings, max_slots: int | None) -> MultiSlotMod
         max_slots=max_slots,
         max_rank=settings.max_rank,
         device=settings.device,
+        memory_limit=memory_limit(settings),
     )
     if model.vision is not None:
         model.vision.limit(settings.max_image_pixels, settings.max_images)

@@ -163,6 +163,9 @@ class WorkerSettings:
     token_budget: int | None = (
         None  # tokens of one pass (None: measured, `workers.trainer.calibration`)
     )
+    # at most this much of the device's memory plans the longest datum and sequence
+    # (`workers.engine.memory.plan_tokens`; None: what the device has free)
+    memory_limit_mib: int | None = None
     merge: bool = True  # False: each pass and fused step holds one model's work (a baseline)
     gap_timeout_s: float = 120.0
     ack_wait_s: float = 120.0

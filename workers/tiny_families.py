@@ -169,10 +169,10 @@ def family_config(
             num_key_value_heads=heads,
             intermediate_size=dense_width,
             first_k_dense_replace=1,
-            # the real configs' routing; vLLM's class keeps the router's score-correction bias
-            # (which transformers' always has) only for this method
-            topk_method="noaux_tc",
         )
+        # the real configs' routing; vLLM's class keeps the router's score-correction bias
+        # (which transformers' always has) only for this method
+        deepseek_v3.topk_method = "noaux_tc"
         if arch == "deepseek_v3":
             return deepseek_v3
         return Kimi_K25Config(

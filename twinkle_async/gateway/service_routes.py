@@ -55,6 +55,8 @@ async def get_server_capabilities(request: web.Request) -> web.Response:
                 max_context_length=worker.max_context if worker else None,
                 trainable=True,
                 sampleable=bool(registry.sampler_backends(name)),
+                max_train_tokens=worker.max_train_tokens if worker else None,
+                max_sample_tokens=worker.max_sample_tokens if worker else None,
             )
         )
     return json_response(api.GetServerCapabilitiesResponse(supported_models=models))

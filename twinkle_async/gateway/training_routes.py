@@ -27,6 +27,7 @@ from protocol.jobs import (
 from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord
 from protocol.tensors import (
     check_budget,
+    check_datum_lengths,
     check_images,
     check_target_width,
     scan_forward_backward,
@@ -176,6 +177,7 @@ async def forward_backward(request: web.Request) -> web.Response:
         budget = request.app[SETTINGS].request_elements_budget
         check_budget(checked, budget)
         check_target_width(checked)
+        check_datum_lengths(checked, worker.max_train_tokens if worker else None)
         custom_loss = None
         if summary.loss_fn == "custom":
             custom_loss = await custom_loss_for(request, run, summary.loss_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,3 +69,79 @@ def free_memory(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+# -- tokens: the longest datum a worker trains and the longest sequence it samples ------------
+
+# the values a token keeps in a pass whose layers are recomputed (`workers.engine.recompute`),
+# per unit of the sizes below: each layer's input and attention output (2·h a layer), and the
+# one layer being recomputed, forward and backward at once: about twice what a layer keeps
+# without recomputation, which is 6·h + 6·I values a token (18·h measured on Qwen3 with
+# I = 2·h, docs/long-context.md)
+LAYER_KEPT_H, LAYER_WORK_H, LAYER_WORK_I = 2, 12, 12
+PLAN_MARGIN = 1.25  # the plan's headroom over its estimate (the allocator, the loss's chunks)
+PLAN_SHARE = 0.8  # of the free memory after the model and its slots
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """The longest datum a pass trains and the longest prompt + `max_tokens` one sequence
+    samples on this device, and why."""
+
+    train_tokens: int
+    sample_tokens: int
+    free_bytes: int
+    train_bytes_per_token: int
+    sample_bytes_per_token: int
+    max_context: int
+
+    def describe(self) -> str:
+        return (
+            f"datums of up to {self.train_tokens} tokens, samples of up to {self.sample_tokens}"
+            f" (prompt + max_tokens): {PLAN_SHARE:.0%} of {self.free_bytes / 2**30:.1f} GiB free"
+            f" after the model and its slots, {self.train_bytes_per_token / 2**10:.1f} KiB a"
+            f" trained token (layers recomputed), {self.sample_bytes_per_token / 2**10:.1f} KiB"
+            f" a sampled one, at most the model's context of {self.max_context}"
+        )
+
+
+def _widths(config: Any) -> tuple[int, int, int, int]:
+    """(hidden h, layers L, MLP width a token goes through I, KV values a token keeps a layer)."""
+    text = config.get_text_config()
+    hidden = int(text.hidden_size)
+    layers = int(text.num_hidden_layers)
+    dense = int(getattr(text, "intermediate_size", 0) or 0)
+    routed = int(getattr(text, "moe_intermediate_size", 0) or 0)
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    shared = int(getattr(text, "n_shared_experts", 0) or 0) * routed + int(
+        getattr(text, "shared_expert_intermediate_size", 0) or 0
+    )
+    width = max(dense, routed * top_k + shared, hidden)
+    heads = int(getattr(text, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    latent = getattr(text, "kv_lora_rank", None)
+    if latent:  # MLA keeps its compressed KV and the rotary key
+        kv = int(latent) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
+    else:
+        kv = 2 * kv_heads * head_dim
+    return hidden, layers, width, kv
+
+
+def plan_tokens(config: Any, *, dtype_bytes: int, free_bytes: int, max_context: int) -> TokenPlan:
+    """What a pass and a sequence may hold in `PLAN_SHARE` of `free_bytes` (the device's free
+    memory once the model and its slots are on it), at most `max_context` tokens each."""
+    hidden, layers, width, kv = _widths(config)
+    work = LAYER_WORK_H * hidden + LAYER_WORK_I * width
+    train = int(PLAN_MARGIN * dtype_bytes * (LAYER_KEPT_H * layers * hidden + work))
+    # a sequence keeps its KV cache in every layer; its prefill works one layer at a time
+    sample = int(PLAN_MARGIN * dtype_bytes * (layers * kv + work // 2))
+    budget = int(free_bytes * PLAN_SHARE)
+    return TokenPlan(
+        train_tokens=max(1, min(max_context, budget // train)),
+        sample_tokens=max(1, min(max_context, budget // sample)),
+        free_bytes=free_bytes,
+        train_bytes_per_token=train,
+        sample_bytes_per_token=sample,
+        max_context=max_context,
+    )

@@ -47,7 +47,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from protocol.api import AdamParams
 from protocol.errors import TwinkleError, UserError
 from protocol.images import VisionGeometry
-from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest
+from protocol.tensors import DatumArrays, FwdBwdOutput, FwdBwdRequest, datum_too_long
 from workers.engine.collective import Collective
 from workers.engine.configs import load_config
 from workers.engine.custom_loss import check_request as check_custom_request
@@ -55,7 +55,7 @@ from workers.engine.expert_parallel import split_experts
 from workers.engine.frozen_shards import shard_frozen_linears
 from workers.engine.lora import ExpertSlice, LoraBank, Segment, SlotRouting, lay_out_slot
 from workers.engine.losses import check_inputs, get_loss, resolve_config
-from workers.engine.memory import free_memory, plan_slots
+from workers.engine.memory import TokenPlan, free_memory, plan_slots, plan_tokens
 from workers.engine.optimizer import SlotAdamW
 from workers.engine.passes import (
     CUSTOM,
@@ -122,6 +122,7 @@ class MultiSlotModel:
         pass_tokens: int = 16384,
         logits_chunk_elements: int | None = None,
         collective: Collective | None = None,
+        memory_limit: int | None = None,
     ) -> None:
         if (max_slots is not None and max_slots < 1) or max_rank < 1:
             raise ValueError(f"max_slots={max_slots} and max_rank={max_rank} must be >= 1")
@@ -168,6 +169,20 @@ class MultiSlotModel:
         # buffer for the life of the model, so a pass neither allocates nor faults it in.
         self._pending = torch.empty_like(self.bank.grads)
         self.model = model
+        # The longest datum a pass trains and the longest sequence the sampler runs, planned
+        # from what the device has left now (at most `memory_limit` bytes, where set); a group
+        # plans with its tightest rank's memory
+        free = free_memory(self.device)
+        if memory_limit is not None:
+            free = min(free, memory_limit)
+        free = -self.collective.agree_max([-free])[0]
+        self.token_plan: TokenPlan = plan_tokens(
+            model.config,
+            dtype_bytes=torch.finfo(self.dtype).bits // 8,
+            free_bytes=free,
+            max_context=self.max_context,
+        )
+        log.info("%s: %s", base_model, self.token_plan.describe())
         least = 1
         if logits_chunk_elements is None:
             # One chunk's fp32 logits: 8 MiB on the CPU (under `tune_malloc`'s threshold: the
@@ -254,6 +269,8 @@ class MultiSlotModel:
             raise UserError(
                 f"{field}: {tokens.shape[0]} tokens exceed the model's context of {self.max_context}"
             )
+        if tokens.shape[0] > self.token_plan.train_tokens:
+            raise UserError(datum_too_long(index, tokens.shape[0], self.token_plan.train_tokens))
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high

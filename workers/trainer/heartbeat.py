@@ -57,6 +57,8 @@ class Heartbeat:
                 metrics_url=self.metrics_url,
                 vision=model.geometry,
                 refused=self.ops.residency.refused(),
+                max_train_tokens=model.token_plan.train_tokens,
+                max_sample_tokens=model.token_plan.sample_tokens,
             )
             self.update_gauges()
             key = subjects.worker_key(self.settings.pool, self.settings.worker_id)

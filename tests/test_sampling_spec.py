@@ -253,3 +253,24 @@ def test_the_sdk_decodes_every_option() -> None:
     assert plain.sequences[0].topk_logprobs is None and not math.isnan(
         plain.sequences[0].logprobs[0]
     )
+
+
+def test_a_sequence_over_the_samplers_plan_is_refused_naming_it() -> None:
+    """`max_sequence` (the samplers' memory plan, from the workers' records): prompt +
+    max_tokens over it is refused at the gateway, naming both; at it, accepted."""
+    from protocol.sampling import check_sample_request
+
+    def body(max_tokens: int) -> api.SampleRequest:
+        fields = {
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+            "sampling_params": {"max_tokens": max_tokens},
+            "type": "sample",
+        }
+        return api.decode(msgspec.json.encode(fields), api.SampleRequest)
+
+    check_sample_request(body(5), max_context=64, vocab_size=VOCAB, max_sequence=10)
+    with pytest.raises(UserError) as refused:
+        check_sample_request(body(6), max_context=64, vocab_size=VOCAB, max_sequence=10)
+    assert "5 tokens + max_tokens 6 exceed the 10 tokens of the longest sequence" in str(
+        refused.value
+    )

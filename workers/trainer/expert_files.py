@@ -361,27 +361,31 @@ def _from_peft(
         scales.check(f"{block}.{GATE_UP}", key_a, rank)
         factors += _gate_up_factors(shape, a, b, key_a, key_b, rank, scales.rank)
     if UP in found:
-        a, b, key_a, key_b, rank = found[UP]
-        scales.check(f"{block}.{UP}", key_a, rank)
-        if rank != scales.rank:
-            raise UserError(
-                f"{ADAPTER_WEIGHTS}: {key_a} has rank {rank}, expected the adapter's {scales.rank}"
-            )
+        a, b, key_a, rank = _at_adapter_rank(found[UP], f"{block}.{UP}", scales)
         per_expert_a = a.view(n, rank, hidden)
         check_equal(per_expert_a, key_a, 0)
         up = b.view(inter, rank, n).permute(2, 0, 1)  # [E, I, r]
         factors.append(("w1", per_expert_a[:1].clone(), up.clone()))
     if DOWN in found:
-        a, b, key_a, key_b, rank = found[DOWN]
-        scales.check(f"{block}.{DOWN}", key_a, rank)
-        if rank != scales.rank:
-            raise UserError(
-                f"{ADAPTER_WEIGHTS}: {key_a} has rank {rank}, expected the adapter's {scales.rank}"
-            )
+        a, b, key_a, rank = _at_adapter_rank(found[DOWN], f"{block}.{DOWN}", scales)
+        key_b = found[DOWN][3]
         per_rank = b.view(hidden, rank, n)
         check_equal(per_rank.movedim(-1, 0), key_b, 0)
         factors.append(("w2", a.view(n, rank, inter).clone(), per_rank[..., 0][None].clone()))
     return factors
+
+
+def _at_adapter_rank(
+    wrapper: tuple[torch.Tensor, torch.Tensor, str, str, int], module: str, scales: AdapterScales
+) -> tuple[torch.Tensor, torch.Tensor, str, int]:
+    """(A, B, A's key, rank) of a wrapper that must have the adapter's own rank and scale."""
+    a, b, key_a, _, rank = wrapper
+    scales.check(module, key_a, rank)
+    if rank != scales.rank:
+        raise UserError(
+            f"{ADAPTER_WEIGHTS}: {key_a} has rank {rank}, expected the adapter's {scales.rank}"
+        )
+    return a, b, key_a, rank
 
 
 def _gate_up_factors(

@@ -237,12 +237,6 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     return worker_settings.parse(worker_options, argv, PROG)
 
 
-def memory_limit(settings: WorkerSettings) -> int | None:
-    """`--memory-limit-mib` in bytes (None: unset)."""
-    mib = settings.memory_limit_mib
-    return None if mib is None else mib * 2**20
-
-
 def build_model(settings: WorkerSettings, max_slots: int | None) -> MultiSlotModel:
     """This process's multi-slot model on `settings.device`, its images limited as configured."""
     from workers.engine.model import MultiSlotModel
@@ -252,7 +246,7 @@ def build_model(settings: WorkerSettings, max_slots: int | None) -> MultiSlotMod
         max_slots=max_slots,
         max_rank=settings.max_rank,
         device=settings.device,
-        memory_limit=memory_limit(settings),
+        memory_limit=settings.memory_limit,
     )
     if model.vision is not None:
         model.vision.limit(settings.max_image_pixels, settings.max_images)

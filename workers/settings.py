@@ -166,6 +166,12 @@ class WorkerSettings:
     # at most this much of the device's memory plans the longest datum and sequence
     # (`workers.engine.memory.plan_tokens`; None: what the device has free)
     memory_limit_mib: int | None = None
+
+    @property
+    def memory_limit(self) -> int | None:
+        """`memory_limit_mib` in bytes (None: unset)."""
+        return None if self.memory_limit_mib is None else self.memory_limit_mib * 2**20
+
     merge: bool = True  # False: each pass and fused step holds one model's work (a baseline)
     gap_timeout_s: float = 120.0
     ack_wait_s: float = 120.0

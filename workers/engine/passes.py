@@ -53,10 +53,10 @@ from workers.engine.recompute import LayerRecompute
 from workers.engine.vision import VisionTower
 
 CUSTOM = "custom"
+CUSTOM_OUTPUT_TYPE = "CustomLossReturn"
 # the shortest pass that recomputes its layers in the backward, when it is over the pass token
 # budget (`PassRunner.recomputes`; measured in docs/long-context.md, `bench/long_context.py`)
 RECOMPUTE_FLOOR = 4096
-CUSTOM_OUTPUT_TYPE = "CustomLossReturn"
 
 
 @dataclass

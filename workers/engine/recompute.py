@@ -13,7 +13,7 @@ What the recomputation does not redo:
   per-expert row counts the kernels are planned from, are the same in both (a tie that a
   nondeterministic kernel breaks another way would otherwise route the recomputation
   differently);
-- with `save_attention`, the fused attention kernels' outputs (SDPA's flash, efficient and
+- the fused attention kernels' outputs (SDPA's flash, efficient and
   cuDNN variants; torch's selective checkpointing keeps them): attention is what a long row
   spends its FLOPs on, and its output is one hidden state's worth a token.
 
@@ -28,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -102,41 +101,33 @@ def _entered(*managers: AbstractContextManager[Any]) -> Iterator[None]:
         yield
 
 
-def _contexts(
-    save_attention: bool,
-) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+def _contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
     """`checkpoint`'s two contexts (the first forward's, the recomputation's) for one layer
     call."""
     indices: list[torch.Tensor] = []
-    forward = [_TopkReplay(indices, replay=False)]
-    recompute = [_TopkReplay(indices, replay=True)]
-    if save_attention:
-        saving, replaying = create_selective_checkpoint_contexts(_policy)  # type: ignore[no-untyped-call]
-        forward.insert(0, saving)
-        recompute.insert(0, replaying)
-    return _entered(*forward), _entered(*recompute)
+    saving, replaying = create_selective_checkpoint_contexts(_policy)  # type: ignore[no-untyped-call]
+    return (
+        _entered(saving, _TopkReplay(indices, replay=False)),
+        _entered(replaying, _TopkReplay(indices, replay=True)),
+    )
 
 
 class LayerRecompute:
     """The decoder layers of one model, each recomputed in the backward of a pass with `on`."""
 
-    def __init__(self, layers: list[nn.Module], routing: SlotRouting, *, save_attention: bool):
+    def __init__(self, layers: list[nn.Module], routing: SlotRouting) -> None:
         self.routing = routing
         self.on = False
-        self.layers = layers
-        self._context = functools.partial(_contexts, save_attention)
         for layer in layers:
             layer.forward = self._wrapped(layer.forward)
 
     @classmethod
-    def install(
-        cls, decoder: nn.Module, routing: SlotRouting, *, save_attention: bool = True
-    ) -> LayerRecompute | None:
+    def install(cls, decoder: nn.Module, routing: SlotRouting) -> LayerRecompute | None:
         """Wrap `decoder`'s layers (its `layers` list); None for a decoder without one."""
         layers = getattr(decoder, "layers", None)
         if not isinstance(layers, nn.ModuleList) or not len(layers):
             return None
-        return cls(list(layers), routing, save_attention=save_attention)
+        return cls(list(layers), routing)
 
     def _wrapped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         routing = self.routing
@@ -152,6 +143,6 @@ class LayerRecompute:
                 with routing.bind(segments):  # the recomputation, in the backward
                     return forward(*a, **k)
 
-            return checkpoint(run, *args, use_reentrant=False, context_fn=self._context, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         return layer_forward

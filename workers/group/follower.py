@@ -55,9 +55,7 @@ def main() -> int:
             max_rank=options["max_rank"],
             device=str(device),
             collective=collective,
-            memory_limit=(
-                None if options["memory_limit_mib"] is None else options["memory_limit_mib"] << 20
-            ),
+            memory_limit=options["memory_limit"],
         )
         if model.vision is not None:  # it decodes what rank 0 took, under the same limits
             model.vision.limit(int(options["max_image_pixels"]), int(options["max_images"]))

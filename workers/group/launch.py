@@ -49,7 +49,7 @@ def engine_options(settings: WorkerSettings) -> dict[str, Any]:
         "log_level": settings.log_level,
         "max_image_pixels": settings.max_image_pixels,
         "max_images": settings.max_images,
-        "memory_limit_mib": settings.memory_limit_mib,
+        "memory_limit": settings.memory_limit,
         # the other ranks read the checkpoints rank 0 writes (the same disk, or store)
         "data_dir": str(settings.data_dir),
         "artifact_store": settings.artifact_store,
@@ -139,7 +139,7 @@ def start_group(settings: WorkerSettings, metrics: TrainerMetrics | None = None)
         max_rank=settings.max_rank,
         device=str(spec.device(settings.device)),
         collective=collective,
-        memory_limit=None if settings.memory_limit_mib is None else settings.memory_limit_mib << 20,
+        memory_limit=settings.memory_limit,
     )
     if model.vision is not None:
         model.vision.limit(settings.max_image_pixels, settings.max_images)

@@ -274,7 +274,6 @@ def adapter_config(
         ]
         if parameters:
             config["target_parameters"] = parameters
-    if layout == "peft":
         fields = sliced_files.peft_config_fields(
             linears, model.sliced, checkpoint.rank, checkpoint.lora_alpha
         )

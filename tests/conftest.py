@@ -209,6 +209,26 @@ def start_cluster(
     )
 
 
+def cluster_log(cluster: Cluster) -> Path:
+    """The file `start_cluster` sends the cluster's output to."""
+    return cluster.data_dir.parent / f"{cluster.data_dir.name}.log"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """A failed test on a cluster reports the tail of that cluster's log beside its traceback."""
+    report = yield
+    if report.failed and call.when == "call":
+        values = getattr(item, "funcargs", {}).values()
+        flat = [v for value in values for v in (value if isinstance(value, tuple) else (value,))]
+        for running in (v for v in flat if isinstance(v, Cluster)):
+            log = cluster_log(running)
+            if log.exists():
+                tail = log.read_bytes()[-12000:].decode("utf-8", "replace")
+                report.sections.append((f"cluster log {log}", tail))
+    return report
+
+
 def stop_cluster(cluster: Cluster) -> None:
     cluster.process.send_signal(signal.SIGTERM)
     try:

@@ -319,9 +319,14 @@ def test_finished_sessions_leave_the_worker_and_memory_returns(
         f"worker RSS {rss[0]:.0f} MiB after 1 session, {rss[1]:.0f} after 50"
     )
 
-    run = admin.call("GET", f"runs/{last_model}")
-    assert run["run"]["unloaded_at"] is not None
-    assert any(c["checkpoint_id"] == "weights/session-end" for c in run["checkpoints"])
+    # the slot is freed before the worker's save is recorded: the record follows within seconds
+    def saved() -> bool:
+        run = admin.call("GET", f"runs/{last_model}")
+        return run["run"]["unloaded_at"] is not None and any(
+            c["checkpoint_id"] == "weights/session-end" for c in run["checkpoints"]
+        )
+
+    _wait(saved, 30, "the last session's session-end checkpoint")
     # the saved state resumes
     service = _service(ops, key)
     resumed = service.create_training_client_from_state_with_optimizer(

@@ -146,6 +146,45 @@ def scenario(
     return out
 
 
+def long_scenario(engine: Trainer, workdir: Path) -> dict[str, torch.Tensor]:
+    """Datums longer than the pass token budget, each a pass of its own (split by position
+    over the ranks with `--context`): two tenants trained, one forward-only call, two steps,
+    the adapters saved."""
+    out: dict[str, torch.Tensor] = {}
+    vocab = engine.vocab_size
+    rng = np.random.default_rng(3)
+    engine.core.pass_tokens = 64
+    for index, (model_id, rank) in enumerate((("l0", 8), ("l1", 4))):
+        engine.create(model_id, LoraConfig(rank=rank, seed=index))
+    for round_ in range(2):
+        batch = [
+            ("l0", _request("l0", [301, 40], rng, vocab)),
+            ("l1", _request("l1", [129 + round_], rng, vocab)),
+        ]
+        for (model_id, _), result in zip(batch, engine.forward_backward(batch), strict=True):
+            _record(out, f"long{round_}.{model_id}", result)
+        steps = [
+            (m, AdamParams(learning_rate=LR, eps=EPS, grad_clip_norm=1.0)) for m in ("l0", "l1")
+        ]
+        for (model_id, _), metrics in zip(steps, engine.optim_step(steps), strict=True):
+            assert isinstance(metrics, dict), metrics
+            out[f"long{round_}.{model_id}.norm"] = torch.tensor([metrics["unclipped_grad_l2:mean"]])
+    probe = _request("l1", [200], rng, vocab)
+    probe = FwdBwdRequest("l1", 1, "cross_entropy", True, {}, probe.datums)
+    [result] = engine.forward_backward([("l1", probe)])
+    _record(out, "long.forward", result)
+    for model_id in ("l0", "l1"):
+        engine.save(model_id, workdir / f"long-{model_id}", kind="weights", meta={})
+        if engine.collective.rank == 0:
+            files = safetensors.torch.load_file(
+                workdir / f"long-{model_id}" / "adapter_model.safetensors"
+            )
+            for key, tensor in files.items():
+                out[f"long.{model_id}.{key}"] = tensor
+    out["meta.splits"] = torch.tensor([engine.core.passes.context.splits_run])
+    return out
+
+
 def cross_check(engine: Trainer, checkpoint: Path) -> dict[str, torch.Tensor]:
     """Load `checkpoint` (with its optimizer) as a new tenant, then one pass and one step."""
     out: dict[str, torch.Tensor] = {}
@@ -166,10 +205,10 @@ def _barrier(engine: Trainer) -> None:
         torch.distributed.barrier()
 
 
-def run_alone(model: Path, workdir: Path) -> dict[str, torch.Tensor]:
-    """The scenario on one device (the reference)."""
+def run_alone(model: Path, workdir: Path, *, long: bool = False) -> dict[str, torch.Tensor]:
+    """The scenario (`long`: `long_scenario`) on one device (the reference)."""
     engine = Trainer(str(model), max_slots=4, max_rank=16, collective=Collective())
-    return scenario(engine, workdir)
+    return long_scenario(engine, workdir) if long else scenario(engine, workdir)
 
 
 def main() -> None:
@@ -184,6 +223,9 @@ def main() -> None:
     parser.add_argument("--foreign", type=Path)
     # every training pass recomputes its layers in the backward (`workers.engine.recompute`)
     parser.add_argument("--recompute", action="store_true")
+    # every pass split by position over the ranks (`workers.engine.context_parallel`)
+    parser.add_argument("--context", action="store_true")
+    parser.add_argument("--long", action="store_true")  # `long_scenario` instead
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -206,7 +248,16 @@ def main() -> None:
         engine = Trainer(str(args.model), max_slots=4, max_rank=16, collective=collective)
         if args.recompute:
             engine.core.passes.recompute_tokens = 0
-        out = scenario(engine, args.workdir, args.foreign)
+        context = engine.core.passes.context
+        if args.context:
+            assert context.supported, context.refused
+            context.tokens = 0
+        elif args.long:  # the default: a datum over the pass budget (tiny: from 100 tokens)
+            context.floor = 100
+        if args.long:
+            out = long_scenario(engine, args.workdir)
+        else:
+            out = scenario(engine, args.workdir, args.foreign)
         if args.rank == 0:
             safetensors.torch.save_file({k: v.contiguous() for k, v in out.items()}, str(args.out))
     finally:

@@ -146,3 +146,57 @@ def test_the_ranks_load_one_after_the_other(tmp_path: Path) -> None:
     assert [rank for _, _, rank in spans] == [0, 1, 2, 3]
     for (_, ended, _), (began, _, _) in zip(spans, spans[1:], strict=False):
         assert began >= ended
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("arch", "world", "extra"),
+    [
+        ("qwen3", 2, ()),
+        ("qwen3", 4, ()),
+        ("qwen3_moe", 2, ("--recompute",)),
+        ("deepseek_v3", 2, ()),
+    ],
+)
+def test_a_group_splits_long_datums_by_position_and_trains_as_one_device(
+    arch: str, world: int, extra: tuple[str, ...], tmp_path: Path
+) -> None:
+    """Datums over the pass token budget, each in a pass of its own, split by position over
+    the ranks (`workers.engine.context_parallel`: the keys and values all-gathered per layer,
+    the experts' tokens gathered and their outputs reduced, the log-probabilities gathered):
+    beside ordinary passes of the same tenant in the same call, the log-probabilities, losses,
+    gradient norms and saved adapters equal one device's; with layers recomputed too."""
+    model = build_tiny_model(tmp_path / "model", arch)
+    alone = run_alone(model, tmp_path / "alone", long=True)
+    group = run_group(model, world, tmp_path / "group", "--long", *extra)
+    assert int(alone["meta.splits"]) == 0
+    assert int(group["meta.splits"]) == 5  # the 301- and 129/130-token datums, the forward
+    assert_same(alone, group)
+
+
+@pytest.mark.timeout(600)
+def test_a_group_splitting_every_pass_of_packed_rows_trains_as_one_device(
+    tmp_path: Path,
+) -> None:
+    """Every pass split (`--context`), rows packed with several datums each (the attention
+    masked block-diagonally across the ranks' positions): the whole scenario, with experts
+    split too, equals one device."""
+    model = build_tiny_model(tmp_path / "model", "qwen3_moe")
+    alone = run_alone(model, tmp_path / "alone")
+    foreign = tmp_path / "alone" / "final-t3"
+    group = run_group(model, 2, tmp_path / "group", "--foreign", str(foreign), "--context")
+    assert_same(alone, group)
+
+
+@pytest.mark.parametrize(
+    ("arch", "reason"),
+    [("qwen3", None), ("qwen3_5", "carry state"), ("nemotron_h", "carry state")],
+)
+def test_which_models_split_passes_by_position(
+    arch: str, reason: str | None, tmp_path: Path
+) -> None:
+    """Attention-only models split; a model whose layers carry a state along the row (Gated
+    DeltaNet, Mamba2) says why it does not, and runs its long datums whole on every rank."""
+    engine = Trainer(str(build_tiny_model(tmp_path / "model", arch)), max_slots=1, max_rank=4)
+    refused = engine.core.passes.context.refused
+    assert refused is None if reason is None else reason in str(refused)

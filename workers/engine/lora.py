@@ -28,7 +28,7 @@ checkpoints.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
@@ -280,6 +280,30 @@ class LoraBank:
             start += len(slots) * width
         self.grads.index_copy_(0, rows, grads)
 
+    def sum_over_ranks(self, slots: Sequence[int], backward: Callable[[], None]) -> None:
+        """Run `backward` (of a pass split by position over the ranks,
+        `workers.engine.context_parallel`), then sum over the ranks what it added to the
+        factors every rank holds whole of `slots`: each rank's backward saw only its own
+        positions. The per-expert factors (whole over every position already) and the experts'
+        shared factors (summed with the call, `reduce_expert_gradients`) are left as they are."""
+        if not self.collective.parallel or not slots:
+            backward()
+            return
+        spans = _without(self.per_expert_start, self._shared_expert_spans())
+        rows = torch.tensor(list(slots), dtype=torch.long, device=self.grads.device)
+        before = self.grads.index_select(0, rows)
+        backward()
+        grads = self.grads.index_select(0, rows)
+        added = torch.cat([(grads[:, a:b] - before[:, a:b]).reshape(-1) for a, b in spans])
+        self.collective.all_reduce_sum(added)
+        start = 0
+        for a, b in spans:
+            width = b - a
+            piece = added[start : start + len(slots) * width].view(len(slots), width)
+            grads[:, a:b] = before[:, a:b] + piece
+            start += len(slots) * width
+        self.grads.index_copy_(0, rows, grads)
+
     def _shared_expert_spans(self) -> list[tuple[int, int]]:
         """Row columns of the shared factors of the experts blocks split over the ranks."""
         spans = []
@@ -469,3 +493,17 @@ class LoraBank:
         for group in LAYER_GROUPS:
             self.scales[group][slot] = 0.0
         self.ranks[slot] = 0
+
+
+def _without(stop: int, holes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The columns `0 .. stop - 1` outside `holes`, as spans."""
+    spans, at = [], 0
+    for a, b in sorted(holes):
+        if a >= stop:
+            break
+        if a > at:
+            spans.append((at, a))
+        at = max(at, b)
+    if at < stop:
+        spans.append((at, stop))
+    return spans

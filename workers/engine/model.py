@@ -201,6 +201,8 @@ class MultiSlotModel:
             pass_tokens=pass_tokens,
             chunk_tokens=max(least, logits_chunk_elements // self.vocab_size),
             vision=self.vision,
+            collective=self.collective,
+            sum_over_ranks=self.bank.sum_over_ranks,
         )
 
     # -- what the samplers run a step with ---------------------------------------------------

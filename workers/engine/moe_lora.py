@@ -51,6 +51,12 @@ from torch import nn
 
 from protocol.errors import ServerError
 from workers.engine.collective import Collective, ExpertInput, ExpertOutput
+from workers.engine.context_parallel import (
+    SequenceSplit,
+    gather_tokens,
+    reduce_tokens,
+)
+from workers.engine.context_parallel import current as current_split
 from workers.engine.lora_kernels import select_rows
 from workers.engine.moe_kernels import ExpertLinear, GroupedProduct, RoutePlan
 
@@ -257,6 +263,9 @@ class MultiSlotLoraExperts(nn.Module):
         gradients into the tokens and the routing weights are summed backward (`ExpertInput`)."""
         parallel = self.parallel
         assert parallel is not None
+        split = current_split()
+        if split is not None:
+            return self._split_forward(x, top_k_index, top_k_weights, split)
         grad = torch.is_grad_enabled()
         needs = grad and (x.requires_grad or top_k_weights.requires_grad)
         if needs:
@@ -275,6 +284,34 @@ class MultiSlotLoraExperts(nn.Module):
             torch.Tensor,
             ExpertOutput.apply(partial, x, top_k_weights, anchor, parallel.collective),  # type: ignore[no-untyped-call]
         )
+
+    def _split_forward(
+        self,
+        x: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        split: SequenceSplit,
+    ) -> torch.Tensor:
+        """Expert parallelism in a pass split by position (`context_parallel.py`): the ranks'
+        tokens are gathered, every rank computes its own experts' share for all of them, and
+        the shares are summed back to each rank's own tokens."""
+        parallel = self.parallel
+        assert parallel is not None
+        every_x = gather_tokens(x, split)
+        every_weights = gather_tokens(top_k_weights, split)
+        every_index = gather_tokens(top_k_index, split)
+        active = self._active(self.routing.segments, every_x.shape[0])
+        n_local = self.shape.num_experts
+        local = every_index.to(torch.long) - parallel.offset
+        local = torch.where((local >= 0) & (local < n_local), local, n_local)
+        if active:
+            partial = experts_forward(self, every_x, local, every_weights, active)
+        else:
+            partial = local_experts(self, every_x, local, every_weights)
+        grad = torch.is_grad_enabled() and bool(active)
+        anchor = torch.zeros((), device=x.device, requires_grad=grad)
+        inputs = [t for t in (every_x, every_weights) if t.requires_grad]
+        return reduce_tokens(partial, split, anchor, *inputs)
 
     def _active(
         self, segments: Sequence[Segment], n_tokens: int

@@ -27,7 +27,7 @@ in beyond float rounding (≤ 1e-5 in fp32 against one pass per datum).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,6 +38,14 @@ from torch.utils.checkpoint import checkpoint
 
 from protocol.errors import TwinkleError, UserError
 from protocol.tensors import TARGET_TOKENS, FwdBwdOutput, FwdBwdRequest
+from workers.engine.collective import Collective
+from workers.engine.context_parallel import (
+    ContextParallel,
+    gather_columns,
+    split_pass,
+    splitting,
+    supports,
+)
 from workers.engine.custom_loss import (
     BUDGET_FACTOR,
     CustomLossError,
@@ -130,6 +138,8 @@ class PassRunner:
         chunk_tokens: int,
         vision: VisionTower | None = None,
         recompute_tokens: int | None = None,
+        collective: Collective | None = None,
+        sum_over_ranks: Callable[[list[int], Callable[[], None]], None] | None = None,
     ) -> None:
         get_decoder = getattr(model, "get_decoder", None)
         decoder = get_decoder() if get_decoder is not None else model.model
@@ -148,6 +158,11 @@ class PassRunner:
         # their backward (`recompute.py`, `recomputes`).
         self.recompute = LayerRecompute.install(self.decoder, routing)
         self.recompute_tokens = recompute_tokens
+        # Which passes a worker group splits by position (`context_parallel.py`), and how
+        # the ranks' shares of a split pass's gradients are summed (`LoraBank.sum_over_ranks`).
+        refused = "its layers carry state along the row" if not self.packs else supports(model)
+        self.context = ContextParallel(collective or Collective(), refused)
+        self.sum_over_ranks = sum_over_ranks
 
     def run(self, items: Sequence[Checked], slots: Sequence[int]) -> PassResults:
         """Every item (validated, its loss looked up; `slots[i]` holds item i's adapter)."""
@@ -211,35 +226,18 @@ class PassRunner:
     ) -> None:
         pieces = one_pass.pieces()
         training = any(not batch[piece.item].forward_only for piece in pieces)
-        input_ids, position_ids, attention_mask = self._rows(batch, one_pass)
-        segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
+        images = self.vision is not None and any(
+            batch[p.item].datums[p.datum].images for p in pieces
+        )
+        tokens = len(one_pass.rows) * one_pass.width
+        split = not images and self.context.splits(tokens, self.pass_tokens)
         if self.recompute is not None:
-            self.recompute.on = training and self.recomputes(input_ids.numel())
+            self.recompute.on = training and self.recomputes(tokens)
         with torch.set_grad_enabled(training):
-            model_inputs: dict[str, Any] = {"input_ids": input_ids}
-            if self.vision is not None and any(
-                batch[p.item].datums[p.datum].images for p in pieces
-            ):
-                model_inputs, position_ids = self._with_images(
-                    batch, one_pass, input_ids, position_ids
-                )
-            with self.routing.bind(segments):
-                hidden = self.decoder(
-                    **model_inputs,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    use_cache=False,
-                ).last_hidden_state
-            selected, token_segments, targets = self._selected(batch, one_pass, pieces, hidden)
-            logprobs = target_logprobs(
-                selected,
-                targets,
-                self.head,
-                token_segments,
-                self.chunk_tokens,
-                recompute=training,
-                output=self.output,
-            )
+            if split:
+                logprobs = self._split_logprobs(batch, one_pass, pieces, training)
+            else:
+                logprobs = self._logprobs(batch, one_pass, pieces, training, images)
             datum_losses: list[torch.Tensor] = []
             start = 0
             for piece in pieces:
@@ -277,16 +275,114 @@ class PassRunner:
         if backward:
             total = torch.stack(backward).sum()
             if total.requires_grad:
-                # Each `.grad` is a strided view of the bank's flat gradient buffer by design;
-                # autograd adds into it in place, so the layout advice does not apply.
-                with torch.autograd.enforce_grad_layout_policy(False):
-                    total.backward()  # type: ignore[no-untyped-call]
+
+                def run_backward() -> None:
+                    # Each `.grad` is a strided view of the bank's flat gradient buffer by
+                    # design; autograd adds into it in place, so the layout advice does not apply.
+                    with torch.autograd.enforce_grad_layout_policy(False):
+                        total.backward()  # type: ignore[no-untyped-call]
+
+                if split and self.sum_over_ranks is not None:
+                    trained = {
+                        slot
+                        for slot, start, stop in one_pass.segments
+                        for piece in pieces
+                        if start <= piece.row < stop and not batch[piece.item].forward_only
+                    }
+                    self.sum_over_ranks(sorted(trained), run_backward)
+                else:
+                    run_backward()
+
+    def _logprobs(
+        self,
+        batch: Sequence[FwdBwdRequest],
+        one_pass: PassLayout,
+        pieces: list[Piece],
+        training: bool,
+        images: bool,
+    ) -> torch.Tensor:
+        """Every piece's target log-probabilities `[tokens, K]`, in `pieces`' order: the
+        whole pass on this device."""
+        input_ids, position_ids, attention_mask = self._rows(batch, one_pass, one_pass.width)
+        segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
+        model_inputs: dict[str, Any] = {"input_ids": input_ids}
+        if images:
+            model_inputs, position_ids = self._with_images(batch, one_pass, input_ids, position_ids)
+        with self.routing.bind(segments):
+            hidden = self.decoder(
+                **model_inputs,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            ).last_hidden_state
+        selected, token_segments, targets = self._selected(batch, one_pass, pieces, hidden)
+        return target_logprobs(
+            selected,
+            targets,
+            self.head,
+            token_segments,
+            self.chunk_tokens,
+            recompute=training,
+            output=self.output,
+        )
+
+    def _split_logprobs(
+        self,
+        batch: Sequence[FwdBwdRequest],
+        one_pass: PassLayout,
+        pieces: list[Piece],
+        training: bool,
+    ) -> torch.Tensor:
+        """`_logprobs` with the pass's positions split over the ranks (`context_parallel.py`):
+        this rank runs its columns of every row, its positions' log-probabilities are gathered,
+        and every rank returns the whole pass's."""
+        collective = self.context.collective
+        world = collective.world
+        n_rows = len(one_pass.rows)
+        width = -(-one_pass.width // world) * world
+        input_ids, position_ids, _ = self._rows(batch, one_pass, width)
+        assert position_ids is not None  # split passes are packed (`supports`)
+        single = all(len(row) == 1 and row[0].offset == 0 for row in one_pass.rows)
+        documents = None if single else torch.cumsum(position_ids == 0, dim=1)
+        split = split_pass(collective, width // world, documents, n_rows, self.device)
+        self.context.splits_run += 1
+        targets_k = max(_k(batch[p.item].datums[p.datum].inputs[TARGET_TOKENS]) for p in pieces)
+        grid = np.zeros((n_rows, width, targets_k), dtype=np.int64)
+        for piece in pieces:
+            target = batch[piece.item].datums[piece.datum].inputs[TARGET_TOKENS]
+            block = target.reshape(piece.length, -1)
+            grid[piece.row, piece.offset : piece.offset + piece.length, : block.shape[1]] = block
+        targets = split.columns(self._long(grid)).reshape(-1, targets_k)
+        segments = [Segment(slot, start, stop) for slot, start, stop in one_pass.segments]
+        with self.routing.bind(segments), splitting(split):
+            hidden = self.decoder(
+                input_ids=split.columns(input_ids),
+                attention_mask=None,
+                position_ids=split.columns(position_ids),
+                use_cache=False,
+            ).last_hidden_state
+        token_segments = [
+            Segment(slot, start * split.chunk, stop * split.chunk)
+            for slot, start, stop in one_pass.segments
+        ]
+        mine = target_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            targets,
+            self.head,
+            token_segments,
+            self.chunk_tokens,
+            recompute=training,
+            output=self.output,
+        )
+        whole = gather_columns(mine.view(n_rows, split.chunk, targets_k), split, summed=False)
+        return torch.cat([whole[p.row, p.offset : p.offset + p.length] for p in pieces])
 
     def _rows(
-        self, batch: Sequence[FwdBwdRequest], one_pass: PassLayout
+        self, batch: Sequence[FwdBwdRequest], one_pass: PassLayout, width: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(input ids, position ids or None, attention mask or None) of one pass's rows."""
-        n_rows, width = len(one_pass.rows), one_pass.width
+        """(input ids, position ids or None, attention mask or None) of one pass's rows,
+        `width` (at least the pass's) positions each."""
+        n_rows = len(one_pass.rows)
         input_ids = np.zeros((n_rows, width), dtype=np.int64)
         if not self.packs:
             mask = np.zeros((n_rows, width), dtype=np.int64)

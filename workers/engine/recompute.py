@@ -20,7 +20,7 @@ What the recomputation does not redo:
 Invariants:
 - The recomputed forward runs with the routing of the pass it belongs to: the segments bound
   when the layer first ran are bound again for it (the backward runs after the pass has
-  unbound them). So each row's LoRA terms, and the gradients they give each slot, are those of
+  unbound them), and so is the pass's split over a group's ranks (`context_parallel.py`). So each row's LoRA terms, and the gradients they give each slot, are those of
   the forward without recomputation.
 - Without grad (a forward-only pass, the samplers' prefill and decode), or with `on` False, a
   layer runs exactly as it did unwrapped.
@@ -42,6 +42,8 @@ from torch.utils.checkpoint import (
 )
 
 from protocol.errors import ServerError
+from workers.engine.context_parallel import current as current_split
+from workers.engine.context_parallel import splitting
 from workers.engine.lora import SlotRouting
 
 _aten = torch.ops.aten
@@ -136,11 +138,13 @@ class LayerRecompute:
             if not (self.on and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
             segments = routing.segments
+            split = current_split()
 
             def run(*a: Any, **k: Any) -> Any:
                 if routing.segments:  # the first forward, inside its pass
                     return forward(*a, **k)
-                with routing.bind(segments):  # the recomputation, in the backward
+                # the recomputation, in the backward: the pass's routing and split again
+                with routing.bind(segments), splitting(split):
                     return forward(*a, **k)
 
             return checkpoint(run, *args, use_reentrant=False, context_fn=_contexts, **kwargs)

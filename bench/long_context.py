@@ -9,10 +9,19 @@ context raised to 256 Ki), fp32 on the CPU. Each (T, mode) runs in a fresh proce
 - time: the step's wall time, and its time per token.
 Modes: "recompute" runs every training pass with its decoder layers recomputed in the backward
 (`workers/engine/recompute.py`, `recompute_tokens=0`), "keep" keeps every layer's activations
-(a `recompute_tokens` no pass reaches). Then, per T, the time per token of recompute over keep, and per mode
-the growth at the largest T over the smallest.
+(a `recompute_tokens` no pass reaches), "split2" (any "splitN") recomputes on a worker group of
+N ranks on loopback (gloo, one process and `--threads` threads each), the datum's positions
+split over them (`workers/engine/context_parallel.py`): its growth is the largest rank's. Then,
+per T, the time per token of recompute over keep, and per mode the growth at the largest T over
+the smallest, and a split mode's growth over recompute's.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/long_context.py [--tokens 1024 4096 16384]
+        [--modes keep recompute split2]
+
+`--plan` prints the memory plan instead (`workers/engine/memory.py`, no model is run): the
+bytes a trained token costs and the longest datum, for the real configs of Qwen3-8B,
+Qwen3-30B-A3B, Qwen3.5-35B-A3B and DeepSeek-V3.1 (bf16, the base model and 8 rank-32 slots
+resident), on 80 GB and 141 GB devices, one device and a group of 8 splitting the datum.
 """
 
 from __future__ import annotations
@@ -36,19 +45,28 @@ def _status(field: str) -> int:
     raise RuntimeError(field)
 
 
-def child(mode: str, tokens: int, model_dir: str, threads: int) -> None:
+def child(mode: str, tokens: int, model_dir: str, threads: int, group: str = "") -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_merge import Trainer, request
 
     from protocol.api import AdamParams, LoraConfig
+    from workers.engine.collective import Collective
     from workers.engine.passes import tune_malloc
+    from workers.group.runtime import GroupSpec, join, leave
 
     tune_malloc()  # as the worker does
     torch.set_num_threads(threads)
-    engine = Trainer.build(model_dir, max_slots=1, max_rank=16, pass_tokens=max(tokens, 512))
-    engine.model.passes.recompute_tokens = 0 if mode == "recompute" else 2**62
+    collective = Collective()
+    if group:  # "rank world port": a rank of a group on loopback
+        rank, world, port = (int(v) for v in group.split())
+        collective = join(GroupSpec(rank=rank, world=world, port=port), torch.device("cpu"))
+    engine = Trainer.build(
+        model_dir, max_slots=1, max_rank=16, pass_tokens=max(tokens, 512), collective=collective
+    )
+    engine.model.passes.recompute_tokens = 2**62 if mode == "keep" else 0
+    engine.model.passes.context.tokens = 0 if group else None
     engine.residency.create("t", LoraConfig(rank=16, seed=0))
     adam = [("t", AdamParams(learning_rate=1e-4))]
     engine.forward_backward([("t", request("t", 1, 64, 4096, 1))])  # allocator warm-up
@@ -63,6 +81,8 @@ def child(mode: str, tokens: int, model_dir: str, threads: int) -> None:
     growth = _status("VmHWM") - before
     loss = float(out.metrics["loss:sum"])  # type: ignore[union-attr]
     print(json.dumps({"growth": growth, "seconds": seconds, "loss": loss}))
+    if group:
+        leave()
 
 
 def build(directory: Path) -> Path:
@@ -78,13 +98,130 @@ def build(directory: Path) -> Path:
 
 
 def run(mode: str, tokens: int, model_dir: Path, threads: int) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", mode, str(tokens), str(model_dir), str(threads)],
-        check=True,
-        capture_output=True,
-        text=True,
+    command = [sys.executable, __file__, "--child", mode, str(tokens), str(model_dir)]
+    if not mode.startswith("split"):
+        out = subprocess.run(
+            [*command, str(threads), ""], check=True, capture_output=True, text=True
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    from workers.group.runtime import free_port
+
+    world, port = int(mode.removeprefix("split")), free_port()
+    ranks = [
+        subprocess.Popen(
+            [*command, str(threads), f"{rank} {world} {port}"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    for rank in ranks:
+        stdout, _ = rank.communicate(timeout=7200)
+        if rank.returncode:
+            raise RuntimeError(f"a rank of {mode} failed ({rank.returncode})")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    # the fullest rank's growth, the slowest rank's time (the step ends when every rank's does)
+    return {
+        "growth": max(r["growth"] for r in results),
+        "seconds": max(r["seconds"] for r in results),
+        "loss": results[0]["loss"],
+    }
+
+
+def plan() -> None:
+    """The memory plan of the real configs (see the module docstring)."""
+    import transformers
+
+    from workers.engine.lora_counts import build_on_meta, count_per_rank
+    from workers.engine.memory import PLAN_SHARE, plan_slots, plan_tokens, slot_bytes
+
+    long = 262144
+    configs = {
+        "Qwen3-8B": transformers.Qwen3Config(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=long,
+        ),
+        "Qwen3-30B-A3B": transformers.Qwen3MoeConfig(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+            max_position_embeddings=long,
+        ),
+        "Qwen3.5-35B-A3B": transformers.Qwen3_5MoeTextConfig(
+            hidden_size=2048,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            num_experts=256,
+            num_experts_per_tok=8,
+            vocab_size=248320,
+            max_position_embeddings=long,
+        ),
+        "DeepSeek-V3.1": transformers.DeepseekV3Config(max_position_embeddings=long),
+    }
+    # bytes a base weight: DeepSeek-V3.1's checkpoint is fp8; the others bf16
+    weight_bytes = {"DeepSeek-V3.1": 1}
+    # whose passes a group splits by position (`workers/engine/context_parallel.py`): not a
+    # model with Gated DeltaNet layers
+    splits = {"Qwen3-8B": True, "Qwen3-30B-A3B": True, "Qwen3.5-35B-A3B": False}
+    print(
+        "activations bf16; per rank: the base model's share, then its adapter slots (planned as"
+        f" the worker plans them, rank 32), then {PLAN_SHARE:.0%} of what is left for a pass;"
+        " 'fits': the longest datum the plan trains ('-': the base model does not fit);"
+        " '1 slot': the same with one slot (`--max-slots 1`)"
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    print(
+        f"{'model':>16} {'device':>7} {'ranks':>5} {'split':>5} {'slots':>5} {'KiB/token':>9}"
+        f" {'fits':>8} {'32Ki':>5} {'128Ki':>5} {'256Ki':>5} {'1 slot':>8}"
+    )
+    for name, config in configs.items():
+        model = build_on_meta(config)
+        params = sum(p.numel() for p in model.parameters())
+        slot_numel = 32 * sum(count_per_rank(model).per_group.values())
+        for device_gb in (80, 141):
+            for ranks in (1, 8):
+                split = ranks if splits.get(name, True) else 1
+                left = device_gb * 10**9 - params * weight_bytes.get(name, 2) // ranks
+                if left <= 0:
+                    print(f"{name:>16} {device_gb:>5}GB {ranks:>5} {split:>5} {'-':>5}")
+                    continue
+                slots = plan_slots(left, slot_numel // ranks).max_slots
+                free = max(0, left - slots * slot_bytes(slot_numel // ranks))
+                row = plan_tokens(
+                    config, dtype_bytes=2, free_bytes=free, max_context=2**30, ranks=split
+                )
+                lone = plan_tokens(
+                    config,
+                    dtype_bytes=2,
+                    free_bytes=max(0, left - slot_bytes(slot_numel // ranks)),
+                    max_context=2**30,
+                    ranks=split,
+                )
+                marks = " ".join(
+                    f"{'yes' if row.train_tokens >= t else 'no':>5}" for t in (2**15, 2**17, 2**18)
+                )
+                print(
+                    f"{name:>16} {device_gb:>5}GB {ranks:>5} {split:>5} {slots:>5}"
+                    f" {row.train_bytes_per_token / 2**10:>9.1f} {row.train_tokens:>8} {marks}"
+                    f" {lone.train_tokens:>8}"
+                )
 
 
 def main() -> None:
@@ -92,11 +229,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--modes", nargs="+", default=["keep", "recompute"])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--plan", action="store_true", help="the memory plan of real configs")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        mode, tokens, model_dir, threads = args.child
-        child(mode, int(tokens), model_dir, int(threads))
+        mode, tokens, model_dir, threads, group = args.child
+        child(mode, int(tokens), model_dir, int(threads), group)
+        return
+    if args.plan:
+        plan()
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build(Path(tmp) / "mid")
@@ -120,10 +261,20 @@ def main() -> None:
             for tokens in args.tokens:
                 ratio = results[tokens, "recompute"]["seconds"] / results[tokens, "keep"]["seconds"]
                 print(f"{tokens:>7} {ratio:.2f}x")
+        first, last = args.tokens[0], args.tokens[-1]
+        extra = {
+            mode: (results[last, mode]["growth"] - results[first, mode]["growth"]) / MiB
+            for mode in args.modes
+        }
         for mode in args.modes:
-            first, last = args.tokens[0], args.tokens[-1]
-            extra = (results[last, mode]["growth"] - results[first, mode]["growth"]) / MiB
-            print(f"{mode}: growth at {last} over {first} tokens: {extra:.0f} MiB")
+            print(f"{mode}: growth at {last} over {first} tokens: {extra[mode]:.0f} MiB")
+        for mode in args.modes:
+            if mode.startswith("split") and "recompute" in extra:
+                print(
+                    f"{mode}: a rank's growth over one device's (recompute), at {last}"
+                    f" over {first}: {extra[mode] / extra['recompute']:.2f}x;"
+                    f" at {last}: {results[last, mode]['growth'] / results[last, 'recompute']['growth']:.2f}x"
+                )
 
 
 if __name__ == "__main__":

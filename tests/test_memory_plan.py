@@ -40,6 +40,35 @@ def test_the_plan_covers_what_a_long_datum_measured() -> None:
     assert (small.train_tokens, small.sample_tokens) == (4096, 4096)
 
 
+def test_a_group_splitting_a_datum_plans_a_share_of_it_a_rank() -> None:
+    """Over 2 and 8 ranks (`workers.engine.context_parallel`), a rank keeps 1/N of a token's
+    activations and the gathered keys and values (and a MoE layer's tokens) of one layer:
+    the longest datum grows by less than N times, by more than N/2 on Qwen3-8B."""
+    dense = transformers.Qwen3Config(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    one = plan_tokens(dense, dtype_bytes=2, free_bytes=40 * 2**30, max_context=2**20)
+    for ranks in (2, 8):
+        split = plan_tokens(
+            dense, dtype_bytes=2, free_bytes=40 * 2**30, max_context=2**20, ranks=ranks
+        )
+        assert ranks / 2 * one.train_tokens < split.train_tokens < ranks * one.train_tokens
+        assert split.sample_tokens == one.sample_tokens  # sampling is not split
+        assert f"split over {ranks} ranks" in split.describe()
+    # MLA gathers its decompressed keys and values: more a token than its latent cache
+    mla = transformers.DeepseekV3Config()
+    cache = plan_tokens(mla, dtype_bytes=2, free_bytes=2**36, max_context=2**20)
+    split = plan_tokens(mla, dtype_bytes=2, free_bytes=2**36, max_context=2**20, ranks=8)
+    heads = mla.num_attention_heads
+    gathered = 2 * heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+    assert split.train_bytes_per_token > cache.train_bytes_per_token / 8 + 2 * gathered
+
+
 def test_the_engine_refuses_a_datum_over_its_plan_and_keeps_serving(
     tmp_path_factory: pytest.TempPathFactory, torch_one_thread: None
 ) -> None:

@@ -94,14 +94,17 @@ class TokenPlan:
     train_bytes_per_token: int
     sample_bytes_per_token: int
     max_context: int
+    ranks: int = 1  # the ranks a long datum's positions are split over
 
     def describe(self) -> str:
+        split = f", its positions split over {self.ranks} ranks" if self.ranks > 1 else ""
         return (
             f"datums of up to {self.train_tokens} tokens, samples of up to {self.sample_tokens}"
             f" (prompt + max_tokens): {PLAN_SHARE:.0%} of {self.free_bytes / 2**30:.1f} GiB free"
             f" after the model and its slots, {self.train_bytes_per_token / 2**10:.1f} KiB a"
-            f" trained token (layers recomputed), {self.sample_bytes_per_token / 2**10:.1f} KiB"
-            f" a sampled one, at most the model's context of {self.max_context}"
+            f" trained token (layers recomputed{split}),"
+            f" {self.sample_bytes_per_token / 2**10:.1f} KiB a sampled one, at most the model's"
+            f" context of {self.max_context}"
         )
 
 
@@ -128,12 +131,33 @@ def _widths(config: Any) -> tuple[int, int, int, int]:
     return hidden, layers, width, kv
 
 
-def plan_tokens(config: Any, *, dtype_bytes: int, free_bytes: int, max_context: int) -> TokenPlan:
+def _exchanged(config: Any) -> int:
+    """The values a token of a pass split over ranks (`workers.engine.context_parallel`) costs
+    every rank while one layer runs: its keys and values gathered, and their gradients in the
+    backward; a MoE layer's gathered input and summed output beside them."""
+    text = config.get_text_config()
+    hidden, _, _, kv = _widths(config)
+    if getattr(text, "kv_lora_rank", None):  # MLA gathers its decompressed keys and values
+        heads = int(text.num_attention_heads)
+        kv = heads * (int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim))
+        kv += heads * int(text.v_head_dim)
+    moe = 4 * hidden if getattr(text, "num_experts_per_tok", None) else 0
+    return 2 * kv + moe
+
+
+def plan_tokens(
+    config: Any, *, dtype_bytes: int, free_bytes: int, max_context: int, ranks: int = 1
+) -> TokenPlan:
     """What a pass and a sequence may hold in `PLAN_SHARE` of `free_bytes` (the device's free
-    memory once the model and its slots are on it), at most `max_context` tokens each."""
+    memory once the model and its slots are on it), at most `max_context` tokens each.
+    `ranks`: how many ranks split a long datum by position (each keeps 1/ranks of its
+    activations, and every rank holds one layer's gathered keys and values for all of it)."""
     hidden, layers, width, kv = _widths(config)
     work = LAYER_WORK_H * hidden + LAYER_WORK_I * width
-    train = int(PLAN_MARGIN * dtype_bytes * (LAYER_KEPT_H * layers * hidden + work))
+    per_token = (LAYER_KEPT_H * layers * hidden + work) / ranks
+    if ranks > 1:
+        per_token += _exchanged(config)
+    train = int(PLAN_MARGIN * dtype_bytes * per_token)
     # a sequence keeps its KV cache in every layer; its prefill works one layer at a time
     sample = int(PLAN_MARGIN * dtype_bytes * (layers * kv + work // 2))
     budget = int(free_bytes * PLAN_SHARE)
@@ -144,4 +168,5 @@ def plan_tokens(config: Any, *, dtype_bytes: int, free_bytes: int, max_context: 
         train_bytes_per_token=train,
         sample_bytes_per_token=sample,
         max_context=max_context,
+        ranks=ranks,
     )

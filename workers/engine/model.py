@@ -169,20 +169,6 @@ class MultiSlotModel:
         # buffer for the life of the model, so a pass neither allocates nor faults it in.
         self._pending = torch.empty_like(self.bank.grads)
         self.model = model
-        # The longest datum a pass trains and the longest sequence the sampler runs, planned
-        # from what the device has left now (at most `memory_limit` bytes, where set); a group
-        # plans with its tightest rank's memory
-        free = free_memory(self.device)
-        if memory_limit is not None:
-            free = min(free, memory_limit)
-        free = -self.collective.agree_max([-free])[0]
-        self.token_plan: TokenPlan = plan_tokens(
-            model.config,
-            dtype_bytes=torch.finfo(self.dtype).bits // 8,
-            free_bytes=free,
-            max_context=self.max_context,
-        )
-        log.info("%s: %s", base_model, self.token_plan.describe())
         least = 1
         if logits_chunk_elements is None:
             # One chunk's fp32 logits: 8 MiB on the CPU (under `tune_malloc`'s threshold: the
@@ -204,6 +190,22 @@ class MultiSlotModel:
             collective=self.collective,
             sum_over_ranks=self.bank.sum_over_ranks,
         )
+        # The longest datum a pass trains and the longest sequence the sampler runs, planned
+        # from what the device has left now (at most `memory_limit` bytes, where set); a group
+        # plans with its tightest rank's memory, and with a long datum split over its ranks
+        # where the model allows (`context_parallel.py`)
+        free = free_memory(self.device)
+        if memory_limit is not None:
+            free = min(free, memory_limit)
+        free = -self.collective.agree_max([-free])[0]
+        self.token_plan: TokenPlan = plan_tokens(
+            model.config,
+            dtype_bytes=torch.finfo(self.dtype).bits // 8,
+            free_bytes=free,
+            max_context=self.max_context,
+            ranks=self.collective.world if self.passes.context.supported else 1,
+        )
+        log.info("%s: %s", base_model, self.token_plan.describe())
 
     # -- what the samplers run a step with ---------------------------------------------------
 

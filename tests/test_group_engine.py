@@ -156,6 +156,8 @@ def test_the_ranks_load_one_after_the_other(tmp_path: Path) -> None:
         ("qwen3", 4, ()),
         ("qwen3_moe", 2, ("--recompute",)),
         ("deepseek_v3", 2, ()),
+        ("qwen3_5", 2, ()),
+        ("qwen3_5_moe", 2, ("--recompute",)),
     ],
 )
 def test_a_group_splits_long_datums_by_position_and_trains_as_one_device(
@@ -163,8 +165,9 @@ def test_a_group_splits_long_datums_by_position_and_trains_as_one_device(
 ) -> None:
     """Datums over the pass token budget, each in a pass of its own, split by position over
     the ranks (`workers.engine.context_parallel`: the keys and values all-gathered per layer,
-    the experts' tokens gathered and their outputs reduced, the log-probabilities gathered):
-    beside ordinary passes of the same tenant in the same call, the log-probabilities, losses,
+    the experts' tokens gathered and their outputs reduced, Qwen3.5's Gated DeltaNet state and
+    convolution window carried from rank to rank, the log-probabilities gathered): beside
+    ordinary passes of the same tenant in the same call, the log-probabilities, losses,
     gradient norms and saved adapters equal one device's; with layers recomputed too."""
     model = build_tiny_model(tmp_path / "model", arch)
     alone = run_alone(model, tmp_path / "alone", long=True)
@@ -190,13 +193,19 @@ def test_a_group_splitting_every_pass_of_packed_rows_trains_as_one_device(
 
 @pytest.mark.parametrize(
     ("arch", "reason"),
-    [("qwen3", None), ("qwen3_5", "carry state"), ("nemotron_h", "carry state")],
+    [
+        ("qwen3", None),
+        ("qwen3_5", None),
+        ("nemotron_h", "layers include"),
+        ("inkling_mm_model", "sliding-window"),
+    ],
 )
 def test_which_models_split_passes_by_position(
     arch: str, reason: str | None, tmp_path: Path
 ) -> None:
-    """Attention-only models split; a model whose layers carry a state along the row (Gated
-    DeltaNet, Mamba2) says why it does not, and runs its long datums whole on every rank."""
+    """Attention and Gated DeltaNet models split; a model with other layers that mix
+    positions (Nemotron-H's Mamba2 and MoE blocks) or a sliding window (Inkling) says why
+    it does not, and runs its long datums whole on every rank."""
     engine = Trainer(str(build_tiny_model(tmp_path / "model", arch)), max_slots=1, max_rank=4)
     refused = engine.core.passes.context.refused
     assert refused is None if reason is None else reason in str(refused)

@@ -39,7 +39,8 @@ log-probabilities, losses and adapter gradients equal one device's up to float r
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -57,6 +58,9 @@ from workers.engine.collective import Collective
 # the shortest pass a group splits when it is over the pass token budget (below it, the
 # exchanges cost more than the activations they save)
 SPLIT_FLOOR = 4096
+# the fewest positions of a row a rank runs (a convolution's reach back stays within the rank
+# before)
+MIN_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -313,6 +317,201 @@ class _PrefixCausal(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+# -- Gated DeltaNet (Qwen3.5's `linear_attn`): the state carried from rank to rank ------------
+
+
+def install_linear_attention(model: nn.Module) -> int:
+    """Wrap the `forward` of every Gated DeltaNet layer of `model` so that within a split pass
+    it runs `split_linear_attention` (as it was outside one); how many were wrapped."""
+    wrapped = 0
+    for name, module in model.named_modules():
+        if name.endswith("linear_attn") and is_gated_deltanet(module):
+            module.forward = _split_or(module, module.forward)
+            wrapped += 1
+    return wrapped
+
+
+def is_gated_deltanet(module: nn.Module) -> bool:
+    """Whether `module` is transformers' Gated DeltaNet (Qwen3.5's, Qwen3-Next's layout)."""
+    return all(
+        hasattr(module, name)
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "conv1d", "A_log")
+    )
+
+
+def _split_or(module: nn.Module, forward: Any) -> Any:
+    def linear_attn_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        split = current()
+        if split is None:
+            return forward(hidden_states, *args, **kwargs)
+        return split_linear_attention(module, hidden_states, split)
+
+    return linear_attn_forward
+
+
+def split_linear_attention(
+    module: Any, hidden_states: torch.Tensor, split: SequenceSplit
+) -> torch.Tensor:
+    """A Gated DeltaNet layer's forward (transformers' torch path, no cache) on this rank's
+    positions of a split pass:
+    - its causal convolution reads the last `kernel - 1` positions of the rank before
+      (`_Halo`: one small all-gather);
+    - its recurrence starts from the state the rank before ended with and hands its own on
+      (`_CarriedScan`: the ranks run their scans in turn, so this layer's time is not
+      divided, only its memory)."""
+    rows, length, _ = hidden_states.shape
+    mixed = module.in_proj_qkv(hidden_states)  # [rows, length, conv_dim]
+    z = module.in_proj_z(hidden_states).reshape(rows, length, -1, module.head_v_dim)
+    b = module.in_proj_b(hidden_states)
+    a = module.in_proj_a(hidden_states)
+    kernel = int(module.conv_kernel_size)
+    before = _halo(mixed[:, length - (kernel - 1) :], split)
+    extended = torch.cat([before, mixed], dim=1).transpose(1, 2)  # [rows, conv_dim, K-1+len]
+    weight = module.conv1d.weight  # [conv_dim, 1, K]
+    conv = F.conv1d(extended.to(weight.dtype), weight, module.conv1d.bias, groups=weight.shape[0])
+    mixed = F.silu(conv).to(hidden_states.dtype).transpose(1, 2)  # [rows, length, conv_dim]
+    query, key, value = torch.split(
+        mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1
+    )
+    query = query.reshape(rows, length, -1, module.head_k_dim)
+    key = key.reshape(rows, length, -1, module.head_k_dim)
+    value = value.reshape(rows, length, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    repeat = module.num_v_heads // module.num_k_heads
+    if repeat > 1:
+        query = query.repeat_interleave(repeat, dim=2)
+        key = key.repeat_interleave(repeat, dim=2)
+    scan = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
+    out = cast(
+        torch.Tensor,
+        _CarriedScan.apply(split, scan, query, key, value, g, beta),  # type: ignore[no-untyped-call]
+    )
+    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return cast(torch.Tensor, module.out_proj(out.reshape(rows, length, -1)))
+
+
+def _halo(tail: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    if torch.is_grad_enabled() and tail.requires_grad:
+        return cast(torch.Tensor, _Halo.apply(tail, split))  # type: ignore[no-untyped-call]
+    return _Halo.exchange(tail, split)
+
+
+class _Halo(torch.autograd.Function):
+    """The rank before's `tail` `[rows, k, ...]` (zeros on rank 0). Backward: each rank's
+    gradient of what it received goes back to the rank before (all-gathered, each rank
+    keeping the one from the rank after it)."""
+
+    @staticmethod
+    def exchange(
+        tail: torch.Tensor, split: SequenceSplit, *, backward: bool = False
+    ) -> torch.Tensor:
+        collective = split.collective
+        world, rank = collective.world, collective.rank
+        part = tail.contiguous()
+        every = part.new_empty((world * part.shape[0], *part.shape[1:]))
+        collective.all_gather_into(every, part)
+        pieces = every.chunk(world)
+        source = rank + 1 if backward else rank - 1
+        if not 0 <= source < world:
+            return torch.zeros_like(part)
+        return pieces[source].clone()
+
+    @staticmethod
+    def forward(ctx: Any, tail: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        ctx.split = split
+        return _Halo.exchange(tail, split)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _Halo.exchange(grads[0], ctx.split, backward=True), None
+
+
+class _CarriedScan(torch.autograd.Function):
+    """The gated delta rule over the whole row, each rank scanning its own positions in turn:
+    rank t starts from the state rank t - 1 broadcast, and broadcasts its final state for rank
+    t + 1. Backward, in the reverse turn: rank t runs its scan again (from its saved inputs and
+    initial state) and backpropagates it with the gradient of its final state that rank t + 1
+    broadcast, then broadcasts the gradient of its initial state for rank t - 1. Every rank
+    takes part in every broadcast, in the same order."""
+
+    @staticmethod
+    def forward(ctx: Any, split: SequenceSplit, scan: Any, *inputs: torch.Tensor) -> torch.Tensor:
+        collective = split.collective
+        world, rank = collective.world, collective.rank
+        query, value = inputs[0], inputs[2]
+        rows, _, heads, k_dim = query.shape
+        shape = (rows, heads, k_dim, value.shape[-1])
+        initial = torch.zeros(shape, dtype=torch.float32, device=query.device)
+        out = None
+        for turn in range(world):
+            if turn == rank:
+                out, final = _scan(scan, inputs, initial if rank else None)
+                sent = final.float().contiguous()
+            else:
+                sent = torch.zeros(shape, dtype=torch.float32, device=query.device)
+            if turn < world - 1:
+                _broadcast(collective, sent, turn)
+                if rank == turn + 1:
+                    initial = sent
+        assert out is not None
+        ctx.split, ctx.scan = split, scan
+        ctx.save_for_backward(initial, *inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        split: SequenceSplit = ctx.split
+        collective = split.collective
+        world, rank = collective.world, collective.rank
+        initial, *inputs = ctx.saved_tensors
+        grad_final = torch.zeros_like(initial)
+        found: list[torch.Tensor | None] = [None] * len(inputs)
+        for turn in reversed(range(world)):
+            sent = torch.zeros_like(initial)
+            if turn == rank:
+                with torch.enable_grad():
+                    leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in inputs]
+                    start = initial.detach().requires_grad_(rank > 0)
+                    out, final = _scan(ctx.scan, leaves, start if rank else None)
+                    torch.autograd.backward(
+                        [out, final], [grads[0].to(out.dtype), grad_final.to(final.dtype)]
+                    )
+                found = [leaf.grad for leaf in leaves]
+                if start.grad is not None:
+                    sent = start.grad.float().contiguous()
+            if turn > 0:
+                _broadcast(collective, sent, turn)
+                if rank == turn - 1:
+                    grad_final = sent
+        return (None, None, *found)
+
+
+def _scan(
+    scan: Any, inputs: Sequence[torch.Tensor], initial: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    query, key, value, g, beta = inputs
+    out, final = scan(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out, final
+
+
+def _broadcast(collective: Collective, tensor: torch.Tensor, source: int) -> None:
+    """`tensor` of rank `source` onto every rank's `tensor`, in place (a group's collective)."""
+    import torch.distributed as dist
+
+    if collective.parallel:
+        dist.broadcast(tensor, source)
+
+
 def install_attention() -> None:
     """Route transformers' `sdpa` attention through `split_attention` (the same function
     outside a split pass); idempotent."""
@@ -323,21 +522,24 @@ def install_attention() -> None:
 class ContextParallel:
     """Which passes of one model a worker group splits (see the module docstring)."""
 
-    def __init__(self, collective: Collective, refused: str | None) -> None:
+    def __init__(self, model: nn.Module, collective: Collective) -> None:
         self.collective = collective
-        self.refused = refused  # why this model's passes are never split (None: they can be)
-        self.supported = refused is None and collective.parallel
+        # why this model's passes are never split (None: they can be)
+        self.refused = supports(model)
+        self.supported = self.refused is None and collective.parallel
         self.tokens: int | None = None  # split every pass of at least this many positions
         self.floor = SPLIT_FLOOR
         self.splits_run = 0  # split passes run (a count for tests and logs)
         if self.supported:
             install_attention()
+            install_linear_attention(model)
 
-    def splits(self, tokens: int, pass_tokens: int) -> bool:
-        """Whether a pass of `tokens` positions is split over the ranks: `tokens` or more
-        where that is set, else a pass over the token budget (a datum longer than it, in a pass
-        of its own) of at least `SPLIT_FLOOR`."""
-        if not self.supported:
+    def splits(self, tokens: int, width: int, pass_tokens: int) -> bool:
+        """Whether a pass of `tokens` positions in rows of `width` is split over the ranks:
+        `tokens` or more where that is set, else a pass over the token budget (a datum longer
+        than it, in a pass of its own) of at least `SPLIT_FLOOR`; never rows of fewer than
+        `MIN_CHUNK` positions a rank."""
+        if not self.supported or width < MIN_CHUNK * self.collective.world:
             return False
         if self.tokens is not None:
             return tokens >= self.tokens
@@ -353,8 +555,19 @@ def supports(model: nn.Module) -> str | None:
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         return "it has sliding-window attention"
     types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if types - {"full_attention"}:
-        return f"its layers include {sorted(types - {'full_attention'})}"
+    if types - {"full_attention", "linear_attention"}:
+        return f"its layers include {sorted(types - {'full_attention', 'linear_attention'})}"
     if hasattr(config, "vision_config"):
         return "it takes images"
+    for name, module in model.named_modules():
+        if name.endswith("linear_attn") and is_gated_deltanet(module):
+            continue
+        if ".linear_attn." in f"{name}.":
+            continue  # inside a Gated DeltaNet layer
+        if (
+            isinstance(getattr(module, "A_log", None), torch.Tensor)
+            or isinstance(module, nn.Conv1d)
+            or name.endswith(".compressor")
+        ):
+            return f"its layers carry a state along the row other than Gated DeltaNet's ({name})"
     return None

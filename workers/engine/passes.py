@@ -44,7 +44,6 @@ from workers.engine.context_parallel import (
     gather_columns,
     split_pass,
     splitting,
-    supports,
 )
 from workers.engine.custom_loss import (
     BUDGET_FACTOR,
@@ -160,8 +159,7 @@ class PassRunner:
         self.recompute_tokens = recompute_tokens
         # Which passes a worker group splits by position (`context_parallel.py`), and how
         # the ranks' shares of a split pass's gradients are summed (`LoraBank.sum_over_ranks`).
-        refused = "its layers carry state along the row" if not self.packs else supports(model)
-        self.context = ContextParallel(collective or Collective(), refused)
+        self.context = ContextParallel(model, collective or Collective())
         self.sum_over_ranks = sum_over_ranks
 
     def run(self, items: Sequence[Checked], slots: Sequence[int]) -> PassResults:
@@ -230,7 +228,7 @@ class PassRunner:
             batch[p.item].datums[p.datum].images for p in pieces
         )
         tokens = len(one_pass.rows) * one_pass.width
-        split = not images and self.context.splits(tokens, self.pass_tokens)
+        split = not images and self.context.splits(tokens, one_pass.width, self.pass_tokens)
         if self.recompute is not None:
             self.recompute.on = training and self.recomputes(tokens)
         with torch.set_grad_enabled(training):
@@ -341,7 +339,8 @@ class PassRunner:
         n_rows = len(one_pass.rows)
         width = -(-one_pass.width // world) * world
         input_ids, position_ids, _ = self._rows(batch, one_pass, width)
-        assert position_ids is not None  # split passes are packed (`supports`)
+        if position_ids is None:  # padded rows (one datum each, its padding after it)
+            position_ids = torch.arange(width, device=self.device).expand(n_rows, width)
         single = all(len(row) == 1 and row[0].offset == 0 for row in one_pass.rows)
         documents = None if single else torch.cumsum(position_ids == 0, dim=1)
         split = split_pass(collective, width // world, documents, n_rows, self.device)

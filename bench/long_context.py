@@ -178,9 +178,6 @@ def plan() -> None:
     }
     # bytes a base weight: DeepSeek-V3.1's checkpoint is fp8; the others bf16
     weight_bytes = {"DeepSeek-V3.1": 1}
-    # whose passes a group splits by position (`workers/engine/context_parallel.py`): not a
-    # model with Gated DeltaNet layers
-    splits = {"Qwen3-8B": True, "Qwen3-30B-A3B": True, "Qwen3.5-35B-A3B": False}
     print(
         "activations bf16; per rank: the base model's share, then its adapter slots (planned as"
         f" the worker plans them, rank 32), then {PLAN_SHARE:.0%} of what is left for a pass;"
@@ -197,7 +194,7 @@ def plan() -> None:
         slot_numel = 32 * sum(count_per_rank(model).per_group.values())
         for device_gb in (80, 141):
             for ranks in (1, 8):
-                split = ranks if splits.get(name, True) else 1
+                split = ranks  # every one of them splits (`workers/engine/context_parallel.py`)
                 left = device_gb * 10**9 - params * weight_bytes.get(name, 2) // ranks
                 if left <= 0:
                     print(f"{name:>16} {device_gb:>5}GB {ranks:>5} {split:>5} {'-':>5}")

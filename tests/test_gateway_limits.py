@@ -16,11 +16,12 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from msgspec.structs import replace
 
 from protocol import records, subjects
 from protocol import tinker_wire_pb2 as pb
@@ -31,6 +32,7 @@ from protocol.sampling import MAX_LOGPROBS_K
 from twinkle_async.gateway.app import build_app
 from twinkle_async.gateway.state import BUS, REGISTRY
 from twinkle_async.nats_server import MAX_PAYLOAD_BYTES, NatsServer
+from twinkle_async.registry import Registry
 from twinkle_async.settings import BusSettings, GatewaySettings
 
 API_KEY = "tml-limits-test-key"
@@ -291,3 +293,24 @@ async def test_a_datum_over_the_workers_plan_is_refused_and_settles_the_seq(
     resp = await client.get("/api/v1/get_server_capabilities", headers={"X-API-Key": API_KEY})
     [model] = (await resp.json())["supported_models"]
     assert (model["max_train_tokens"], model["max_sample_tokens"]) == (8, 16)
+
+
+def test_a_sample_is_checked_against_the_tightest_samplers_plan() -> None:
+    """A sample request may reach any live sampler of its base model, the trainers' own and a
+    standalone one (vLLM, whose plan is its `max_model_len`): the limit is the least of their
+    plans; a stale record, a trainer that does not sample, or one without a plan does not count."""
+    registry = Registry(cast(Any, None))
+    assert registry.longest_sample("base") is None
+    registry.workers = {
+        "t": _worker(max_sample_tokens=16, sampler_backend="torch"),
+        "v": replace(
+            _worker(max_sample_tokens=10, sampler_backend="vllm"), worker_id="v", role="sampler"
+        ),
+        "old": replace(
+            _worker(max_sample_tokens=2, sampler_backend="torch"), worker_id="old", heartbeat_at=0
+        ),
+        "none": replace(_worker(max_sample_tokens=3), worker_id="none"),
+        "quiet": replace(_worker(sampler_backend="vllm"), worker_id="quiet"),
+        "other": replace(_worker(max_sample_tokens=1, sampler_backend="torch"), base_model="x"),
+    }
+    assert registry.longest_sample("base") == 10

@@ -85,3 +85,23 @@ def test_the_engine_refuses_a_datum_over_its_plan_and_keeps_serving(
     fits = cross_entropy_request("m", [plan.train_tokens], vocab, 1, forward_only=False)
     [out] = engine.forward_backward([("m", fits)])
     assert isinstance(out, FwdBwdOutput)
+
+
+def test_vllm_max_model_len_comes_from_its_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A standalone vLLM sampler's `max_model_len`: the sequence its KV cache holds
+    (`VLLM_CPU_KVCACHE_SPACE` on a CPU, fp32), at most the model's context; None (vLLM's own
+    choice) where the cache's size is not known before the engine starts."""
+    from workers.sampler.main import planned_model_len
+
+    model_dir = build_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config()
+    per_token = 4 * text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert planned_model_len(str(model_dir), config) is None
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", str(per_token * 100 / 2**30))
+    assert planned_model_len(str(model_dir), config) == 100
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "64")
+    assert planned_model_len(str(model_dir), config) == text.max_position_embeddings

@@ -31,6 +31,7 @@ from tests.sampling_helpers import (
     tiny_qwen3_fixture,  # noqa: F401  (the tiny_qwen3 fixture)
     train_step,
 )
+from workers.sampler import torch_sampler
 from workers.sampler.batch import mergeable
 from workers.sampler.torch_sampler import TorchSampler
 from workers.tiny_model import EOS_ID, build_tiny_model
@@ -306,6 +307,28 @@ def test_qwen3_5_batches_with_its_recurrent_cache(
     assert output.prompt_logprobs is not None
     assert max_diff(output.prompt_logprobs[1:], expected[: len(spec.prompt) - 1]) <= TOLERANCE
     assert max_diff(output.sequences[0].logprobs, expected[len(spec.prompt) - 1 :]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "deepseek_v3"])
+def test_a_prefill_in_chunks_equals_one_prefill(
+    arch: str,
+    make_setup: Callable[..., Setup],
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Long prompts prefilled a few positions at a time (`PREFILL_TOKENS`: here 7, so chunks
+    of 1 to 7 columns over the batch's rows, the cache growing chunk by chunk, Qwen3.5's
+    recurrent state carried) give the tokens, logprobs and prompt outputs of one prefill."""
+    model = build_tiny_model(tmp_path_factory.mktemp(arch) / "model", arch)
+    engine, sampler = make_setup(model=model)
+    sampler.load_adapter("a", adapter(engine, "src-a", 8, tmp_path / "a"))
+    requests = [(spec, "a" if i % 2 else None) for i, (spec, _) in enumerate(mixed_requests())]
+    whole = sampler.sample(requests)
+    monkeypatch.setattr(torch_sampler, "PREFILL_TOKENS", 7)
+    chunked = sampler.sample(requests)
+    for one, other in zip(whole, chunked, strict=True):
+        assert_same(other, one)
 
 
 @pytest.mark.parametrize(

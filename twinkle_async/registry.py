@@ -86,6 +86,21 @@ class Registry:
             if w.base_model == base_model and w.sampler_backend and w.heartbeat_at >= fresh
         }
 
+    def longest_sample(self, base_model: str) -> int | None:
+        """The longest prompt + `max_tokens` every live sampler of `base_model` plans for (a
+        trainer's own sampler, a standalone one), None while none reports a plan: a request
+        may reach any of them."""
+        fresh = time.time() - WORKER_STALE_S
+        plans = [
+            w.max_sample_tokens
+            for w in self.workers.values()
+            if w.base_model == base_model
+            and w.sampler_backend
+            and w.heartbeat_at >= fresh
+            and w.max_sample_tokens is not None
+        ]
+        return min(plans, default=None)
+
     def check_base_model(self, base_model: str) -> WorkerRecord | None:
         served = self.served_models()
         if base_model not in served:

@@ -105,7 +105,7 @@ async def asample(request: web.Request) -> web.Response:
         max_context=worker.max_context if worker else None,
         vocab_size=worker.vocab_size if worker else None,
         vision=worker.vision if worker else None,
-        max_sequence=worker.max_sample_tokens if worker else None,
+        max_sequence=registry.longest_sample(sampler.base_model),
         no_images=(
             TEXT_ONLY
             if worker

@@ -80,6 +80,10 @@ def free_memory(device: torch.device) -> int:
 # I = 2·h, docs/long-context.md)
 LAYER_KEPT_H, LAYER_WORK_H, LAYER_WORK_I = 2, 12, 12
 PLAN_MARGIN = 1.25  # the plan's headroom over its estimate (the allocator, the loss's chunks)
+# The most positions (rows x columns) one prefill chunk of the torch sampler runs
+# (`workers.sampler.torch_sampler`): a sequence holds its KV cache and, while it is prefilled,
+# one chunk's activations.
+PREFILL_TOKENS = 4096
 PLAN_SHARE = 0.8  # of the free memory after the model and its slots
 
 
@@ -158,15 +162,24 @@ def plan_tokens(
     if ranks > 1:
         per_token += _exchanged(config)
     train = int(PLAN_MARGIN * dtype_bytes * per_token)
-    # a sequence keeps its KV cache in every layer; its prefill works one layer at a time
-    sample = int(PLAN_MARGIN * dtype_bytes * (layers * kv + work // 2))
+    # a sequence keeps its KV cache in every layer; its prefill runs in chunks, one layer of
+    # one chunk at a time
+    sample = int(PLAN_MARGIN * dtype_bytes * layers * kv)
+    prefill = int(PLAN_MARGIN * dtype_bytes * PREFILL_TOKENS * work // 2)
     budget = int(free_bytes * PLAN_SHARE)
     return TokenPlan(
         train_tokens=max(1, min(max_context, budget // train)),
-        sample_tokens=max(1, min(max_context, budget // sample)),
+        sample_tokens=max(1, min(max_context, max(0, budget - prefill) // sample)),
         free_bytes=free_bytes,
         train_bytes_per_token=train,
         sample_bytes_per_token=sample,
         max_context=max_context,
         ranks=ranks,
     )
+
+
+def cached_tokens(config: Any, *, dtype_bytes: int, cache_bytes: int, max_context: int) -> int:
+    """The longest prompt + completion a KV cache of `cache_bytes` holds for one sequence of
+    `config`'s model, at most `max_context` (vLLM's `max_model_len` from its cache's size)."""
+    _, layers, _, kv = _widths(config)
+    return max(1, min(max_context, cache_bytes // max(1, dtype_bytes * layers * kv)))

@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -100,6 +100,32 @@ def parse_args(argv: list[str]) -> WorkerSettings:
     return worker_settings.parse(sampler_options, argv, PROG)
 
 
+def planned_model_len(base_model: str, config: Any) -> int | None:
+    """vLLM's `max_model_len` from the memory plan (`workers.engine.memory.cached_tokens`): the
+    longest sequence its KV cache holds, where the cache's size is known before the engine
+    starts: `VLLM_CPU_KVCACHE_SPACE` GiB on a CPU; on a GPU, vLLM's 90% of the free memory less
+    the weights of a local checkpoint. None (vLLM's own choice, at most the model's context)
+    otherwise."""
+    import torch
+
+    from workers.engine.memory import cached_tokens, free_memory
+
+    text = config.get_text_config()
+    context = int(text.max_position_embeddings)
+    if torch.cuda.is_available():
+        weights = sum(f.stat().st_size for f in Path(base_model).glob("*.safetensors"))
+        if not weights:
+            return None
+        cache = int(free_memory(torch.device("cuda")) * 0.9) - weights
+        dtype_bytes = 2
+    elif os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        cache = int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+        dtype_bytes = 4
+    else:
+        return None
+    return cached_tokens(config, dtype_bytes=dtype_bytes, cache_bytes=cache, max_context=context)
+
+
 async def heartbeat(bus: object, record: WorkerRecord, every_s: float = 5.0) -> None:
     key = subjects.worker_key(record.pool, record.worker_id)
     while True:
@@ -134,10 +160,12 @@ async def serve(settings: WorkerSettings) -> None:
                 settings.base_model,
                 max_lora_rank=settings.max_rank,
                 max_loras=(settings.max_slots or DEFAULT_SAMPLER_SLOTS),
+                max_model_len=planned_model_len(settings.base_model, config),
             )
             await sampler.start()
             closer = sampler.close
             backend = VllmBackend(sampler, int(text.vocab_size), int(text.max_position_embeddings))
+            longest = sampler.max_context  # the engine's max_model_len
         else:
             # the model and the slots its snapshots take are built where both rooms meet
             from workers.__main__ import standalone_torch_sampler
@@ -148,6 +176,7 @@ async def serve(settings: WorkerSettings) -> None:
             backend = TorchBackend(
                 torch_sampler, ThreadPoolExecutor(1, thread_name_prefix="engine")
             )
+            longest = torch_sampler.model.token_plan.sample_tokens
         bus = WorkerBus(settings.nats_url, ack_wait_s=settings.ack_wait_s)
         await bus.connect()
         record = WorkerRecord(
@@ -164,6 +193,7 @@ async def serve(settings: WorkerSettings) -> None:
             role="sampler",
             sampler_backend=backend.name,
             metrics_url=metrics_server.url,
+            max_sample_tokens=longest,
         )
         service = SamplerService(
             bus,

@@ -66,6 +66,7 @@ from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTraine
 
 from protocol.errors import NotFound, ServerError, TwinkleError, UserError
 from protocol.sampling import SampleOutput, SampleSpec
+from workers.engine import memory
 from workers.engine.lora import BASE_SLOT, Segment
 from workers.engine.model import MultiSlotModel
 from workers.engine.passes import head_logits
@@ -83,6 +84,10 @@ from workers.sampler.snapshots import SnapshotSlots
 # token at least one); the margin is slack. Only this tail of a row is detokenized each step.
 _BYTES_PER_CHAR = 4
 _STOP_WINDOW_MARGIN = 8
+
+# The most positions (rows x columns) one prefill chunk runs: a longer batch of text prompts
+# is prefilled in chunks of columns (`TorchSampler._prefill`); the memory plan counts one.
+PREFILL_TOKENS = memory.PREFILL_TOKENS
 
 _PROMPT_OUTPUTS_FAILED = "the sampler failed on this request's prompt outputs; see its log"
 
@@ -286,16 +291,15 @@ class TorchSampler:
         self._slots([row for request_rows in rows for row in request_rows])
         slots = [request_rows[0].slot for request_rows in rows]  # one per request, in order
         cache = DynamicCache(config=self.model.model.config)
-        hidden, attention_mask, deltas = self._prefill(
+        last, prompt_hidden, attention_mask, deltas = self._prefill(
             [r.spec for r in requests], slots, cache, [pixels.get(r.ticket) for r in requests]
         )
         for request_rows, delta in zip(rows, deltas, strict=True):
             for row in request_rows:
                 row.rope_delta = delta
-        next_logits = self._head(hidden[:, -1], _segments(slots))
+        next_logits = self._head(last, _segments(slots))
         kept: list[Row] = []
         source: list[int] = []  # the prefill row each kept sample row continues
-        width = hidden.shape[1]
         for prefill_row, request in enumerate(requests):
             spec = request.spec
             if spec.needs_prompt_rows:
@@ -304,8 +308,7 @@ class TorchSampler:
                     # len(prompt) x vocabulary logits at once, whatever else it prefills.
                     length = len(spec.prompt)
                     prompt_logits = self._head(
-                        hidden[prefill_row, width - length :],
-                        [Segment(slots[prefill_row], 0, length)],
+                        prompt_hidden[prefill_row], [Segment(slots[prefill_row], 0, length)]
                     )
                     fill_prompt_outputs(request.output, spec, prompt_logits)
                     del prompt_logits
@@ -337,11 +340,17 @@ class TorchSampler:
         slots: list[int],
         cache: DynamicCache,
         pixels: list[tuple[torch.Tensor, torch.Tensor] | None],
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Run the left-padded prompts through the decoder into `cache`: (last hidden states
-        [rows, width, hidden], attention mask [rows, width], each row's RoPE delta); `_head`
-        makes logits of the positions that need them. Prompts with images are embedded with
-        their image features and take multimodal positions (`_with_images`)."""
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor, list[int]]:
+        """Run the left-padded prompts through the decoder into `cache`: (the last position's
+        hidden states [rows, hidden], each prompt's own hidden states [length, hidden] for the
+        rows whose requests ask for prompt outputs, attention mask [rows, width], each row's
+        RoPE delta); `_head` makes logits of the positions that need them. Prompts with images
+        are embedded with their image features and take multimodal positions (`_with_images`).
+
+        A batch of text prompts whose cache continues (`mergeable`) runs in chunks of at most
+        `PREFILL_TOKENS` positions (over its rows): what a chunk's layers work with is freed
+        before the next, so a long prompt holds its KV cache and one chunk's activations, not
+        the whole prompt's."""
         prompts = [spec.prompt for spec in specs]
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -356,15 +365,31 @@ class TorchSampler:
         deltas = [0] * len(specs)
         if any(spec.images for spec in specs):
             inputs, position_ids, deltas = self._with_images(specs, pixels, input_ids, position_ids)
-        with self._routed(slots):
-            hidden = self.model.decoder(
-                **inputs,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-            ).last_hidden_state
-        return hidden, attention_mask, deltas
+        rows = len(prompts)
+        keep = [row for row, spec in enumerate(specs) if spec.needs_prompt_rows]
+        step = width
+        if self._merges and "input_ids" in inputs:
+            step = max(1, PREFILL_TOKENS // rows)
+        kept: list[torch.Tensor] = []  # the kept rows' hidden states, chunk by chunk
+        hidden = torch.empty(0)
+        for start in range(0, width, step):
+            stop = min(width, start + step)
+            chunk = inputs if step == width else {"input_ids": input_ids[:, start:stop]}
+            with self._routed(slots):
+                hidden = self.model.decoder(
+                    **chunk,
+                    attention_mask=attention_mask[:, :stop],
+                    position_ids=position_ids[..., start:stop],
+                    past_key_values=cache,
+                    use_cache=True,
+                ).last_hidden_state
+            if keep:
+                kept.append(hidden[keep])
+        prompts_hidden = torch.cat(kept, dim=1) if keep else hidden[:0]
+        prompt_hidden = {
+            row: prompts_hidden[i, width - len(prompts[row]) :] for i, row in enumerate(keep)
+        }
+        return hidden[:, -1], prompt_hidden, attention_mask, deltas
 
     def _with_images(
         self,

@@ -229,6 +229,51 @@ def test_a_tenant_with_images_beside_one_without_gets_its_solo_gradient(
         assert float((got - want).abs().max()) <= 1e-5 * max(1.0, scale)
 
 
+@pytest.mark.parametrize("composite", ["qwen3_vl", "qwen3_5_moe_vl"])
+def test_layers_recomputed_with_images_give_the_same_results(
+    composite: Arch, built: Callable[[Arch], Path]
+) -> None:
+    """Decoder layers recomputed in the backward (`workers/engine/recompute.py`) with images in
+    the pass (the tower runs once, outside the layers; its embeddings and the multimodal
+    positions, and Qwen3-VL's deepstack features added inside the first layers, reach the
+    recomputation as they reached the forward): logprobs, losses and both tenants' gradients
+    equal those of the pass that keeps its activations (≤ 1e-6)."""
+    vl_model = built(composite)
+    with_image = request_with(
+        [("text", [7, VISION_START_ID]), ("image", (encoded(64, 160, "jpeg"), "jpeg", 10))],
+        [("text", [11, 12, 13, VISION_START_ID]), ("image", (PNG, "png", 6)), ("text", [9])],
+        model_id="a",
+        vocab=512,
+    )
+    text_only = request_with([("text", [20, 21, 22, 23, 24])], model_id="b", vocab=512)
+    engine = _engine(vl_model)
+    engine.create("a", LoraConfig(rank=4, seed=1))
+    engine.create("b", LoraConfig(rank=8, seed=2))
+    a, b = _decoded(engine, with_image), _decoded(engine, text_only)
+    runs = []
+    for recompute_tokens in (2**62, 0):
+        engine.core.passes.recompute_tokens = recompute_tokens
+        engine.bank.grads.zero_()
+        calls = [0]
+        layer = engine.core.passes.decoder.layers[0]
+        hook = layer.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        outputs = engine.forward_backward([("a", a), ("b", b)])
+        hook.remove()
+        assert all(not isinstance(out, Exception) for out in outputs), outputs
+        runs.append((outputs, engine.bank.grads.clone(), calls[0]))
+    (kept, kept_grads, kept_calls), (again, again_grads, again_calls) = runs
+    assert again_calls == 2 * kept_calls  # the first layer did run again
+    for x, y in zip(kept, again, strict=True):
+        assert abs(x.metrics["loss:sum"] - y.metrics["loss:sum"]) <= 1e-6 * max(
+            1.0, abs(x.metrics["loss:sum"])
+        )
+        for u, v in zip(x.loss_fn_outputs, y.loss_fn_outputs, strict=True):
+            np.testing.assert_allclose(u["logprobs"], v["logprobs"], atol=1e-6)
+    scale = float(kept_grads.abs().max())
+    assert scale > 0
+    assert float((kept_grads - again_grads).abs().max()) <= 1e-6 * max(1.0, scale)
+
+
 def test_images_are_refused_where_they_cannot_run(vl_model: Path, tiny_model: Path) -> None:
     engine = _engine(vl_model)
     engine.create("a", LoraConfig(rank=4, seed=1))

@@ -92,6 +92,36 @@ def test_a_custom_loss_trains_like_the_builtin_it_spells_out(
     assert_same_output(got_other, want_other)
 
 
+def test_a_custom_loss_with_recomputed_layers_trains_as_with_kept_ones(
+    make_tenants: Callable[[], Trainer],
+) -> None:
+    """Decoder layers recomputed in the backward (`workers/engine/recompute.py`) under a custom
+    loss's graph: its metrics, logprobs and the slot's gradient equal those of the pass that
+    keeps its activations (≤ 1e-6), beside a built-in tenant's."""
+    rng = np.random.default_rng(5)
+    custom = as_custom(make_request("a", [7, 4], rng), weighted_nll)
+    other = make_request("b", [6], rng)
+    runs = []
+    for recompute_tokens in (2**62, 0):
+        engine = make_tenants()
+        engine.core.passes.recompute_tokens = recompute_tokens
+        runs.append((engine, engine.forward_backward([("a", custom), ("b", other)])))
+    (kept, [kept_a, kept_b]), (again, [again_a, again_b]) = runs
+    assert isinstance(kept_a, FwdBwdOutput) and isinstance(again_a, FwdBwdOutput)
+    for name, value in kept_a.metrics.items():
+        assert again_a.metrics[name] == pytest.approx(value, abs=1e-6), name
+    for mine, theirs in zip(again_a.loss_fn_outputs, kept_a.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(mine["logprobs"], theirs["logprobs"], atol=1e-6)
+    assert isinstance(kept_b, FwdBwdOutput) and isinstance(again_b, FwdBwdOutput)
+    for model_id in ("a", "b"):
+        torch.testing.assert_close(
+            again.bank.grads[again.slot(model_id)],
+            kept.bank.grads[kept.slot(model_id)],
+            rtol=0,
+            atol=1e-6,
+        )
+
+
 @pytest.mark.parametrize(
     ("fn", "fragment"),
     [

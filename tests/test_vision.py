@@ -256,7 +256,7 @@ def test_layers_recomputed_with_images_give_the_same_results(
         engine.bank.grads.zero_()
         calls = [0]
         layer = engine.core.passes.decoder.layers[0]
-        hook = layer.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        hook = layer.mlp.register_forward_pre_hook(lambda *_, c=calls: c.__setitem__(0, c[0] + 1))
         outputs = engine.forward_backward([("a", a), ("b", b)])
         hook.remove()
         assert all(not isinstance(out, Exception) for out in outputs), outputs

@@ -29,7 +29,7 @@ from tinker import types
 
 from protocol import subjects
 from tests.cluster_helpers import shard_owners
-from tests.conftest import Cluster, saved_adapter, start_cluster, stop_cluster
+from tests.conftest import Cluster, cluster_log, saved_adapter, start_cluster, stop_cluster
 from tests.sdk_helpers import toy_batch, train_pipelined
 
 pytestmark = pytest.mark.e2e
@@ -133,6 +133,42 @@ def test_tenants_train_through_a_group_as_on_one_device(
     sampler = client.save_weights_and_get_sampling_client("group-sampler").result()
     sampled = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
     assert [len(s.tokens) for s in sampled.sequences] == [6, 6]
+
+
+def test_a_long_datum_is_split_over_the_group_and_trains_as_on_one_device(
+    group_cluster: Cluster, group_model: Path, cluster: Cluster, tiny_model_moe: Path
+) -> None:
+    """A datum longer than the pass token budget and `SPLIT_FLOOR` runs split by position over
+    the group's two ranks (`workers/engine/context_parallel.py`; rank 0 logs it), and its
+    logprobs, loss and trained adapter equal one device's."""
+    pattern = np.resize(np.arange(3, 190), 4096 + 1).astype(np.int64)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(pattern[:-1].tolist()),
+        loss_fn_inputs={"target_tokens": pattern[1:].tolist(), "weights": [1e-3] * 4096},
+    )
+    results = {}
+    for name, on, model in (
+        ("group", group_cluster, group_model),
+        ("one", cluster, tiny_model_moe),
+    ):
+        service = tinker.ServiceClient(base_url=on.base_url, api_key=on.api_key)
+        client = service.create_lora_training_client(base_model=str(model), rank=4, seed=3)
+        trainer = client.result()
+        out = trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = str(trainer.save_state("long").result().path)
+        results[name] = (out, saved_adapter(on, path))
+        service.close("success").result()
+    (group, group_adapter), (one, one_adapter) = results["group"], results["one"]
+    assert group.metrics["loss:sum"] == pytest.approx(one.metrics["loss:sum"], rel=1e-5)
+    np.testing.assert_allclose(
+        group.loss_fn_outputs[0]["logprobs"].tolist(),
+        one.loss_fn_outputs[0]["logprobs"].tolist(),
+        atol=1e-4,
+    )
+    _assert_same(group_adapter, one_adapter)
+    log = cluster_log(group_cluster).read_text()
+    assert "a pass of 1 x 4096 positions split over 2 ranks (2048 each)" in log
 
 
 def _kill_rank_1_mid_run(

@@ -26,6 +26,7 @@ in beyond float rounding (≤ 1e-5 in fp32 against one pass per datum).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ from workers.engine.losses import LossFn, Settings
 from workers.engine.packing import PassLayout, Piece, layout
 from workers.engine.recompute import LayerRecompute
 from workers.engine.vision import VisionTower
+
+log = logging.getLogger(__name__)
 
 CUSTOM = "custom"
 CUSTOM_OUTPUT_TYPE = "CustomLossReturn"
@@ -345,6 +348,14 @@ class PassRunner:
         documents = None if single else torch.cumsum(position_ids == 0, dim=1)
         split = split_pass(collective, width // world, documents, n_rows, self.device)
         self.context.splits_run += 1
+        if collective.rank == 0:
+            log.info(
+                "a pass of %d x %d positions split over %d ranks (%d each)",
+                n_rows,
+                one_pass.width,
+                world,
+                split.chunk,
+            )
         targets_k = max(_k(batch[p.item].datums[p.datum].inputs[TARGET_TOKENS]) for p in pieces)
         grid = np.zeros((n_rows, width, targets_k), dtype=np.int64)
         for piece in pieces:

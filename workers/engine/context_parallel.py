@@ -100,7 +100,7 @@ def split_pass(
     - one sequence a row, on a GPU: `causal_lower_right` (its kernels take it as a flag; a
       tensor subclass, made here before any layer runs: it cannot be made under the
       recomputation's dispatch modes);
-    - one sequence a row, on the CPU: None, for `_PrefixCausal` (the CPU's SDPA would turn
+    - one sequence a row, on the CPU: None, for `prefix_causal_attention` (the CPU's SDPA would turn
       any mask into a float `[chunk, visible]` one: 2 GiB at 16 Ki queries)."""
     offset = collective.rank * chunk
     visible = offset + chunk
@@ -249,10 +249,8 @@ def split_attention(
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if split.mask is None:
-        out = cast(
-            torch.Tensor,
-            _PrefixCausal.apply(query, key, value, split.offset, scaling),  # type: ignore[no-untyped-call]
-        )
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out, _ = prefix_causal_attention(query, key, value, split.offset, scale)
     else:
         out = F.scaled_dot_product_attention(
             query, key.contiguous(), value.contiguous(), attn_mask=split.mask, scale=scaling
@@ -263,58 +261,75 @@ def split_attention(
 _aten = torch.ops.aten
 
 
-class _PrefixCausal(torch.autograd.Function):
+@torch.library.custom_op("twinkle::prefix_causal_attention", mutates_args=())
+def prefix_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `c` queries at positions `offset ..` to keys `0 .. offset + c - 1`,
-    causally, without a mask (CPU): the keys before `offset` in one SDPA call, this rank's own
-    `c` causally in another, the two merged by their log-sum-exps. The backward gives each
-    call the merged output and log-sum-exp, so each returns its keys' exact share (the way
-    ring attention's blocks are differentiated)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        offset: int,
-        scale: float | None,
-    ) -> torch.Tensor:
-        q = query.contiguous()
-        own_k, own_v = key[:, :, offset:].contiguous(), value[:, :, offset:].contiguous()
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, own_k, own_v, 0.0, True, scale=scale
-        )
+    causally, without a mask (CPU): the keys before `offset` in one SDPA call, the rank's own
+    `c` causally in another, the two merged by their log-sum-exps; (output, log-sum-exp). One
+    operator, so that recomputation keeps its output as it keeps SDPA's
+    (`workers.engine.recompute.ATTENTION_OPS`), not the two calls' outputs."""
+    q = query.contiguous()
+    own_k, own_v = key[:, :, offset:].contiguous(), value[:, :, offset:].contiguous()
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        q, own_k, own_v, 0.0, True, scale=scale
+    )
+    if offset:
         pre_k, pre_v = key[:, :, :offset].contiguous(), value[:, :, :offset].contiguous()
-        if offset:
-            before, lse_before = _aten._scaled_dot_product_flash_attention_for_cpu(
-                q, pre_k, pre_v, 0.0, False, scale=scale
-            )
-            merged = torch.logaddexp(lse_before, lse)
-            out = before * torch.exp(lse_before - merged).unsqueeze(-1) + out * torch.exp(
-                lse - merged
-            ).unsqueeze(-1)
-            lse = merged
-        ctx.save_for_backward(q, pre_k, pre_v, own_k, own_v, out, lse)
-        ctx.offset, ctx.scale = offset, scale
-        return cast(torch.Tensor, out)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, pre_k, pre_v, own_k, own_v, out, lse = ctx.saved_tensors
-        grad = grads[0].contiguous()
-        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, own_k, own_v, out, lse, 0.0, True, scale=ctx.scale
+        before, lse_before = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, pre_k, pre_v, 0.0, False, scale=scale
         )
-        if ctx.offset:
-            dq_before, dk_before, dv_before = (
-                _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    grad, q, pre_k, pre_v, out, lse, 0.0, False, scale=ctx.scale
-                )
+        merged = torch.logaddexp(lse_before, lse)
+        out = before * torch.exp(lse_before - merged).unsqueeze(-1) + out * torch.exp(
+            lse - merged
+        ).unsqueeze(-1)
+        lse = merged
+    return out, lse
+
+
+@prefix_causal_attention.register_fake
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, heads, length, _ = query.shape
+    out = query.new_empty((rows, heads, length, value.shape[-1]))
+    return out, query.new_empty((rows, heads, length), dtype=torch.float32)
+
+
+def _prefix_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    query, key, value, offset, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse)
+    ctx.offset, ctx.scale = offset, scale
+
+
+def _prefix_backward(
+    ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """Each SDPA call's backward with the merged output and log-sum-exp: each returns its keys'
+    exact share (the way ring attention's blocks are differentiated)."""
+    query, key, value, out, lse = ctx.saved_tensors
+    offset, scale = ctx.offset, ctx.scale
+    q, grad = query.contiguous(), grad_out.contiguous()
+    own_k, own_v = key[:, :, offset:].contiguous(), value[:, :, offset:].contiguous()
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, own_k, own_v, out, lse, 0.0, True, scale=scale
+    )
+    if offset:
+        pre_k, pre_v = key[:, :, :offset].contiguous(), value[:, :, :offset].contiguous()
+        dq_before, dk_before, dv_before = (
+            _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, pre_k, pre_v, out, lse, 0.0, False, scale=scale
             )
-            dq = dq + dq_before
-            dk = torch.cat([dk_before, dk], dim=2)
-            dv = torch.cat([dv_before, dv], dim=2)
-        return dq, dk, dv, None, None
+        )
+        dq = dq + dq_before
+        dk = torch.cat([dk_before, dk], dim=2)
+        dv = torch.cat([dv_before, dv], dim=2)
+    return dq, dk, dv, None, None
+
+
+prefix_causal_attention.register_autograd(_prefix_backward, setup_context=_prefix_context)
 
 
 # -- Gated DeltaNet (Qwen3.5's `linear_attn`): the state carried from rank to rank ------------

@@ -43,19 +43,25 @@ from torch.utils.checkpoint import (
 
 from protocol.errors import ServerError
 from workers.engine.context_parallel import current as current_split
-from workers.engine.context_parallel import splitting
+from workers.engine.context_parallel import prefix_causal_attention, splitting
 from workers.engine.lora import SlotRouting
 
 _aten = torch.ops.aten
 ATTENTION_OPS = frozenset(
-    op
-    for name in (
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+    [
+        *(
+            op
+            for name in (
+                "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention",
+            )
+            if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+        ),
+        # a pass split over ranks, on the CPU (`context_parallel.prefix_causal_attention`)
+        prefix_causal_attention._opoverload,
+    ]
 )
 
 

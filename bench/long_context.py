@@ -20,8 +20,9 @@ the smallest, and a split mode's growth over recompute's.
 
 `--plan` prints the memory plan instead (`workers/engine/memory.py`, no model is run): the
 bytes a trained token costs and the longest datum, for the real configs of Qwen3-8B,
-Qwen3-30B-A3B, Qwen3.5-35B-A3B and DeepSeek-V3.1 (bf16, the base model and 8 rank-32 slots
-resident), on 80 GB and 141 GB devices, one device and a group of 8 splitting the datum.
+Qwen3-30B-A3B, Qwen3.5-35B-A3B and DeepSeek-V3.1 (`tests/data/lineup`; bf16 activations, the
+base model's share and the planned rank-32 slots resident), on 80 GB and 141 GB devices, one
+device and a group of 8 splitting the datum.
 """
 
 from __future__ import annotations
@@ -131,51 +132,25 @@ def run(mode: str, tokens: int, model_dir: Path, threads: int) -> dict[str, floa
 
 def plan() -> None:
     """The memory plan of the real configs (see the module docstring)."""
-    import transformers
-
     from workers.engine.lora_counts import build_on_meta, count_per_rank
     from workers.engine.memory import PLAN_SHARE, plan_slots, plan_tokens, slot_bytes
 
-    long = 262144
-    configs = {
-        "Qwen3-8B": transformers.Qwen3Config(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=long,
-        ),
-        "Qwen3-30B-A3B": transformers.Qwen3MoeConfig(
-            hidden_size=2048,
-            intermediate_size=6144,
-            moe_intermediate_size=768,
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            num_experts=128,
-            num_experts_per_tok=8,
-            vocab_size=151936,
-            max_position_embeddings=long,
-        ),
-        "Qwen3.5-35B-A3B": transformers.Qwen3_5MoeTextConfig(
-            hidden_size=2048,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            num_hidden_layers=40,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=256,
-            num_experts=256,
-            num_experts_per_tok=8,
-            vocab_size=248320,
-            max_position_embeddings=long,
-        ),
-        "DeepSeek-V3.1": transformers.DeepseekV3Config(max_position_embeddings=long),
-    }
+    sys.path.insert(0, str(Path(__file__).parent))
+    from moe_memory import load_fields
+
+    from workers.engine.lora_counts import config_from_fields
+
+    models = (
+        "Qwen/Qwen3-8B",
+        "Qwen/Qwen3-30B-A3B",
+        "Qwen/Qwen3.5-35B-A3B",
+        "deepseek-ai/DeepSeek-V3.1",
+    )
+    configs = {}
+    for model_id in models:
+        config = config_from_fields(load_fields(model_id))
+        config.get_text_config().max_position_embeddings = 2**30  # the plan alone decides
+        configs[model_id.split("/")[1]] = config
     # bytes a base weight: DeepSeek-V3.1's checkpoint is fp8; the others bf16
     weight_bytes = {"DeepSeek-V3.1": 1}
     print(

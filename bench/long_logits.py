@@ -13,17 +13,11 @@ At 256 Ki tokens those are 16 GiB, more than the development VM can hold.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 MiB = 2**20
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def main() -> None:
@@ -35,6 +29,9 @@ def main() -> None:
 
     import torch
     from torch import nn
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from long_context import _status
 
     from workers.engine.lora import Segment
     from workers.engine.passes import target_logprobs, tune_malloc

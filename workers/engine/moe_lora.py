@@ -270,13 +270,7 @@ class MultiSlotLoraExperts(nn.Module):
         needs = grad and (x.requires_grad or top_k_weights.requires_grad)
         if needs:
             x, top_k_weights = ExpertInput.apply(x, top_k_weights, parallel.collective)  # type: ignore[no-untyped-call]
-        n_local = self.shape.num_experts
-        local = top_k_index.to(torch.long) - parallel.offset
-        local = torch.where((local >= 0) & (local < n_local), local, n_local)
-        if active:
-            partial = experts_forward(self, x, local, top_k_weights, active)
-        else:
-            partial = local_experts(self, x, local, top_k_weights)
+        partial = self._own_share(x, top_k_index, top_k_weights, active)
         # Whether the output takes part in the backward must not depend on this rank's experts:
         # with a trained slot in the pass it does on every rank.
         anchor = torch.zeros((), device=x.device, requires_grad=grad and bool(active))
@@ -284,6 +278,24 @@ class MultiSlotLoraExperts(nn.Module):
             torch.Tensor,
             ExpertOutput.apply(partial, x, top_k_weights, anchor, parallel.collective),  # type: ignore[no-untyped-call]
         )
+
+    def _own_share(
+        self,
+        x: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        active: list[tuple[int, int, int, float, int]],
+    ) -> torch.Tensor:
+        """This rank's experts' share of the block's output for tokens `x` (base and LoRA);
+        `top_k_index` names experts globally (another rank's count as `num_experts`)."""
+        parallel = self.parallel
+        assert parallel is not None
+        n_local = self.shape.num_experts
+        local = top_k_index.to(torch.long) - parallel.offset
+        local = torch.where((local >= 0) & (local < n_local), local, n_local)
+        if active:
+            return experts_forward(self, x, local, top_k_weights, active)
+        return local_experts(self, x, local, top_k_weights)
 
     def _split_forward(
         self,
@@ -301,13 +313,7 @@ class MultiSlotLoraExperts(nn.Module):
         every_weights = gather_tokens(top_k_weights, split)
         every_index = gather_tokens(top_k_index, split)
         active = self._active(self.routing.segments, every_x.shape[0])
-        n_local = self.shape.num_experts
-        local = every_index.to(torch.long) - parallel.offset
-        local = torch.where((local >= 0) & (local < n_local), local, n_local)
-        if active:
-            partial = experts_forward(self, every_x, local, every_weights, active)
-        else:
-            partial = local_experts(self, every_x, local, every_weights)
+        partial = self._own_share(every_x, every_index, every_weights, active)
         grad = torch.is_grad_enabled() and bool(active)
         anchor = torch.zeros((), device=x.device, requires_grad=grad)
         inputs = [t for t in (every_x, every_weights) if t.requires_grad]

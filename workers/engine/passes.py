@@ -317,11 +317,22 @@ class PassRunner:
                 use_cache=False,
             ).last_hidden_state
         selected, token_segments, targets = self._selected(batch, one_pass, pieces, hidden)
+        return self._target_logprobs(selected, targets, token_segments, training)
+
+    def _target_logprobs(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        segments: list[Segment],
+        training: bool,
+    ) -> torch.Tensor:
+        """`target_logprobs` through this model's output layer, recomputed in a training
+        pass's backward."""
         return target_logprobs(
-            selected,
+            hidden,
             targets,
             self.head,
-            token_segments,
+            segments,
             self.chunk_tokens,
             recompute=training,
             output=self.output,
@@ -375,14 +386,8 @@ class PassRunner:
             Segment(slot, start * split.chunk, stop * split.chunk)
             for slot, start, stop in one_pass.segments
         ]
-        mine = target_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]),
-            targets,
-            self.head,
-            token_segments,
-            self.chunk_tokens,
-            recompute=training,
-            output=self.output,
+        mine = self._target_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]), targets, token_segments, training
         )
         whole = gather_columns(mine.view(n_rows, split.chunk, targets_k), split, summed=False)
         return torch.cat([whole[p.row, p.offset : p.offset + p.length] for p in pieces])

@@ -209,3 +209,28 @@ def test_which_models_split_passes_by_position(
     engine = Trainer(str(build_tiny_model(tmp_path / "model", arch)), max_slots=1, max_rank=4)
     refused = engine.core.passes.context.refused
     assert refused is None if reason is None else reason in str(refused)
+
+
+def test_which_passes_a_group_splits(tmp_path: Path) -> None:
+    """A pass over the pass token budget of at least `SPLIT_FLOOR` positions, or longer than a
+    rank's plan holds whole; never one within the budget, nor rows too narrow to give every
+    rank `MIN_CHUNK` positions."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.engine.collective import Collective
+    from workers.engine.context_parallel import MIN_CHUNK, SPLIT_FLOOR, ContextParallel
+
+    class TwoRanks(Collective):
+        world = 2
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "model", "qwen3"))
+    context = ContextParallel(model, TwoRanks())
+    assert context.supported
+    floor = SPLIT_FLOOR
+    assert not context.splits(floor, floor, pass_tokens=2 * floor)  # within the budget
+    assert context.splits(floor, floor, pass_tokens=512)
+    assert not context.splits(floor - 1, floor - 1, pass_tokens=512)  # under the floor
+    context.whole_tokens = floor // 2  # ... unless a rank cannot hold it whole
+    assert context.splits(floor - 1, floor - 1, pass_tokens=512)
+    assert not context.splits(floor, 2 * MIN_CHUNK - 1, pass_tokens=512)  # narrow rows
+    assert not ContextParallel(model, Collective()).splits(floor, floor, pass_tokens=512)

@@ -544,6 +544,9 @@ class ContextParallel:
         self.supported = self.refused is None and collective.parallel
         self.tokens: int | None = None  # split every pass of at least this many positions
         self.floor = SPLIT_FLOOR
+        # the most positions a rank's memory plan holds whole (`MultiSlotModel` sets it): a
+        # longer pass is split whatever `floor` says
+        self.whole_tokens: int | None = None
         self.splits_run = 0  # split passes run (a count for tests and logs)
         if self.supported:
             install_attention()
@@ -552,13 +555,14 @@ class ContextParallel:
     def splits(self, tokens: int, width: int, pass_tokens: int) -> bool:
         """Whether a pass of `tokens` positions in rows of `width` is split over the ranks:
         `tokens` or more where that is set, else a pass over the token budget (a datum longer
-        than it, in a pass of its own) of at least `SPLIT_FLOOR`; never rows of fewer than
-        `MIN_CHUNK` positions a rank."""
+        than it, in a pass of its own) of at least `SPLIT_FLOOR` or longer than a rank holds
+        whole (`whole_tokens`); never rows of fewer than `MIN_CHUNK` positions a rank."""
         if not self.supported or width < MIN_CHUNK * self.collective.world:
             return False
         if self.tokens is not None:
             return tokens >= self.tokens
-        return tokens > pass_tokens and tokens >= self.floor
+        beyond = self.whole_tokens is not None and tokens > self.whole_tokens
+        return tokens > pass_tokens and (tokens >= self.floor or beyond)
 
 
 def supports(model: nn.Module) -> str | None:

@@ -33,6 +33,7 @@ import gc
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 
 import numpy as np
 import torch
@@ -198,13 +199,17 @@ class MultiSlotModel:
         if memory_limit is not None:
             free = min(free, memory_limit)
         free = -self.collective.agree_max([-free])[0]
-        self.token_plan: TokenPlan = plan_tokens(
+        tokens = partial(
+            plan_tokens,
             model.config,
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
             free_bytes=free,
             max_context=self.max_context,
-            ranks=self.collective.world if self.passes.context.supported else 1,
         )
+        self.token_plan: TokenPlan = tokens(
+            ranks=self.collective.world if self.passes.context.supported else 1
+        )
+        self.passes.context.whole_tokens = tokens(ranks=1).train_tokens
         log.info("%s: %s", base_model, self.token_plan.describe())
 
     # -- what the samplers run a step with ---------------------------------------------------

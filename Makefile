@@ -14,7 +14,18 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
 .PHONY: install test compose-test demo lint format clean
 
-install: $(STAMP)
+# Older tinker SDKs, each in a virtualenv of its own, for the wire-compatibility tests
+# (tests/test_e2e_old_sdk.py)
+OLD_SDKS := 0.16.1
+SDK_VENVS := $(foreach version,$(OLD_SDKS),.venv-sdk/tinker-$(version)/.installed)
+
+install: $(STAMP) $(SDK_VENVS)
+
+.venv-sdk/tinker-%/.installed:
+	rm -rf .venv-sdk/tinker-$*
+	$(PYTHON) -m venv .venv-sdk/tinker-$*
+	.venv-sdk/tinker-$*/bin/python -m pip install -q tinker==$* numpy
+	touch $@
 
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,4 +66,4 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .demo
+	rm -rf $(VENV) .venv-sdk .pytest_cache .mypy_cache .ruff_cache .demo

@@ -585,12 +585,42 @@ def decode(body: bytes, type_: type[T]) -> T:
     An empty body reads as `{}`, so a body-less POST still names the first missing field.
     """
     try:
-        result: T = _decoder(type_).decode(body or b"{}")
+        try:
+            result: T = _decoder(type_).decode(body or b"{}")
+        except msgspec.ValidationError as exc:
+            # SDKs that write JSON prompts (tinker 0.16) leave out a chunk's `type` where it is
+            # the default: the same body with each chunk's type made explicit
+            if "missing required field `type`" not in str(exc) or ".chunks[" not in str(exc):
+                raise
+            typed = _chunk_types(msgspec.json.decode(body))
+            result = _decoder(type_).decode(msgspec.json.encode(typed))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise UserError(f"invalid {type_.__name__} body: {exc}") from None
     except RecursionError:
         raise UserError(f"invalid {type_.__name__} body: {NESTED_TOO_DEEPLY}") from None
     return result
+
+
+def _chunk_types(value: Any) -> Any:
+    """`value` with a `type` on every chunk of a `chunks` list that has none: `encoded_text`
+    with `tokens`, `image_asset_pointer` with a `location`, else `image`."""
+    if isinstance(value, list):
+        return [_chunk_types(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    out = {key: _chunk_types(item) for key, item in value.items()}
+    chunks = out.get("chunks")
+    if isinstance(chunks, list):
+        for chunk in chunks:
+            if isinstance(chunk, dict) and "type" not in chunk:
+                chunk["type"] = (
+                    "encoded_text"
+                    if "tokens" in chunk
+                    else "image_asset_pointer"
+                    if "location" in chunk
+                    else "image"
+                )
+    return out
 
 
 def encode(obj: Any) -> bytes:

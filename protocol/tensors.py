@@ -412,6 +412,57 @@ def check_target_width(summary: FwdBwdSummary) -> None:
     )
 
 
+def forward_backward_ref(body: bytes) -> tuple[str, int] | None:
+    """(`model_id`, `seq_id`) of a `ForwardBackwardRequest` body that does not parse, read
+    from its top-level fields up to the first damaged one (None: not both before it), so that
+    its refusal still spends its seq. Fields 1 (a string) and 2 (a varint) are what every SDK
+    writes first."""
+    found: dict[int, str | int] = {}
+    at = 0
+    whole = False  # read to the end: a seq_id never met is proto3's omitted 0
+    try:
+        while len(found) < 2:
+            if at == len(body):
+                whole = True
+                break
+            key, at = _varint(body, at)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                value, at = _varint(body, at)
+                if number == 2:
+                    found[2] = value - (1 << 64) if value >= 1 << 63 else value
+            elif wire == 2:
+                length, at = _varint(body, at)
+                if at + length > len(body):
+                    break
+                if number == 1:
+                    found[1] = body[at : at + length].decode()
+                at += length
+            elif wire in (1, 5):
+                at += 8 if wire == 1 else 4
+            else:
+                break
+    except (IndexError, UnicodeDecodeError):
+        pass
+    model_id, seq_id = found.get(1), found.get(2, 0 if whole else None)
+    if not isinstance(model_id, str) or not isinstance(seq_id, int):
+        return None
+    return model_id, seq_id
+
+
+def _varint(body: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = body[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
 def scan_forward_backward(body: bytes) -> FwdBwdSummary:
     """The routing fields and declared sizes of a `ForwardBackwardRequest` body (no tensors)."""
     return _summarise(_parse_forward_backward(body))

@@ -29,6 +29,7 @@ from protocol.api import LoraConfig
 from protocol.jobs import ForwardBackwardJob, Job, TombstoneJob, decode_job
 from protocol.records import RunRecord, SamplerRecord, WorkerRecord
 from protocol.sampling import MAX_LOGPROBS_K
+from protocol.tensors import decode_forward_backward
 from twinkle_async.gateway.app import build_app
 from twinkle_async.gateway.state import BUS, REGISTRY
 from twinkle_async.nats_server import MAX_PAYLOAD_BYTES, NatsServer
@@ -314,3 +315,63 @@ def test_a_sample_is_checked_against_the_tightest_samplers_plan() -> None:
         "other": replace(_worker(max_sample_tokens=1, sampler_backend="torch"), base_model="x"),
     }
     assert registry.longest_sample("base") == 10
+
+
+def _json_body(seq_id: int, tokens: list[int], key: str = "forward_backward_input") -> bytes:
+    """A JSON body as tinker 0.16.1 sends it."""
+    n = len(tokens)
+    datum = {
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [1] * n, "dtype": "int64", "shape": [n]},
+            "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]},
+        },
+        "model_input": {"chunks": [{"tokens": tokens}]},
+    }
+    body = {key: {"data": [datum], "loss_fn": "cross_entropy"}, "model_id": MODEL_ID}
+    return json.dumps({**body, "seq_id": seq_id}).encode()
+
+
+async def test_json_bodies_of_older_sdks_run_and_their_refusals_spend_the_seq(
+    client: TestClient[object, object],
+) -> None:
+    """tinker 0.16.1's JSON `forward_backward` and `forward` (on its own route), with the key as
+    a Bearer token: published as the protobuf call. A JSON body refused for a field, or a
+    protobuf body damaged after its seq, is a 400 that settles its seq (a tombstone), so the
+    model's next call runs at once; a body that names no seq is a plain 400."""
+    bearer = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    async def post(path: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any]:
+        resp = await client.post(path, data=body, headers=headers)
+        return resp.status, await resp.json()
+
+    status, answer = await post("/api/v1/forward_backward", _json_body(1, [3, 4, 5]), bearer)
+    assert status == 200, answer
+    job = await _published(client, 1)
+    assert isinstance(job, ForwardBackwardJob) and not job.forward_only
+    assert decode_forward_backward(job.body).datums[0].tokens.tolist() == [3, 4, 5]
+    twinkle = {"Twinkle-Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    status, answer = await post("/api/v1/forward", _json_body(2, [6], "forward_input"), twinkle)
+    assert status == 200, answer
+    job = await _published(client, 2)
+    assert isinstance(job, ForwardBackwardJob) and job.forward_only
+    # refused before it decodes: the seq is settled
+    status, answer = await post("/api/v1/forward_backward", _json_body(3, [2**40]), bearer)
+    assert status == 400 and "outside int32" in answer["detail"], answer
+    tombstone = await _published(client, 3)
+    assert isinstance(tombstone, TombstoneJob) and "outside int32" in tombstone.error
+    message = pb.ForwardBackwardRequest(model_id=MODEL_ID, seq_id=4, loss_fn="cross_entropy")
+    damaged = message.SerializeToString() + b"\x1a\xff\xff"  # a datum cut short
+    status, answer = await _post(client, damaged)
+    assert status == 400 and "not a valid ForwardBackwardRequest" in answer["detail"], answer
+    assert isinstance(await _published(client, 4), TombstoneJob)
+    status, answer = await post("/api/v1/forward_backward", _json_body(5, [7]), bearer)
+    assert status == 200, answer  # the next call at once
+    # nothing names a seq: refused, nothing spent
+    status, answer = await post("/api/v1/forward_backward", b"{broken", bearer)
+    assert status == 400, answer
+    status, answer = await _post(client, b"\x0a\x05ab")
+    assert status == 400, answer
+    # a wrong Bearer key is no key
+    wrong = {"Authorization": "Bearer tml-not-a-key", "Content-Type": "application/json"}
+    status, _ = await post("/api/v1/forward_backward", _json_body(6, [1]), wrong)
+    assert status == 401

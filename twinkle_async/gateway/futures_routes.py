@@ -1,7 +1,8 @@
 """`retrieve_future`: step 6 of the request flow, a long-poll on the future's outcome.
 
 Holds up to `long_poll_s` (under the SDK's 45 s read timeout), then answers `try_again`. A
-finished forward_backward answers protobuf; other results JSON; a failure
+finished forward_backward or sample answers protobuf to a client that asks for it in `Accept`
+(SDK 0.38), JSON to one that does not (older SDKs); other results JSON; a failure
 `{"error", "category"}` with status 200, as the SDK expects.
 """
 
@@ -14,6 +15,7 @@ from aiohttp import web
 from protocol import api, rules
 from protocol.errors import ErrorCategory, NotFound
 from protocol.jobs import Outcome
+from protocol.json_tensors import answer_json, wants_protobuf
 from twinkle_async.gateway.bodies import json_response, read_json
 from twinkle_async.gateway.state import FUTURES, REGISTRY, SAMPLES, SETTINGS, TENANT
 
@@ -57,5 +59,9 @@ async def retrieve_future(request: web.Request) -> web.Response:
             )
         )
     if outcome.payload_type == "proto":
-        return web.Response(body=outcome.payload, content_type="application/x-protobuf")
+        if wants_protobuf(request.headers.get("Accept", "")):
+            return web.Response(body=outcome.payload, content_type="application/x-protobuf")
+        # an SDK before protobuf answers (tinker 0.16): the same answer as JSON
+        answer = answer_json(outcome.request_type, outcome.payload)
+        return web.Response(body=answer, content_type="application/json")
     return web.Response(body=outcome.payload, content_type="application/json")

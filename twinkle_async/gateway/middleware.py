@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
@@ -88,8 +88,20 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         return await handler(request)
     if not request.path.startswith("/api/"):
         return await handler(request)
-    tenant = await request.app[KEYS].tenant_of(request.headers.get("X-API-Key", ""))
+    tenant = await request.app[KEYS].tenant_of(api_key(request.headers))
     if tenant is None:
         raise Unauthorized("invalid, revoked or missing API key (send a tml-... key in X-API-Key)")
     request[TENANT] = tenant
     return await handler(request)
+
+
+def api_key(headers: Mapping[str, str]) -> str:
+    """The tenant key a request carries: `X-API-Key`, else a Bearer token in `Authorization` or
+    `Twinkle-Authorization` (as Twinkle's clients send it). Only one is read: the first present."""
+    if "X-API-Key" in headers:
+        return headers["X-API-Key"]
+    for name in ("Authorization", "Twinkle-Authorization"):
+        scheme, _, token = headers.get(name, "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return ""

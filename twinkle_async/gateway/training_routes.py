@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from protocol import api, paths, rules, stability
+from protocol import tinker_wire_pb2 as pb
 from protocol.errors import UserError
 from protocol.jobs import (
     CreateModelJob,
@@ -24,12 +25,14 @@ from protocol.jobs import (
     OptimStepJob,
     SaveWeightsJob,
 )
+from protocol.json_tensors import forward_backward_from_json, is_json
 from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord
 from protocol.tensors import (
     check_budget,
     check_datum_lengths,
     check_images,
     check_target_width,
+    forward_backward_ref,
     scan_forward_backward,
 )
 from twinkle_async import quotas
@@ -160,8 +163,32 @@ async def get_info(request: web.Request) -> web.Response:
 @routes.post("/api/v1/forward_backward")
 async def forward_backward(request: web.Request) -> web.Response:
     """Routed on a scan of the protobuf body: no tensor is built here; the worker decodes it."""
-    raw = await read_body(request, protobuf=True)
-    summary = scan_forward_backward(raw)
+    return await _forward_backward(request, forward=False)
+
+
+@routes.post("/api/v1/forward")
+async def forward(request: web.Request) -> web.Response:
+    """A forward-only pass as the SDKs before protobuf bodies send it (a JSON `ForwardRequest`)."""
+    return await _forward_backward(request, forward=True)
+
+
+async def _forward_backward(request: web.Request, *, forward: bool) -> web.Response:
+    """A protobuf `ForwardBackwardRequest` body, or the JSON one of an older SDK converted to it
+    (`protocol.json_tensors`). A body refused before it decodes still spends its seq when its
+    `model_id` and `seq_id` can be read (`_refused`), so the model's next call runs at once."""
+    sent = await read_body(request, protobuf=True)
+    raw = sent
+    try:
+        if is_json(request.content_type, sent):
+            raw = forward_backward_from_json(sent, forward_only=forward)
+        summary = scan_forward_backward(raw)
+    except UserError as refusal:
+        return await _refused(request, sent, refusal, forward=forward)
+    if forward and not summary.forward_only:  # a protobuf body sent to /forward
+        message = pb.ForwardBackwardRequest.FromString(raw)
+        message.forward_only = True
+        raw = message.SerializeToString(deterministic=True)
+        summary = scan_forward_backward(raw)
     run = await live_run(request, summary.model_id)
     kind = "forward" if summary.forward_only else "forward_backward"
 
@@ -216,6 +243,32 @@ async def forward_backward(request: web.Request) -> web.Response:
         )
 
     return await submit_sequenced(request, run, summary.seq_id, kind, raw, build)
+
+
+async def _refused(
+    request: web.Request, sent: bytes, refusal: UserError, *, forward: bool
+) -> web.Response:
+    """`refusal` as the answer to the call that spent the seq `sent` names (a JSON body's
+    `model_id` and `seq_id`, or a protobuf one's read before its damage), settled like any
+    refused call; raised as it is when the body names none."""
+    if is_json(request.content_type, sent):
+        try:
+            ref = seq_ref(sent)
+        except UserError:
+            raise refusal from None
+        named = (ref.model_id, ref.seq_id) if ref.model_id and ref.seq_id is not None else None
+    else:
+        named = forward_backward_ref(sent)
+    if named is None:
+        raise refusal
+    model_id, seq_id = named
+    run = await live_run(request, model_id)
+
+    async def build(request_id: str, first: bool) -> Job:
+        raise refusal
+
+    kind = "forward" if forward else "forward_backward"
+    return await submit_sequenced(request, run, seq_id, kind, sent, build)
 
 
 @routes.post("/api/v1/optim_step")

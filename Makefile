@@ -16,7 +16,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
 # Older tinker SDKs, each in a virtualenv of its own, for the wire-compatibility tests
 # (tests/test_e2e_old_sdk.py)
-OLD_SDKS := 0.16.1
+OLD_SDKS := 0.16.1 0.24.1 0.25.0
 SDK_VENVS := $(foreach version,$(OLD_SDKS),.venv-sdk/tinker-$(version)/.installed)
 
 install: $(STAMP) $(SDK_VENVS)

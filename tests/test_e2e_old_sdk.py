@@ -20,7 +20,7 @@ from tinker import types
 from tests.conftest import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-VERSIONS = ("0.16.1",)
+VERSIONS = ("0.16.1", "0.24.1", "0.25.0")
 
 
 def _batch() -> list[types.Datum]:

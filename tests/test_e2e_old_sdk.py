@@ -78,7 +78,10 @@ def test_an_older_sdk_trains_samples_and_saves_as_the_current_one(
         for _ in range(3):
             out = client.forward_backward(data, "cross_entropy").result()
             losses.append(out.metrics["loss:sum"])
-            client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+            step = client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+            # without clipping too: the gradient's norm before any clip, and the rate used
+            assert step.metrics is not None and step.metrics["learning_rate:mean"] == 2e-2
+            assert step.metrics["unclipped_grad_l2:mean"] > 0
         forward = client.forward(data, "cross_entropy").result()
     finally:
         service.close("success").result()

@@ -137,7 +137,11 @@ def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Trainer]) -> 
         metrics = engine.optim_step([("x", adams["x"]), ("y", adams["y"])])
         norm = torch.nn.utils.clip_grad_norm_(references["x"][0], adams["x"].grad_clip_norm)
         assert metrics[0]["unclipped_grad_l2:mean"] == pytest.approx(float(norm), rel=1e-5)
-        assert metrics[1] == {}
+        unclipped = torch.linalg.vector_norm(
+            torch.cat([g.grad.reshape(-1) for g in references["y"][0]])
+        )
+        assert metrics[1]["unclipped_grad_l2:mean"] == pytest.approx(float(unclipped), rel=1e-5)
+        assert metrics[1]["learning_rate:mean"] == adams["y"].learning_rate
         for model_id, (params, optimizer) in references.items():
             optimizer.step()
             optimizer.zero_grad()

@@ -53,6 +53,7 @@ from protocol.errors import UserError
 from workers.engine.collective import Collective
 
 GRAD_NORM_METRIC = "unclipped_grad_l2:mean"
+LEARNING_RATE_METRIC = "learning_rate:mean"
 _BAD_GRADIENT, _BAD_UPDATE = 2, 1  # a step's failure, most telling first (agreed by maximum)
 _CLIP_EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -259,24 +260,30 @@ class SlotAdamW:
     def _clip_coefficients(
         self, slots: list[int], specs: list[AdamParams]
     ) -> tuple[list[StepResult], list[float | None]]:
-        """Each slot's metrics (pre-clip L2 norm when clipping) and clip coefficient (None: no
-        clipping), or a `UserError` for a gradient whose norm is not finite. Changes nothing."""
-        results: list[StepResult] = [{} for _ in specs]
+        """Each slot's metrics (its gradient's L2 norm before clipping, and the learning rate it
+        steps with) and clip coefficient (None: no clipping), or, when clipping, a `UserError`
+        for a gradient whose norm is not finite (without clipping the step's own guard fails
+        it). Changes nothing."""
+        results: list[StepResult] = [
+            {LEARNING_RATE_METRIC: float(spec.learning_rate)} for spec in specs
+        ]
         coefs: list[float | None] = [None] * len(specs)
-        clipping = [i for i, spec in enumerate(specs) if spec.grad_clip_norm > 0]
-        if not clipping:
-            return results, coefs
-        norms = self._norms([self.grads[slots[i]] for i in clipping])
+        norms = self._norms([self.grads[slot] for slot in slots])
         max_norms = torch.tensor(
-            [specs[i].grad_clip_norm for i in clipping], dtype=norms.dtype, device=norms.device
+            [max(spec.grad_clip_norm, 0.0) for spec in specs],
+            dtype=norms.dtype,
+            device=norms.device,
         )
         clip_coefs = (max_norms / (norms + _CLIP_EPS)).clamp(max=1.0)
-        for i, norm, coef in zip(clipping, norms.tolist(), clip_coefs.tolist(), strict=True):
+        for i, (norm, coef) in enumerate(zip(norms.tolist(), clip_coefs.tolist(), strict=True)):
+            clipping = specs[i].grad_clip_norm > 0
             if not math.isfinite(norm):
-                results[i] = _gradient_error(f"its L2 norm is {norm}")
+                if clipping:
+                    results[i] = _gradient_error(f"its L2 norm is {norm}")
                 continue
-            results[i] = {GRAD_NORM_METRIC: norm}
-            coefs[i] = coef
+            results[i] = {GRAD_NORM_METRIC: norm, LEARNING_RATE_METRIC: specs[i].learning_rate}
+            if clipping:
+                coefs[i] = coef
         return results, coefs
 
     def _norms(self, rows: list[torch.Tensor]) -> torch.Tensor:

@@ -272,7 +272,12 @@ class Fuzzer:
         deadline = time.monotonic() + RESULT_TIMEOUT_S
         body = {"request_id": request_id, "allow_metadata_only": False}
         while time.monotonic() < deadline:
-            poll = self.http.post(f"{API}/retrieve_future", json=body, timeout=45.0)
+            poll = self.http.post(
+                f"{API}/retrieve_future",
+                json=body,
+                timeout=45.0,
+                headers={"Accept": "application/x-protobuf"},  # as SDK 0.38 asks
+            )
             if poll.headers.get("content-type", "").startswith("application/x-protobuf"):
                 return None
             answer = poll.json()

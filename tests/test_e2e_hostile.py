@@ -135,7 +135,8 @@ def test_bad_sequence_numbers_are_refused_and_leave_nothing_pending(
     assert step.status_code == 200, step.text
     started = time.monotonic()
     _final(wire, first_id)
-    assert _final(wire, step.json()["request_id"]).json() == {"metrics": {}}
+    metrics = _final(wire, step.json()["request_id"]).json()["metrics"]
+    assert metrics["learning_rate:mean"] > 0 and metrics["unclipped_grad_l2:mean"] >= 0
     assert time.monotonic() - started < 10.0
 
 

@@ -41,13 +41,15 @@ def route_count(cluster: Cluster, route: str) -> float:
     )
 
 
-def post(cluster: Cluster, path: str, body: object, key: str | None = None) -> httpx.Response:
+def post(
+    cluster: Cluster, path: str, body: object, key: str | None = None, accept: str = ""
+) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"X-API-Key": key or cluster.api_key, "Content-Type": "application/json"}
+    if accept:
+        headers["Accept"] = accept
     return httpx.post(
-        f"{cluster.base_url}/api/v1/{path}",
-        content=content,
-        headers={"X-API-Key": key or cluster.api_key, "Content-Type": "application/json"},
-        timeout=60,
+        f"{cluster.base_url}/api/v1/{path}", content=content, headers=headers, timeout=60
     )
 
 
@@ -328,8 +330,14 @@ def test_another_tenant_can_neither_poll_join_nor_cancel(
             ],
         }
     ]
+    # protobuf to a client that asks for it, as SDK 0.38 does; JSON to one that does not
+    asked = post(
+        cluster, "retrieve_future", {"request_id": request_id}, accept="application/x-protobuf"
+    )
+    assert asked.headers["content-type"].startswith("application/x-protobuf")
     result = post(cluster, "retrieve_future", {"request_id": request_id})
-    assert result.headers["content-type"].startswith("application/x-protobuf")
+    assert result.headers["content-type"].startswith("application/json")
+    assert len(result.json()["sequences"][0]["tokens"]) > 0
     # cancelling a finished future is harmless; the acknowledged one is not repeated
     assert post(cluster, "cancel_future", {"request_id": request_id}).status_code == 200
     polled = post(

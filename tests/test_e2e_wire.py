@@ -42,7 +42,10 @@ def test_retried_submits_get_the_same_request_and_apply_once(wire: Wire, tiny_mo
         opt_ids = {wire.optim_step(model_id, 2).json()["request_id"] for _ in range(repeats)}
         assert len(fwd_ids) == 1 and len(opt_ids) == 1
         wire.fwdbwd_output(wire.result(fwd_ids.pop()))
-        assert wire.result(opt_ids.pop()).json() == {"metrics": {}}
+        assert set(wire.result(opt_ids.pop()).json()["metrics"]) == {
+            "unclipped_grad_l2:mean",
+            "learning_rate:mean",
+        }
 
     after = {}
     for model_id in (twice, once):

@@ -103,7 +103,11 @@ class Wire:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             resp = self.post(
-                "retrieve_future", {"request_id": request_id, "allow_metadata_only": False}
+                "retrieve_future",
+                {"request_id": request_id, "allow_metadata_only": False},
+                # as SDK 0.38 asks for a ForwardBackwardOutput or a SampleResponse (any other
+                # answer is JSON whatever it asks)
+                headers={"Accept": "application/x-protobuf"},
             )
             if (
                 resp.headers.get("content-type", "").startswith("application/json")

@@ -61,9 +61,15 @@ def test_rest_lists_runs_and_checkpoints(
     model_id = client.model_id
 
     rest = tinker.RestClient(base_url=cluster.base_url, api_key=cluster.api_key)
-    runs = rest.list_training_runs(limit=100).result()
-    assert runs.cursor.total_count >= 1
-    mine = [run for run in runs.training_runs if run.training_run_id == model_id]
+    # the session's cluster holds every test's runs: page through them
+    mine, offset = [], 0
+    while True:
+        runs = rest.list_training_runs(limit=100, offset=offset).result()
+        assert runs.cursor.total_count >= 1
+        mine += [run for run in runs.training_runs if run.training_run_id == model_id]
+        offset += len(runs.training_runs)
+        if not runs.training_runs or offset >= runs.cursor.total_count:
+            break
     assert len(mine) == 1
     assert mine[0].base_model == str(tiny_model) and mine[0].lora_rank == 4 and mine[0].is_lora
     assert mine[0].last_checkpoint is not None and mine[0].last_checkpoint.tinker_path == state

@@ -18,28 +18,10 @@ import tinker
 from tinker import types
 
 from tests.conftest import Cluster
+from tests.old_sdk_client import batch  # the same data the older SDK trains on
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = ("0.16.1", "0.24.1", "0.25.0")
-
-
-def _batch() -> list[types.Datum]:
-    """`tests/old_sdk_client.py`'s data, built with SDK 0.38."""
-    rng = np.random.default_rng(0)
-    data = []
-    for i in range(3):
-        pattern = rng.integers(3, 200, size=4)
-        seq = np.resize(pattern, 13 + i).astype(np.int64)
-        data.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
-                loss_fn_inputs={
-                    "target_tokens": seq[1:].tolist(),
-                    "weights": [1.0] * (len(seq) - 1),
-                },
-            )
-        )
-    return data
 
 
 @pytest.mark.timeout(600)
@@ -74,7 +56,7 @@ def test_an_older_sdk_trains_samples_and_saves_as_the_current_one(
         client = service.create_lora_training_client(
             base_model=str(tiny_model), rank=4, seed=11
         ).result()
-        data, losses = _batch(), []
+        data, losses = batch(), []
         for _ in range(3):
             out = client.forward_backward(data, "cross_entropy").result()
             losses.append(out.metrics["loss:sum"])

@@ -19,12 +19,27 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 OLD_SDKS := 0.16.1 0.24.1 0.25.0
 SDK_VENVS := $(foreach version,$(OLD_SDKS),.venv-sdk/tinker-$(version)/.installed)
 
-install: $(STAMP) $(SDK_VENVS)
+# twinkle-kit with its `[client]` extra (which pins tinker 0.16.1), for the article's client
+# programs (tests/test_e2e_twinkle_article.py). Its own virtualenv: it pins numpy < 2.3 and
+# peft <= 0.19, and our venv has newer ones. `ray[serve]`: twinkle.server.common, where the
+# Tinker Client program imports `input_feature_to_datum` from, imports ray.serve. torch is the
+# CPU wheel ours uses (pinned first, so nothing pulls a CUDA build).
+TWINKLE_KIT := 0.5.1
+TWINKLE_VENV := .venv-sdk/twinkle-$(TWINKLE_KIT)
+
+install: $(STAMP) $(SDK_VENVS) $(TWINKLE_VENV)/.installed
 
 .venv-sdk/tinker-%/.installed:
 	rm -rf .venv-sdk/tinker-$*
 	$(PYTHON) -m venv .venv-sdk/tinker-$*
 	.venv-sdk/tinker-$*/bin/python -m pip install -q tinker==$* numpy
+	touch $@
+
+$(TWINKLE_VENV)/.installed:
+	rm -rf $(TWINKLE_VENV)
+	$(PYTHON) -m venv $(TWINKLE_VENV)
+	$(TWINKLE_VENV)/bin/python -m pip install -q torch==2.13.0 \
+		'twinkle-kit[client]==$(TWINKLE_KIT)' 'ray[serve]'
 	touch $@
 
 $(STAMP): pyproject.toml requirements.txt

@@ -1,4 +1,8 @@
-"""`tinker://<run_id>/<kind>/<name>` checkpoint paths: parse and build, with clear errors."""
+"""`tinker://<run_id>/<kind>/<name>` checkpoint paths: parse and build, with clear errors.
+
+`twinkle://` is read as the same path (Twinkle's clients name checkpoints so); what the server
+writes is always `tinker://`, and a checkpoint's JSON carries both forms.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from protocol.errors import UserError
 CheckpointKind = Literal["weights", "sampler_weights", "external_weights"]
 _KINDS: tuple[str, ...] = ("weights", "sampler_weights", "external_weights")
 SCHEME = "tinker://"
+ALIAS_SCHEME = "twinkle://"
 _KIND_OF: dict[str, CheckpointKind] = {
     "weights": "weights",
     "sampler_weights": "sampler_weights",
@@ -36,19 +41,24 @@ class TinkerPath(msgspec.Struct, frozen=True):
     def __str__(self) -> str:
         return f"{SCHEME}{self.run_id}/{self.kind}/{self.name}"
 
+    @property
+    def twinkle_path(self) -> str:
+        return f"{ALIAS_SCHEME}{self.run_id}/{self.kind}/{self.name}"
+
 
 def parse_path(path: str, field: str = "path") -> TinkerPath:
-    """Parse a `tinker://` path; anything else is a user error naming the expected form.
+    """Parse a `tinker://` (or `twinkle://`) path; anything else is a user error naming the expected form.
 
     The run id and the name are checked with the same rules as when they were made, so a parsed
     path is always safe to turn into a KV key or a directory.
     """
-    if not path.startswith(SCHEME):
+    scheme = next((s for s in (SCHEME, ALIAS_SCHEME) if path.startswith(s)), None)
+    if scheme is None:
         shown = path if len(path) <= 60 else path[:60] + "..."
         raise UserError(
             f"{field}: {shown!r} is not a tinker:// path (tinker://<run_id>/weights/<name>)"
         )
-    parts = path[len(SCHEME) :].split("/")
+    parts = path[len(scheme) :].split("/")
     if len(parts) != 3 or parts[1] not in _KINDS:
         shown = path if len(path) <= 60 else path[:60] + "..."
         raise UserError(

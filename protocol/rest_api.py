@@ -31,6 +31,7 @@ class Checkpoint(ResponseBody, frozen=True):
     public: bool = False
     user_metadata: dict[str, str] | None = None
     expires_at: datetime | None = None
+    twinkle_path: str = ""  # the same path as Twinkle's clients name it (`twinkle://…`)
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "time", utc_aware(self.time))

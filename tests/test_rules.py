@@ -62,11 +62,22 @@ def test_a_name_that_passes_is_one_safe_directory_name(name: str) -> None:
         "tinker://r/weights/" + "\N{GRINNING FACE}" * 40,
         "tinker://r/weights/~",
         "tinker://*/weights/x",
+        "twinkle://r/weights/../x",
+        "twinkle://*/weights/x",
+        "twinkle:/r/weights/x",
+        "TWINKLE://r/weights/x",
     ],
 )
 def test_a_tinker_path_with_an_unsafe_part_is_refused(path: str) -> None:
     with pytest.raises(UserError, match="path"):
         parse_path(path)
+
+
+def test_a_twinkle_path_names_the_same_checkpoint_as_its_tinker_path() -> None:
+    tinker = parse_path("tinker://sess-ab:train:0/weights/epoch-1")
+    twinkle = parse_path("twinkle://sess-ab:train:0/weights/epoch-1")
+    assert twinkle == tinker and str(twinkle) == "tinker://sess-ab:train:0/weights/epoch-1"
+    assert tinker.twinkle_path == "twinkle://sess-ab:train:0/weights/epoch-1"
 
 
 @pytest.mark.parametrize("seq_id", [None, -1, 0, rules.MAX_SEQ_ID + 1, 2**63])

@@ -40,6 +40,7 @@ def checkpoint_view(ckpt: CheckpointRecord) -> rest_api.Checkpoint:
         public=ckpt.public,
         expires_at=iso(ckpt.expires_at) if ckpt.expires_at else None,
         user_metadata=ckpt.user_metadata or None,
+        twinkle_path=paths.parse_path(ckpt.path).twinkle_path,
     )
 
 

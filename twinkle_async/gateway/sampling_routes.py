@@ -44,10 +44,10 @@ async def create_sampling_session(request: web.Request) -> web.Response:
     if body.model_path:
         path = paths.parse_path(body.model_path)
         ckpt = await registry.checkpoint(path.run_id, path.checkpoint_id, tenant)
-        if path.kind != "sampler_weights":
+        if path.kind == "external_weights":
             raise UserError(
-                f"model_path {body.model_path!r} is a training checkpoint; sample from a sampler "
-                "checkpoint (save_weights_for_sampler) instead"
+                f"model_path {body.model_path!r} is an exported adapter; sample from a sampler "
+                "checkpoint (save_weights_for_sampler) or a saved state instead"
             )
         base_model = ckpt.base_model
         content_id = ckpt.content_id

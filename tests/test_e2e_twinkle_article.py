@@ -1,0 +1,119 @@
+"""The article's client programs against the session's cluster, unmodified but for the model, the
+data path and the base URL: the Tinker Client program with twinkle-kit 0.5.1's
+`init_tinker_client()` on the tinker 0.16.1 its `[client]` extra pins, twinkle's
+Dataset/Template/DataLoader preparing the batches on the client. It runs in the twinkle-kit
+virtualenv (`make install` builds `.venv-sdk/twinkle-0.5.1`), in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import Cluster
+from tests.sdk_helpers import PROMPT, toy_batch, train_steps
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+TWINKLE_PYTHON = ROOT / ".venv-sdk" / "twinkle-0.5.1" / "bin" / "python"
+
+# rows shaped as ModelScope's `swift/self-cognition` (query, response, tag), placeholders included
+_ROWS = [
+    ("你是谁？", "我是{{NAME}}，由{{AUTHOR}}训练的人工智能助手。", "zh"),
+    ("who are you?", "I am {{NAME}}, an assistant trained by {{AUTHOR}}.", "en"),
+    ("What is your name?", "My name is {{NAME}}, made by {{AUTHOR}}.", "en"),
+    ("你叫什么名字？", "我叫{{NAME}}，是{{AUTHOR}}开发的。", "zh"),
+]
+
+
+def self_cognition_file(directory: Path, rows: int = 40) -> Path:
+    path = directory / "self-cognition.jsonl"
+    with path.open("w", encoding="utf-8") as out:
+        for i in range(rows):
+            query, response, tag = _ROWS[i % len(_ROWS)]
+            record = {"query": query, "response": response, "tag": tag}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def run_article_program(name: str, cluster: Cluster, model: Path, data: Path) -> dict[str, object]:
+    assert TWINKLE_PYTHON.exists(), f"{TWINKLE_PYTHON} is missing: `make install` builds it"
+    ran = subprocess.run(
+        [str(TWINKLE_PYTHON), str(ROOT / "tests" / "twinkle_article" / name)],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=data.parent,
+        env={
+            **os.environ,
+            "PYTHONPATH": "",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TWINKLE_ARTICLE_MODEL": str(model),
+            "TWINKLE_ARTICLE_DATA": str(data),
+            "TWINKLE_ARTICLE_BASE_URL": cluster.base_url,
+            "TWINKLE_ARTICLE_API_KEY": cluster.api_key,
+        },
+    )
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-6000:]
+    summary: dict[str, object] = json.loads(ran.stdout.strip().splitlines()[-1])
+    return summary
+
+
+@pytest.mark.timeout(600)
+def test_the_articles_tinker_client_program_trains_saves_and_samples(
+    cluster: Cluster, tiny_model_35: Path, tmp_path: Path
+) -> None:
+    summary = run_article_program(
+        "tinker_client.py", cluster, tiny_model_35, self_cognition_file(tmp_path)
+    )
+    losses = summary["losses"]
+    assert isinstance(losses, list) and len(losses) == 3 * 63  # 500 rows in batches of 8
+    assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.5  # it learns
+    for metrics in summary["metrics"]:  # type: ignore[attr-defined]
+        assert metrics["learning_rate:mean"] == pytest.approx(1e-4)
+        assert metrics["unclipped_grad_l2:mean"] > 0
+    saved = summary["saved"]
+    assert isinstance(saved, list)
+    run_id = saved[0].removeprefix("tinker://").split("/")[0]
+    assert saved == [f"tinker://{run_id}/weights/twinkle-lora-{epoch}" for epoch in range(3)]
+    responses = summary["responses"]  # sampled from `twinkle://<run>/weights/twinkle-lora-0`
+    assert isinstance(responses, list) and len(responses) == 8
+    assert all(1 <= len(tokens) <= 50 for tokens in responses)
+
+    # the checkpoints carry the path in both forms
+    listed = httpx.get(
+        f"{cluster.base_url}/api/v1/training_runs/{run_id}/checkpoints",
+        headers={"X-API-Key": cluster.api_key},
+    ).json()["checkpoints"]
+    by_path = {c["tinker_path"]: c for c in listed}
+    for path in saved:
+        assert by_path[path]["twinkle_path"] == "twinkle://" + path.split("://")[1]
+
+
+def test_a_saved_state_samples_as_the_sampler_checkpoint_of_the_same_weights(
+    service: tinker.ServiceClient, tiny_model: Path
+) -> None:
+    client = service.create_lora_training_client(
+        base_model=str(tiny_model), rank=8, seed=5
+    ).result()
+    train_steps(client, toy_batch(seed=12), 3)
+    state = client.save_state("state").result().path
+    sampler_path = client.save_weights_for_sampler("weights").result().path
+    prompt = types.ModelInput.from_ints(PROMPT)
+
+    def logprobs(**where: str) -> np.ndarray:
+        sampler = service.create_sampling_client(**where).result()
+        return np.asarray(sampler.compute_logprobs(prompt).result()[1:], dtype=np.float64)
+
+    from_state = logprobs(model_path=state)  # the article samples its saved state
+    np.testing.assert_allclose(from_state, logprobs(model_path=sampler_path), atol=1e-5)
+    assert not np.allclose(from_state, logprobs(base_model=str(tiny_model)), atol=1e-3)

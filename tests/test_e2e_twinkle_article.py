@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -117,3 +118,62 @@ def test_a_saved_state_samples_as_the_sampler_checkpoint_of_the_same_weights(
     from_state = logprobs(model_path=state)  # the article samples its saved state
     np.testing.assert_allclose(from_state, logprobs(model_path=sampler_path), atol=1e-5)
     assert not np.allclose(from_state, logprobs(base_model=str(tiny_model)), atol=1e-3)
+
+
+def _base_model_losses(model: Path, batch: list[dict[str, list[int]]]) -> float:
+    """twinkle's `CrossEntropyLoss` (the mean over the batch's labelled tokens) of the base
+    model: what an adapter's first pass computes (its B factors are zero)."""
+    code = (
+        "import json, sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)\n"
+        "total, count = 0.0, 0\n"
+        "for row in json.load(sys.stdin):\n"
+        "    ids, labels = torch.tensor([row['input_ids']]), torch.tensor(row['labels'])\n"
+        "    logps = model(input_ids=ids).logits[0].float().log_softmax(-1)\n"
+        "    mask = labels != -100\n"
+        "    total += -logps[mask].gather(-1, labels[mask, None]).sum().item()\n"
+        "    count += int(mask.sum())\n"
+        "print(total / count)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(model)],
+        input=json.dumps(batch),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(600)
+def test_a_twinkle_client_trains_with_accumulation_clipping_a_scheduler_and_resumes(
+    cluster: Cluster, tiny_model_35: Path, tmp_path: Path
+) -> None:
+    summary = run_article_program(
+        "model_client.py", cluster, tiny_model_35, self_cognition_file(tmp_path)
+    )
+    assert str(tiny_model_35) in summary["models"]  # type: ignore[operator]
+    losses, norms = summary["losses"], summary["norms"]
+    assert isinstance(losses, list) and isinstance(norms, list) and len(losses) == 12
+    # twinkle's CrossEntropyLoss: the first pass's loss is the base model's mean over tokens
+    first = summary["batches"][0]  # type: ignore[index]
+    assert losses[0] == pytest.approx(_base_model_losses(tiny_model_35, first), rel=1e-4)
+    # gradient_accumulation_steps=2 steps as twinkle's does: after backward 3, 5, 7, ...
+    synced = [step for step, norm in enumerate(norms, start=1) if norm != "None"]
+    assert synced == [3, 5, 7, 9, 11]
+    assert all(float(norms[step - 1]) > 0 for step in synced)
+    assert losses[1] == losses[0] and losses[2] == losses[0]  # no step before backward 3
+    assert losses[-1] < losses[0] - 0.3  # it learns
+    # LinearLR(1.0 -> 0.5 over 4 steps) after 5 syncs: half the optimizer's 1e-3
+    assert summary["metric"]["lr"] == "5.000000e-04"  # type: ignore[index]
+    configs = summary["configs"]
+    assert configs["gradient_accumulation_steps"] == 2  # type: ignore[index]
+    assert configs["optimizer"]["lr"] == 1e-3 and configs["optimizer"]["coupled"]  # type: ignore[index]
+    saved = summary["saved"]
+    assert isinstance(saved, str) and saved.endswith("/weights/twinkle-epoch-0")
+    assert saved in summary["checkpoints"]  # type: ignore[operator]
+    # the state saved after the last pass, loaded, gives that pass's loss on the same rows
+    assert summary["after_load"] == pytest.approx(losses[-1], rel=1e-5)

@@ -30,6 +30,7 @@ from twinkle_async.gateway import (
     sampling_routes,
     service_routes,
     training_routes,
+    twinkle_routes,
     unknown_routes,
 )
 from twinkle_async.gateway.completions import SessionCompletions
@@ -134,6 +135,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         admin_store_routes,
         admin_transfer_routes,
         metrics_routes,
+        twinkle_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):
         app.add_routes(module.routes)

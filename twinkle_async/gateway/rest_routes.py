@@ -65,7 +65,7 @@ def run_view(run: RunRecord, ckpts: list[CheckpointRecord]) -> rest_api.Training
 _MAX_QUERY_INT = 10**9
 
 
-def _int_param(request: web.Request, name: str, default: int) -> int:
+def int_param(request: web.Request, name: str, default: int) -> int:
     """A non-negative decimal query parameter (ASCII digits only, at most 10**9)."""
     raw = request.query.get(name)
     if raw is None:
@@ -79,8 +79,8 @@ def _int_param(request: web.Request, name: str, default: int) -> int:
 
 @routes.get("/api/v1/training_runs")
 async def list_training_runs(request: web.Request) -> web.Response:
-    limit = _int_param(request, "limit", 20)
-    offset = _int_param(request, "offset", 0)
+    limit = int_param(request, "limit", 20)
+    offset = int_param(request, "offset", 0)
     registry = request.app[REGISTRY]
     runs = await registry.runs(request[TENANT])
     page = runs[offset : offset + limit]
@@ -113,8 +113,8 @@ async def list_checkpoints(request: web.Request) -> web.Response:
 @routes.get("/api/v1/checkpoints")
 async def list_user_checkpoints(request: web.Request) -> web.Response:
     """Every checkpoint of the caller's runs, newest first, a page at a time."""
-    limit = _int_param(request, "limit", 100)
-    offset = _int_param(request, "offset", 0)
+    limit = int_param(request, "limit", 100)
+    offset = int_param(request, "offset", 0)
     ckpts = await request.app[REGISTRY].tenant_checkpoints(request[TENANT])
     return json_response(
         rest_api.CheckpointsListResponse(
@@ -148,8 +148,8 @@ async def weights_info(request: web.Request) -> web.Response:
 async def list_sessions(request: web.Request) -> web.Response:
     """The caller's session ids, newest first (`access_scope` is accepted; every scope is the
     caller's own here)."""
-    limit = _int_param(request, "limit", 20)
-    offset = _int_param(request, "offset", 0)
+    limit = int_param(request, "limit", 20)
+    offset = int_param(request, "offset", 0)
     sessions = (await request.app[REGISTRY].sessions(request[TENANT]))[::-1]  # newest first
     page = sessions[offset : offset + limit]
     return json_response(rest_api.ListSessionsResponse(sessions=[s.session_id for s in page]))

@@ -102,7 +102,23 @@ async def submit_sequenced(
     *,
     field: str = "seq_id",
 ) -> web.Response:
-    """Steps 2-5 of the module docstring for a call on `run`, which the caller owns."""
+    """Steps 2-5 of the module docstring for a call on `run`, which the caller owns; answers
+    the future's request id."""
+    request_id = await submit(request, run, seq_id, request_type, body, build, field=field)
+    return json_response(api.UntypedAPIFuture(request_id=request_id, model_id=run.model_id))
+
+
+async def submit(
+    request: web.Request,
+    run: RunRecord,
+    seq_id: int | None,
+    request_type: str,
+    body: bytes,
+    build: BuildJob,
+    *,
+    field: str = "seq_id",
+) -> str:
+    """`submit_sequenced`'s work: the request id of the submitted call."""
     futures = request.app[FUTURES]
     model_id = run.model_id
     if seq_id != 0:  # 0 is the model's creation, claimed like any call but never "ahead"
@@ -144,7 +160,7 @@ async def submit_sequenced(
     for result in await asyncio.gather(pending, published, return_exceptions=True):
         if isinstance(result, BaseException):
             raise result
-    return json_response(api.UntypedAPIFuture(request_id=claim.request_id, model_id=model_id))
+    return claim.request_id
 
 
 async def settle_refused(

@@ -28,6 +28,7 @@ from protocol.jobs import (
 from protocol.json_tensors import forward_backward_from_json, is_json
 from protocol.records import CheckpointRecord, RunRecord, SamplerRecord, SessionRecord
 from protocol.tensors import (
+    FwdBwdSummary,
     check_budget,
     check_datum_lengths,
     check_images,
@@ -39,7 +40,13 @@ from twinkle_async import quotas
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.custom_loss_routes import custom_loss_for
 from twinkle_async.gateway.provenance import resolve as resolve_provenance
-from twinkle_async.gateway.sequenced import live_run, owned_run, seq_ref, submit_sequenced
+from twinkle_async.gateway.sequenced import (
+    BuildJob,
+    live_run,
+    owned_run,
+    seq_ref,
+    submit_sequenced,
+)
 from twinkle_async.gateway.state import BUS, QUOTAS, REGISTRY, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
@@ -59,7 +66,7 @@ def _check_optimizer(config: api.OptimizerConfig | None) -> None:
         raise UserError("optimizer_config type 'dimuon' is not supported yet; use adamw")
 
 
-async def _new_run(
+async def new_run(
     request: web.Request,
     model_id: str,
     session: SessionRecord,
@@ -123,7 +130,7 @@ async def create_model(request: web.Request) -> web.Response:
     _check_optimizer(body.optimizer_config)
     model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
     now = time.time()
-    run = await _new_run(request, model_id, session, body.base_model, lora, body.user_metadata, now)
+    run = await new_run(request, model_id, session, body.base_model, lora, body.user_metadata, now)
 
     async def build(request_id: str, first: bool) -> Job:
         return CreateModelJob(
@@ -191,6 +198,14 @@ async def _forward_backward(request: web.Request, *, forward: bool) -> web.Respo
         summary = scan_forward_backward(raw)
     run = await live_run(request, summary.model_id)
     kind = "forward" if summary.forward_only else "forward_backward"
+    build = forward_backward_build(request, run, raw, summary)
+    return await submit_sequenced(request, run, summary.seq_id, kind, raw, build)
+
+
+def forward_backward_build(
+    request: web.Request, run: RunRecord, raw: bytes, summary: FwdBwdSummary
+) -> BuildJob:
+    """The job of a protobuf `ForwardBackwardRequest` on `run`, every limit checked."""
 
     async def build(request_id: str, first: bool) -> Job:
         if not summary.n_datums:
@@ -242,7 +257,7 @@ async def _forward_backward(request: web.Request, *, forward: bool) -> web.Respo
             custom_loss=custom_loss,
         )
 
-    return await submit_sequenced(request, run, summary.seq_id, kind, raw, build)
+    return build
 
 
 async def _refused(
@@ -403,7 +418,7 @@ async def load_weights(request: web.Request) -> web.Response:
 
         async def build_load(request_id: str, first: bool) -> Job:
             body = api.decode(raw, api.LoadWeightsRequest)
-            ckpt = await _loadable(request, body)
+            ckpt = await loadable(request, body)
             if run.base_model != ckpt.base_model:
                 raise UserError(
                     f"path: checkpoint base model {ckpt.base_model!r} differs from the model's"
@@ -429,11 +444,11 @@ async def load_weights(request: web.Request) -> web.Response:
     body = api.decode(raw, api.LoadWeightsRequest)
     assert body.session_id is not None and body.model_seq_id is not None
     session = await registry.session(body.session_id, tenant)
-    ckpt = await _loadable(request, body)
+    ckpt = await loadable(request, body)
     registry.check_base_model(ckpt.base_model)
     model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
     now = time.time()
-    created = await _new_run(
+    created = await new_run(
         request, model_id, session, ckpt.base_model, ckpt.lora, body.user_metadata, now
     )
 
@@ -471,7 +486,7 @@ def _shape(lora: api.LoraConfig) -> str:
     return "(" + ", ".join(f"{name}={value}" for name, value in fields.items()) + ")"
 
 
-async def _loadable(request: web.Request, body: api.LoadWeightsRequest) -> CheckpointRecord:
+async def loadable(request: web.Request, body: api.LoadWeightsRequest) -> CheckpointRecord:
     """The training checkpoint a load names, readable by the caller (own or published)."""
     path = paths.parse_path(body.path)
     ckpt = await request.app[REGISTRY].checkpoint(path.run_id, path.checkpoint_id, request[TENANT])

@@ -226,9 +226,9 @@ def _ints(value: Any, field: str) -> list[int]:
     if isinstance(value, list) and value and isinstance(value[0], list) and len(value) == 1:
         value = value[0]  # a row of a batch of one
     if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
+        isinstance(v, int) and not isinstance(v, bool) and -(2**31) <= v < 2**31 for v in value
     ):
-        raise UserError(f"{field}: a list of integers")
+        raise UserError(f"{field}: a list of token ids (32-bit integers)")
     return value
 
 

@@ -306,7 +306,15 @@ async def _call(
     """Submit one call on the adapter's run with the next seq, and wait for it: `make(seq_id)`
     gives the call's body (what a retry is recognised by) and the `BuildJob` of its job."""
     seq_id = await request.app[FUTURES].next_seq(run.model_id)
-    body, build = make(seq_id)
+    try:
+        body, build = make(seq_id)
+    except UserError as refusal:  # the reserved seq is settled: the next call runs at once
+        refused = refusal
+
+        async def refuse(request_id: str, first: bool) -> Job:
+            raise refused
+
+        body, build = str(refusal).encode(), refuse
     request_id = await submit(request, run, seq_id, request_type, body, build)
     return await _finished(request, request_id)
 

@@ -1,0 +1,261 @@
+"""The Twinkle Client protocol's routes under a hostile client, against the session's cluster:
+every field the client controls (session header, adapter names, LoRA configs, accumulation,
+optimizer and scheduler arguments, batches, clip arguments, checkpoint names) tried wrong,
+huge and malformed. Each gets a clear 4xx; the adapter trains on afterwards, its seq spent by
+every refused pass, and another tenant sees none of it."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import OTHER_TENANT_KEY, Cluster
+
+pytestmark = pytest.mark.e2e
+
+
+@dataclass
+class Twinkle:
+    http: httpx.Client
+    session_id: str
+    model: str  # the base model as the URL names it
+
+    def post(self, call: str, body: Any, *, session: str | None = None) -> httpx.Response:
+        headers = {"X-Twinkle-Session-Id": self.session_id if session is None else session}
+        if session == "":
+            headers = {}
+        return self.http.post(
+            f"/api/v1/model/{self.model}/twinkle/{call}", json=body, headers=headers
+        )
+
+
+def _client(cluster: Cluster, key: str) -> httpx.Client:
+    auth = {"Authorization": f"Bearer {key}", "Twinkle-Authorization": f"Bearer {key}"}
+    return httpx.Client(base_url=cluster.base_url, headers=auth, timeout=120)
+
+
+def _open(cluster: Cluster, key: str, model: Path) -> Twinkle:
+    http = _client(cluster, key)
+    created = http.post("/api/v1/twinkle/create_session", json={"metadata": {"who": "test"}})
+    assert created.status_code == 200, created.text
+    return Twinkle(http, created.json()["session_id"], str(model).lstrip("/"))
+
+
+ROW = {"input_ids": [5, 9, 11, 13, 17, 19], "labels": [-100, -100, 11, 13, 17, 19]}
+
+
+@pytest.fixture(scope="module")
+def twinkle(cluster: Cluster, tiny_model: Path) -> Iterator[Twinkle]:
+    ours = _open(cluster, cluster.api_key, tiny_model)
+    lora = json.dumps({"r": 4, "target_modules": "all-linear"})
+    added = ours.post("add_adapter_to_model", {"adapter_name": "a", "config": lora})
+    assert added.status_code == 200, added.text
+    for call, body in (
+        ("set_loss", {"loss_cls": "CrossEntropyLoss"}),
+        ("set_optimizer", {"optimizer_cls": "AdamW", "lr": 1e-3}),
+    ):
+        assert ours.post(call, {"adapter_name": "a", **body}).status_code == 200
+    yield ours
+    ours.http.close()
+
+
+def _trains(twinkle: Twinkle) -> float:
+    """A pass of the adapter, answered at once (no refused call left a seq hole)."""
+    started = time.monotonic()
+    done = twinkle.post("forward_backward", {"adapter_name": "a", "inputs": [ROW]})
+    assert done.status_code == 200, done.text
+    assert time.monotonic() - started < 60
+    return float(done.json()["result"]["loss"])
+
+
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("forward_backward", {"adapter_name": "nope", "inputs": [ROW]}, "adapter_name"),
+    ("forward_backward", {"adapter_name": "../a", "inputs": [ROW]}, "adapter_name"),
+    ("forward_backward", {"adapter_name": "a" * 5000, "inputs": [ROW]}, "adapter_name"),
+    ("forward_backward", {"inputs": [ROW]}, "adapter_name"),
+    ("forward_backward", {"adapter_name": "a", "inputs": []}, "inputs"),
+    ("forward_backward", {"adapter_name": "a", "inputs": "text"}, "inputs"),
+    ("forward_backward", {"adapter_name": "a", "inputs": [{"messages": []}]}, "inputs"),
+    (
+        "forward_backward",
+        {"adapter_name": "a", "inputs": [{"input_ids": [1, 2], "labels": [1]}]},
+        "labels",
+    ),
+    (
+        "forward_backward",
+        {"adapter_name": "a", "inputs": [{"input_ids": ["x"], "labels": [1]}]},
+        "input_ids",
+    ),
+    (
+        "forward_backward",
+        {"adapter_name": "a", "inputs": [{"input_ids": [], "labels": []}]},
+        "input_ids",
+    ),
+    ("forward_backward", {"adapter_name": "a", "inputs": [ROW] * 5000}, "rows"),
+    (
+        "forward_backward",
+        {"adapter_name": "a", "inputs": [{"input_ids": [2**40, 1], "labels": [1, 1]}]},
+        "32-bit",
+    ),
+    (  # refused past the gateway, by the worker: the seq it spent is settled
+        "forward_backward",
+        {"adapter_name": "a", "inputs": [{"input_ids": [10**6, 1], "labels": [1, 1]}]},
+        "vocab|token",
+    ),
+    (
+        "forward_backward",
+        {"adapter_name": "a", "inputs": [{"input_ids": [-5, 1], "labels": [1, 1]}]},
+        "token|negative|vocab",
+    ),
+    ("add_adapter_to_model", {"adapter_name": "a"}, "already"),
+    ("add_adapter_to_model", {"adapter_name": "b", "config": "{"}, "config"),
+    ("add_adapter_to_model", {"adapter_name": "b", "config": json.dumps({"r": -1})}, "rank"),
+    ("add_adapter_to_model", {"adapter_name": "b", "config": json.dumps({"r": 10**9})}, "rank"),
+    ("add_adapter_to_model", {"adapter_name": "b", "config": json.dumps({"r": "8"})}, "config.r"),
+    (
+        "add_adapter_to_model",
+        {"adapter_name": "b", "config": json.dumps({"target_modules": ["evil"]})},
+        "target_modules",
+    ),
+    (
+        "add_adapter_to_model",
+        {"adapter_name": "b", "gradient_accumulation_steps": 0},
+        "gradient_accumulation_steps",
+    ),
+    (
+        "add_adapter_to_model",
+        {"adapter_name": "b", "gradient_accumulation_steps": -3},
+        "gradient_accumulation_steps",
+    ),
+    (
+        "add_adapter_to_model",
+        {"adapter_name": "b", "gradient_accumulation_steps": 10**12},
+        "gradient_accumulation_steps",
+    ),
+    (
+        "add_adapter_to_model",
+        {"adapter_name": "b", "gradient_accumulation_steps": "2"},
+        "gradient_accumulation_steps",
+    ),
+    ("set_optimizer", {"adapter_name": "a", "optimizer_cls": "SGD"}, "optimizer_cls"),
+    ("set_optimizer", {"adapter_name": "a", "optimizer_cls": "AdamW", "lr": -1}, "lr"),
+    ("set_optimizer", {"adapter_name": "a", "optimizer_cls": "AdamW", "lr": "1e-3"}, "lr"),
+    (
+        "set_optimizer",
+        {"adapter_name": "a", "optimizer_cls": "AdamW", "betas": [0.9, 1.5]},
+        "betas",
+    ),
+    ("set_optimizer", {"adapter_name": "a", "optimizer_cls": "AdamW", "params": []}, "params"),
+    ("set_lr_scheduler", {"adapter_name": "a", "scheduler_cls": "os.system"}, "scheduler"),
+    (
+        "set_lr_scheduler",
+        {"adapter_name": "a", "scheduler_cls": "LinearLR", "total_iters": -1},
+        "total_iters",
+    ),
+    (
+        "set_lr_scheduler",
+        {"adapter_name": "a", "scheduler_cls": "StepLR", "step_size": 10**30},
+        "step_size",
+    ),
+    ("set_loss", {"adapter_name": "a", "loss_cls": "GRPOLoss"}, "loss_cls"),
+    (
+        "set_loss",
+        {"adapter_name": "a", "loss_cls": "CrossEntropyLoss", "reduction": "none"},
+        "reduction",
+    ),
+    ("set_template", {"adapter_name": "a", "template_cls": "a.b; rm -rf"}, "template_cls"),
+    ("clip_grad_norm", {"adapter_name": "a", "max_grad_norm": 1.0, "norm_type": 1}, "norm_type"),
+    ("save", {"adapter_name": "a", "name": "../../etc"}, "name"),
+    ("save", {"adapter_name": "a", "name": "x" * 300}, "name"),
+    ("load", {"adapter_name": "a", "name": "missing"}, "not found|missing"),
+    ("load", {"adapter_name": "a", "name": "twinkle://sess-x:train:0/weights/w"}, "not found"),
+    ("load", {"adapter_name": "a", "name": "twinkle://../weights/w"}, "name"),
+]
+
+
+@pytest.mark.parametrize(("call", "body", "field"), REFUSED, ids=lambda v: str(v)[:40])
+def test_a_wrong_field_is_a_clear_4xx_and_the_adapter_trains_on(
+    twinkle: Twinkle, call: str, body: dict[str, Any], field: str
+) -> None:
+    refused = twinkle.post(call, body)
+    assert 400 <= refused.status_code < 500, refused.text
+    assert re.search(field, refused.json()["detail"], re.IGNORECASE), refused.text
+    _trains(twinkle)
+
+
+def test_the_session_header_scopes_every_adapter_to_its_tenant(
+    cluster: Cluster, twinkle: Twinkle, tiny_model: Path
+) -> None:
+    body = {"adapter_name": "a", "inputs": [ROW]}
+    missing = twinkle.post("forward_backward", body, session="")
+    assert missing.status_code == 400 and "X-Twinkle-Session-Id" in missing.json()["detail"]
+    assert twinkle.post("forward_backward", body, session="sess-none").status_code == 404
+    assert twinkle.post("forward_backward", body, session="../x").status_code == 400
+    other = _open(cluster, OTHER_TENANT_KEY, tiny_model)
+    try:
+        # our session id with another tenant's key: not found, and nothing of ours changes
+        stolen = Twinkle(other.http, twinkle.session_id, twinkle.model)
+        assert stolen.post("forward_backward", body).status_code == 404
+        assert stolen.post("save", {"adapter_name": "a", "name": "x"}).status_code == 404
+        # its own session has no adapter "a"
+        assert other.post("forward_backward", body).status_code == 404
+        runs = other.http.get("/api/v1/twinkle/training_runs").json()["training_runs"]
+        assert all(run["model_owner"] != "default" for run in runs)
+    finally:
+        other.http.close()
+    _trains(twinkle)
+
+
+def test_gateway_routes_refuse_malformed_queries_and_paths(twinkle: Twinkle) -> None:
+    http = twinkle.http
+    for query in ("limit=-1", "limit=abc", "offset=99999999999", "limit=1e3"):
+        listed = http.get(f"/api/v1/twinkle/training_runs?{query}")
+        assert listed.status_code == 400, (query, listed.text)
+    for path in (
+        "/api/v1/twinkle/checkpoint_path/sess-x:train:0/weights/..%2F..",
+        "/api/v1/twinkle/checkpoint_path/sess-x:train:0/bogus/name",
+        "/api/v1/twinkle/training_runs/" + "r" * 3000,
+    ):
+        got = http.get(path)
+        assert 400 <= got.status_code < 500, (path, got.text)
+    assert (
+        http.post("/api/v1/twinkle/weights_info", json={"twinkle_path": "file:///etc"}).status_code
+        == 400
+    )
+    assert (
+        http.post("/api/v1/twinkle/session_heartbeat", json={"session_id": "sess-none"}).status_code
+        == 404
+    )
+    assert http.get("/api/v1/twinkle/healthz").json() == {"status": "ok"}
+    capacity = http.get("/api/v1/twinkle/capacity_info").json()
+    assert capacity["free_loras"] == capacity["max_loras"] - capacity["used_loras"]
+    unauthorized = httpx.get(f"{str(http.base_url).rstrip('/')}/api/v1/twinkle/training_runs")
+    assert unauthorized.status_code == 401
+
+
+def test_a_checkpoint_saved_by_twinkle_is_listed_resolved_and_deleted(twinkle: Twinkle) -> None:
+    saved = twinkle.post("save", {"adapter_name": "a", "name": "hostile-kept"})
+    assert saved.status_code == 200, saved.text
+    path = saved.json()["twinkle_path"]
+    run_id, checkpoint_id = path.removeprefix("twinkle://").split("/", 1)
+    http = twinkle.http
+    listed = http.get(f"/api/v1/twinkle/training_runs/{run_id}/checkpoints").json()["checkpoints"]
+    assert [c["twinkle_path"] for c in listed] == [path]
+    assert listed[0]["size_bytes"] > 0
+    resolved = http.get(f"/api/v1/twinkle/checkpoint_path/{run_id}/{checkpoint_id}").json()
+    assert resolved == {"path": "tinker://" + path.removeprefix("twinkle://"), "twinkle_path": path}
+    info = http.post("/api/v1/twinkle/weights_info", json={"twinkle_path": path}).json()
+    assert info["training_run_id"] == run_id and info["lora_rank"] == 4
+    deleted = http.delete(f"/api/v1/twinkle/training_runs/{run_id}/checkpoints/{checkpoint_id}")
+    assert deleted.status_code == 200 and deleted.json()["success"] is True
+    assert (
+        http.get(f"/api/v1/twinkle/training_runs/{run_id}/checkpoints").json()["checkpoints"] == []
+    )

@@ -37,6 +37,8 @@ ENVIRONMENT_ONLY = {
     "TWINKLE_KEY_FILE": "a file of `tml-KEY TENANT` lines (as `--key-file`)",
     "TWINKLE_NATS_SERVER_BIN": "the nats-server binary `up` starts (default: the one beside the"
     " venv's python, then PATH)",
+    "TWINKLE_PROCESSOR_SECRET": "the secret the gateway sends the Twinkle processor service"
+    " (`up` makes one in DATA_DIR/processor-secret)",
 }
 
 

@@ -206,6 +206,19 @@ def up(
         float,
         typer.Option(min=0, help="how long the gateway retries a bus call while NATS is away"),
     ] = 10.0,
+    twinkle_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="an interpreter with twinkle-kit: runs the processor service of Twinkle's"
+            " client (remote datasets) on the datasets under --twinkle-data",
+        ),
+    ] = None,
+    twinkle_data: Annotated[
+        Path | None,
+        typer.Option(
+            help="the datasets Twinkle's clients may load (default <data-dir>/twinkle-data)"
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Start NATS, the gateway and the workers, restart any that dies; stop all on Ctrl-C."""
@@ -280,6 +293,8 @@ def up(
         artifact_store=artifact_store,
         bus_retry_s=bus_retry_s,
         log_level=log_level,
+        twinkle_python=twinkle_python,
+        twinkle_data=twinkle_data,
     )
     _run(run_up(options))
 
@@ -385,6 +400,13 @@ def gateway(
             help="how long a bus call is retried while NATS is away before answering 503",
         ),
     ] = 10.0,
+    processor_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TWINKLE_PROCESSOR_URL",
+            help="the Twinkle processor service the processor routes forward to",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
     """Serve the Tinker HTTP API over a running NATS."""
@@ -415,6 +437,8 @@ def gateway(
         public_url=public_url,
         artifact_store=artifact_store,
         artifact_public_url=artifact_public_url,
+        processor_url=processor_url,
+        processor_secret=os.environ.get("TWINKLE_PROCESSOR_SECRET", ""),
     )
     if download_secret:
         settings = dataclasses.replace(settings, download_secret=download_secret.encode())

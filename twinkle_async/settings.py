@@ -122,6 +122,10 @@ class GatewaySettings:
     download_url_ttl_s: float = 900.0  # a signed URL's lifetime
     # the base of signed URLs as clients reach this gateway; None: the request's scheme and Host
     public_url: str | None = None
+    # the Twinkle processor service (`workers.processor`) the processor routes forward to, and
+    # the secret it checks; None: those routes answer 501
+    processor_url: str | None = None
+    processor_secret: str = field(default="", repr=False)
 
 
 def bus_from_env(nats_url: str | None = None, nats_replicas: int | None = None) -> BusSettings:

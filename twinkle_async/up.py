@@ -92,6 +92,10 @@ class UpOptions:
     bus_retry_s: float = 10.0  # the gateway's `BusSettings.retry_s`
     stop_timeout_s: float = 15.0  # SIGTERM to SIGKILL when stopping a child
     log_level: str = "INFO"
+    # an interpreter with twinkle-kit: it runs the Twinkle processor service (remote datasets
+    # of Twinkle's client) on the datasets under `twinkle_data`; None: no processor
+    twinkle_python: Path | None = None
+    twinkle_data: Path | None = None  # default `<data-dir>/twinkle-data`
 
 
 def _commands(
@@ -180,6 +184,28 @@ def gateway_command(options: UpOptions, nats_url: str, port: int, ready_file: Pa
     return argv
 
 
+# the directory holding the packages (`workers.processor` runs from it, in another interpreter)
+_PACKAGES_ROOT = Path(__file__).resolve().parents[1]
+
+
+def processor_command(options: UpOptions, port: int, ready_file: Path) -> list[str]:
+    """The Twinkle processor service's command line (`workers.processor`)."""
+    assert options.twinkle_python is not None
+    data = options.twinkle_data or options.data_dir / "twinkle-data"
+    argv = [
+        str(options.twinkle_python),
+        "-m",
+        "workers.processor",
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--ready-file", str(ready_file)),
+        *("--secret-file", str(options.data_dir / "processor-secret")),
+        *("--data-root", str(data)),
+    ]
+    for base_model in options.base_models:
+        argv += ["--model", f"{base_model}={base_model}"]
+    return argv
+
+
 def gateway_env(api_key: str, admin_key: str, key_file: Path | None) -> dict[str, str]:
     """The gateway's environment: ours, plus its keys and a download secret that outlives a
     restart (signed URLs handed out stay valid)."""
@@ -202,14 +228,17 @@ class Cluster:
         self.nats: list[NatsServer] = []  # the nodes `up` runs (none with --nats-url)
         self.nats_url = options.nats_url or ""
         self.gateway: Child | None = None
+        self.processor: Child | None = None  # the Twinkle processor service, if asked
+        self.processor_url = ""
+        self.processor_secret = ""
         self.workers: list[tuple[Awaited, Child]] = []  # (its heartbeat, child)
         # one task per child and node that has reported in; cancelled by `stop`
         self.supervising: list[asyncio.Task[None]] = []
 
     @property
     def children(self) -> list[Child]:
-        gateway = [self.gateway] if self.gateway is not None else []
-        return gateway + [child for _, child in self.workers]
+        front = [c for c in (self.gateway, self.processor) if c is not None]
+        return front + [child for _, child in self.workers]
 
     async def start(self) -> dict[str, Any]:
         """Steps 1-3; returns what the ready file holds."""
@@ -229,6 +258,8 @@ class Cluster:
             log.info("nats-server at %s (pid %d)", self.nats_url, _pid(server))
         for node in self.nats:
             self._supervise(supervise_nats(node), node.name)
+        if options.twinkle_python is not None:
+            self.processor_url = await self._start_processor()
         base_url = await self._start_gateway()
         started_at = time.time()
         for base_model in options.base_models:
@@ -249,29 +280,49 @@ class Cluster:
             "base_models": options.base_models,
         }
 
+    async def _start_processor(self) -> str:
+        """The Twinkle processor service, listening; its URL. Restarted on its first port."""
+        options = self.options
+        (options.twinkle_data or options.data_dir / "twinkle-data").mkdir(
+            parents=True, exist_ok=True
+        )
+        secret_file = options.data_dir / "processor-secret"
+        if not secret_file.exists():
+            secret_file.touch(mode=0o600)
+            secret_file.write_text(secrets.token_urlsafe(32))
+        self.processor_secret = secret_file.read_text().strip()
+        ready_file = options.data_dir / "processor-ready.json"
+        ready_file.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(_PACKAGES_ROOT), "HF_HUB_OFFLINE": "1"}
+        self.processor = Child(
+            "twinkle processor",
+            processor_command(options, 0, ready_file),
+            env=env,
+            stop_timeout_s=options.stop_timeout_s,
+        )
+        await _listening(self.processor, ready_file, options.gateway_ready_timeout_s)
+        url = str(json.loads(ready_file.read_text())["url"])
+        port = urlsplit(url).port
+        assert port is not None
+        self.processor.argv = processor_command(options, port, ready_file)
+        self._supervise(self.processor.supervise(), self.processor.name)
+        return url
+
     async def _start_gateway(self) -> str:
         options = self.options
         ready_file = options.data_dir / "gateway-ready.json"
         ready_file.unlink(missing_ok=True)
+        env = gateway_env(self.api_key, self.admin_key, options.key_file)
+        if self.processor_url:
+            env["TWINKLE_PROCESSOR_URL"] = self.processor_url
+            env["TWINKLE_PROCESSOR_SECRET"] = self.processor_secret
         self.gateway = Child(
             "gateway",
             gateway_command(options, self.nats_url, options.port, ready_file),
-            env=gateway_env(self.api_key, self.admin_key, options.key_file),
+            env=env,
             stop_timeout_s=options.stop_timeout_s,
         )
-        process = await self.gateway.start()
-        deadline = time.monotonic() + options.gateway_ready_timeout_s
-        # the gateway's only signal is its ready file (written atomically once it listens)
-        while not ready_file.exists():
-            if process.returncode is not None:
-                raise RuntimeError(
-                    f"the gateway {describe_exit(process.returncode)} while starting"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the gateway did not listen within {options.gateway_ready_timeout_s} s"
-                )
-            await asyncio.sleep(0.05)
+        await _listening(self.gateway, ready_file, options.gateway_ready_timeout_s)
         base_url = str(json.loads(ready_file.read_text())["base_url"])
         port = urlsplit(base_url).port
         assert port is not None
@@ -336,6 +387,20 @@ class Cluster:
         await asyncio.gather(*self.supervising, return_exceptions=True)
         await asyncio.gather(*(child.stop() for child in self.children))
         await asyncio.gather(*(asyncio.to_thread(node.stop) for node in self.nats))
+
+
+async def _listening(child: Child, ready_file: Path, timeout_s: float) -> None:
+    """Start `child` and wait for its ready file (written atomically once it listens)."""
+    process = await child.start()
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(os.path.exists, ready_file):
+        if process.returncode is not None:
+            raise RuntimeError(
+                f"the {child.name} {describe_exit(process.returncode)} while starting"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {child.name} did not listen within {timeout_s} s")
+        await asyncio.sleep(0.05)
 
 
 def _pid(node: NatsServer) -> int:

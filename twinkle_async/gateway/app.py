@@ -25,6 +25,7 @@ from twinkle_async.gateway import (
     futures_routes,
     metrics_routes,
     model_routes,
+    processor_routes,
     rest_routes,
     sampling_futures_routes,
     sampling_routes,
@@ -119,6 +120,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_bus_ctx)
     app.cleanup_ctx.append(sweeper_ctx)  # after the bus: it sweeps through the registry
     app.cleanup_ctx.append(account_routes.ledger_ctx)  # after the bus: it watches usage keys
+    app.cleanup_ctx.append(processor_routes.processor_ctx)
     for module in (
         service_routes,
         training_routes,
@@ -136,6 +138,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         admin_transfer_routes,
         metrics_routes,
         twinkle_routes,
+        processor_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):
         app.add_routes(module.routes)

@@ -1,0 +1,77 @@
+"""The Twinkle Client protocol's processor routes (`/api/v1/processor/twinkle/create`, `/call`):
+remote `Dataset` and `DataLoader` objects, run by the processor service (`workers.processor`, a
+process of its own with twinkle-kit's dependencies, which the gateway does not carry).
+
+The gateway authenticates the caller and checks its session (`X-Twinkle-Session-Id`), then
+forwards the body as it came, naming the tenant and the session to the service, which scopes
+every object to them. The service's answer (a result, a 410 when an iterator is exhausted, a 4xx
+naming what was refused) goes back as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from protocol import rules
+from protocol.errors import ServerError, Unavailable, UserError
+from twinkle_async.gateway.bodies import read_body
+from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
+
+routes = web.RouteTableDef()
+
+SESSION_HEADER = "X-Twinkle-Session-Id"
+WAIT_S = 600.0  # twinkle's client waits as long for `encode` over a whole dataset
+PROCESSOR_CLIENT = web.AppKey("processor_client", aiohttp.ClientSession)
+
+
+async def processor_ctx(app: web.Application) -> AsyncIterator[None]:
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S))
+    app[PROCESSOR_CLIENT] = session
+    yield
+    await session.close()
+
+
+async def _forward(request: web.Request, call: str) -> web.Response:
+    settings = request.app[SETTINGS]
+    if not settings.processor_url:
+        raise ServerError(
+            "this cluster runs no Twinkle processor service (start `up` with --twinkle-python)",
+            code="no_processor",
+            status=501,
+        )
+    session_id = request.headers.get(SESSION_HEADER)
+    if not session_id:
+        raise UserError(f"{SESSION_HEADER}: missing (init_twinkle_client creates the session)")
+    session = await request.app[REGISTRY].session(
+        rules.check_id(SESSION_HEADER, session_id), request[TENANT]
+    )
+    body = await read_body(request)
+    headers = {
+        "Content-Type": "application/json",
+        "X-Processor-Secret": settings.processor_secret,
+        "X-Tenant": session.tenant_id,
+        "X-Session": session.session_id,
+    }
+    url = f"{settings.processor_url.rstrip('/')}/{call}"
+    try:
+        async with request.app[PROCESSOR_CLIENT].post(url, data=body, headers=headers) as answer:
+            data = await answer.read()
+            status = answer.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise Unavailable(f"the Twinkle processor service did not answer: {exc}") from None
+    if status == 401:  # the gateway's secret, not the client's: never the client's fault
+        raise ServerError("the Twinkle processor service refused this gateway's secret")
+    return web.Response(body=data, status=status, content_type="application/json")
+
+
+@routes.post("/api/v1/processor/twinkle/create")
+async def create(request: web.Request) -> web.Response:
+    return await _forward(request, "create")
+
+
+@routes.post("/api/v1/processor/twinkle/call")
+async def call(request: web.Request) -> web.Response:
+    return await _forward(request, "call")

@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 
 ADMIN_KEY = "twa-test-admin-key"  # every test cluster's admin key (`/admin/v1`, twinkle-admin)
 TEST_PASS_TOKENS = 2048  # a test cluster's pass size: what calibration picks most often here
+# twinkle-kit's interpreter (`make install` builds it): the Twinkle processor service, the
+# article's programs
+TWINKLE_PYTHON = (
+    Path(__file__).resolve().parents[1] / ".venv-sdk" / "twinkle-0.5.1" / "bin" / "python"
+)
 
 
 @pytest.fixture(scope="module")
@@ -245,9 +250,13 @@ def cluster(
     tiny_model_35: Path,
     tiny_model_moe: Path,
 ) -> Iterator[Cluster]:
+    # the Twinkle processor service too (its datasets under `<data-dir>/twinkle-data`), where
+    # `make install` built twinkle-kit's virtualenv
+    twinkle = ["--twinkle-python", str(TWINKLE_PYTHON)] if TWINKLE_PYTHON.exists() else []
     running = start_cluster(
         tmp_path_factory.mktemp("cluster") / "data",
         [tiny_model, tiny_model_35, tiny_model_moe],
+        *twinkle,
         calibrate=True,
     )
     try:

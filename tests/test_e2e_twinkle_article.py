@@ -18,13 +18,12 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import Cluster
+from tests.conftest import TWINKLE_PYTHON, Cluster
 from tests.sdk_helpers import PROMPT, toy_batch, train_steps
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-TWINKLE_PYTHON = ROOT / ".venv-sdk" / "twinkle-0.5.1" / "bin" / "python"
 
 # rows shaped as ModelScope's `swift/self-cognition` (query, response, tag), placeholders included
 _ROWS = [

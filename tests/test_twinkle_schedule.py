@@ -2,7 +2,7 @@
 
 Torch's schedulers run here; twinkle's classes (its schedulers, `do_grad_sync`, the param groups
 `set_optimizer` builds) run in twinkle's own virtualenv (`.venv-sdk/twinkle-0.5.1`), in a
-subprocess that prints JSON; those tests skip when that interpreter is missing.
+subprocess that prints JSON (`make install` builds that virtualenv).
 """
 
 from __future__ import annotations
@@ -111,8 +111,7 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def twinkle() -> dict[str, Any]:
-    if not TWINKLE_PYTHON.exists():
-        pytest.skip(f"{TWINKLE_PYTHON} missing (make install builds it)")
+    assert TWINKLE_PYTHON.exists(), f"{TWINKLE_PYTHON} is missing: `make install` builds it"
     cases = {"steps": STEPS, "schedulers": TWINKLE_CASES, "optimizers": OPTIMIZER_CASES}
     done = subprocess.run(
         [str(TWINKLE_PYTHON), "-c", TWINKLE_SCRIPT],

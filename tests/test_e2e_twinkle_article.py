@@ -176,3 +176,26 @@ def test_a_twinkle_client_trains_with_accumulation_clipping_a_scheduler_and_resu
     assert saved in summary["checkpoints"]  # type: ignore[operator]
     # the state saved after the last pass, loaded, gives that pass's loss on the same rows
     assert summary["after_load"] == pytest.approx(losses[-1], rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_the_articles_twinkle_client_program_trains_on_remote_datasets_and_saves(
+    cluster: Cluster, tiny_model_35: Path
+) -> None:
+    """The Twinkle Client program: its Dataset and DataLoader live in the cluster's processor
+    service (the file in the cluster's Twinkle data directory), its model calls on the model
+    routes; three epochs, a save after each."""
+    data = self_cognition_file(cluster.data_dir / "twinkle-data")
+    summary = run_article_program("twinkle_program.py", cluster, tiny_model_35, data)
+    assert str(tiny_model_35) in summary["models"]  # type: ignore[operator]
+    steps = summary["steps"]
+    assert isinstance(steps, int) and steps == 3 * 125  # 500 rows in batches of 4, 3 epochs
+    metrics = summary["metrics"]
+    assert isinstance(metrics, list) and len(metrics) == 3 * 63
+    losses = [float(m["loss"]) for m in metrics]  # type: ignore[index]
+    assert np.mean(losses[-10:]) < np.mean(losses[:10])  # it learns
+    configs = json.loads(summary["configs"])  # type: ignore[arg-type]
+    assert configs["lr_scheduler"]["cls"] == "LinearLR"
+    saved = summary["saved"]
+    assert isinstance(saved, list) and len(saved) == 3
+    assert [path.rsplit("/", 1)[1] for path in saved] == [f"twinkle-epoch-{e}" for e in range(3)]

@@ -259,3 +259,42 @@ def test_a_checkpoint_saved_by_twinkle_is_listed_resolved_and_deleted(twinkle: T
     assert (
         http.get(f"/api/v1/twinkle/training_runs/{run_id}/checkpoints").json()["checkpoints"] == []
     )
+
+
+def test_processor_objects_belong_to_their_session_and_tenant(
+    cluster: Cluster, twinkle: Twinkle, tiny_model: Path
+) -> None:
+    """The processor routes (the cluster's processor service) check the session like the model
+    routes; an object made in one session is not found from another, nor by another tenant."""
+    data = cluster.data_dir / "twinkle-data" / "routes.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text('{"query": "q", "response": "r"}\n' * 4)
+    meta = json.dumps({"dataset_id": str(data), "_TWINKLE_TYPE_": "DatasetMeta"})
+    body = {"processor_type": "dataset", "class_type": "Dataset", "dataset_meta": meta}
+
+    def post(
+        client: Twinkle, call: str, payload: Any, session: str | None = None
+    ) -> httpx.Response:
+        headers = {"X-Twinkle-Session-Id": client.session_id if session is None else session}
+        return client.http.post(f"/api/v1/processor/twinkle/{call}", json=payload, headers=headers)
+
+    created = post(twinkle, "create", body)
+    assert created.status_code == 200, created.text
+    pid = created.json()["processor_id"]
+    length = post(twinkle, "call", {"processor_id": pid, "function": "__len__"})
+    assert length.status_code == 200 and length.json()["result"] == 4
+    assert post(twinkle, "create", body, session="").status_code == 400
+    assert post(twinkle, "create", body, session="sess-none").status_code == 404
+    outside = {**body, "dataset_meta": json.dumps({"dataset_id": "/etc/passwd"})}
+    assert post(twinkle, "create", outside).status_code == 400
+    assert post(twinkle, "call", {"processor_id": pid, "function": "__class__"}).status_code == 400
+    mine = _open(cluster, cluster.api_key, tiny_model)
+    other = _open(cluster, OTHER_TENANT_KEY, tiny_model)
+    try:
+        call = {"processor_id": pid, "function": "__len__"}
+        assert post(mine, "call", call).status_code == 404  # another session of ours
+        assert post(other, "call", call).status_code == 404  # another tenant
+        assert post(other, "call", call, session=twinkle.session_id).status_code == 404
+    finally:
+        mine.http.close()
+        other.http.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from aiohttp import web
 
@@ -71,7 +72,18 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.post("/api/v1/create_session")
 async def create_session(request: web.Request) -> web.Response:
     body = await read_json(request, api.CreateSessionRequest)
-    tags, user_metadata = rules.check_session_labels(body.tags, body.user_metadata)
+    session = await new_session(request, body.tags, body.user_metadata, body.sdk_version or "")
+    return json_response(api.CreateSessionResponse(session_id=session.session_id))
+
+
+async def new_session(
+    request: web.Request,
+    tags: list[str],
+    user_metadata: dict[str, Any] | None,
+    sdk_version: str,
+) -> SessionRecord:
+    """A new session of the caller, its labels checked, stored."""
+    tags, user_metadata = rules.check_session_labels(tags, user_metadata)
     now = time.time()
     session = SessionRecord(
         session_id=f"sess-{uuid.uuid4().hex[:16]}",
@@ -80,10 +92,10 @@ async def create_session(request: web.Request) -> web.Response:
         last_heartbeat=now,
         tags=tags,
         user_metadata=user_metadata,
-        sdk_version=(body.sdk_version or "")[:64],
+        sdk_version=sdk_version[:64],
     )
     await request.app[REGISTRY].put_session(session)
-    return json_response(api.CreateSessionResponse(session_id=session.session_id))
+    return session
 
 
 @routes.post("/api/v1/session_heartbeat")

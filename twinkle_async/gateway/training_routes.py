@@ -103,6 +103,16 @@ async def new_run(
     return run
 
 
+def trainable_lora(request: web.Request, base_model: str, lora: api.LoraConfig) -> api.LoraConfig:
+    """`lora` if the base model is served and its workers can train that adapter shape."""
+    worker = request.app[REGISTRY].check_base_model(base_model)
+    lora = rules.check_lora_config(lora, worker.max_rank if worker else None)
+    for flag, reason in (worker.refused if worker else {}).items():
+        if getattr(lora, flag, False):  # what the base model's workers cannot train
+            raise UserError(reason)
+    return lora
+
+
 async def check_storage(request: web.Request, tenant_id: str) -> None:
     """A save of any kind is refused once the tenant's checkpoints fill its storage quota; so is
     a new run, which saves its state as a checkpoint when it is unloaded."""
@@ -120,13 +130,7 @@ async def create_model(request: web.Request) -> web.Response:
     tenant = request[TENANT]
     registry = request.app[REGISTRY]
     session = await registry.session(body.session_id, tenant)
-    worker = registry.check_base_model(body.base_model)
-    lora = rules.check_lora_config(
-        body.lora_config or api.LoraConfig(), worker.max_rank if worker else None
-    )
-    for flag, reason in (worker.refused if worker else {}).items():
-        if getattr(lora, flag, False):  # what the base model's workers cannot train
-            raise UserError(reason)
+    lora = trainable_lora(request, body.base_model, body.lora_config or api.LoraConfig())
     _check_optimizer(body.optimizer_config)
     model_id = f"{session.session_id}:train:{_client_seq('model_seq_id', body.model_seq_id)}"
     now = time.time()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -46,6 +45,7 @@ from twinkle_async.gateway import rest_routes
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.checkpoint_files import remove_checkpoint
 from twinkle_async.gateway.sequenced import live_run, submit
+from twinkle_async.gateway.service_routes import new_session
 from twinkle_async.gateway.state import ARTIFACTS, BUS, FUTURES, REGISTRY, SETTINGS, TENANT
 from twinkle_async.gateway.training_routes import (
     check_storage,
@@ -53,6 +53,7 @@ from twinkle_async.gateway.training_routes import (
     loadable,
     new_run,
     save_job,
+    trainable_lora,
 )
 
 routes = web.RouteTableDef()
@@ -78,18 +79,7 @@ class _SessionBody(msgspec.Struct, frozen=True):
 async def create_session(request: web.Request) -> web.Response:
     body = await read_json(request, _SessionBody)
     metadata = {str(k)[:64]: str(v)[:256] for k, v in (body.metadata or {}).items()}
-    tags, user_metadata = rules.check_session_labels([], metadata or None)
-    now = time.time()
-    session = SessionRecord(
-        session_id=f"sess-{uuid.uuid4().hex[:16]}",
-        tenant_id=request[TENANT],
-        created_at=now,
-        last_heartbeat=now,
-        tags=tags,
-        user_metadata=user_metadata,
-        sdk_version="twinkle",
-    )
-    await request.app[REGISTRY].put_session(session)
+    session = await new_session(request, [], metadata or None, "twinkle")
     return json_response({"session_id": session.session_id})
 
 
@@ -358,12 +348,7 @@ async def add_adapter_to_model(request: web.Request) -> web.Response:
     session = await _session(request)
     name = check_adapter_name(body.adapter_name)
     base_model = _base_model(request)
-    registry = request.app[REGISTRY]
-    worker = registry.check_base_model(base_model)
-    lora = rules.check_lora_config(lora_config(body.config), worker.max_rank if worker else None)
-    for flag, reason in (worker.refused if worker else {}).items():
-        if getattr(lora, flag, False):
-            raise UserError(reason)
+    lora = trainable_lora(request, base_model, lora_config(body.config))
     steps = twinkle_schedule.check_accumulation_steps(body.gradient_accumulation_steps)
     bus = request.app[BUS]
     key = _key(session.session_id, name)

@@ -56,8 +56,10 @@ def main() -> None:
             model.lr_step()
     metric = model.calculate_metric(is_training=True).result
     saved = model.save(name="twinkle-epoch-0", save_optimizer=True)
-    runs = client.list_training_runs()
-    checkpoints = client.list_checkpoints(runs[-1].training_run_id)
+    run_id = saved.twinkle_path.removeprefix("twinkle://").split("/")[0]
+    runs = client.list_training_runs(limit=1000)
+    assert run_id in [run.training_run_id for run in runs]
+    checkpoints = client.list_checkpoints(run_id)
     model.load(saved.twinkle_path, load_optimizer=True)
     after = model.forward_backward(inputs=batches[0]).result["loss"]
     print(json.dumps({

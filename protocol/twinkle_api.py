@@ -64,13 +64,6 @@ class SetLossBody(Body, frozen=True):
     ignore_index: int = LABEL_IGNORED
 
 
-class NamedClassBody(Body, frozen=True):
-    """set_template / set_processor: a class name the server records."""
-
-    template_cls: str | None = None
-    processor_cls: str | None = None
-
-
 class SaveBody(Body, frozen=True):
     name: str | None = None
     save_optimizer: bool = False

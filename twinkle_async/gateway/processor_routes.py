@@ -2,7 +2,8 @@
 remote `Dataset` and `DataLoader` objects, run by the processor service (`workers.processor`, a
 process of its own with twinkle-kit's dependencies, which the gateway does not carry).
 
-The gateway authenticates the caller and checks its session (`X-Twinkle-Session-Id`), then
+The gateway authenticates the caller and checks its session (`X-Twinkle-Session-Id`, as the
+model routes do: `twinkle_routes.twinkle_session`), then
 forwards the body as it came, naming the tenant and the session to the service, which scopes
 every object to them. The service's answer (a result, a 410 when an iterator is exhausted, a 4xx
 naming what was refused) goes back as it is.
@@ -15,14 +16,13 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from protocol import rules
-from protocol.errors import ServerError, Unavailable, UserError
+from protocol.errors import ServerError, Unavailable
 from twinkle_async.gateway.bodies import read_body
-from twinkle_async.gateway.state import REGISTRY, SETTINGS, TENANT
+from twinkle_async.gateway.state import SETTINGS
+from twinkle_async.gateway.twinkle_routes import twinkle_session
 
 routes = web.RouteTableDef()
 
-SESSION_HEADER = "X-Twinkle-Session-Id"
 WAIT_S = 600.0  # twinkle's client waits as long for `encode` over a whole dataset
 PROCESSOR_CLIENT = web.AppKey("processor_client", aiohttp.ClientSession)
 
@@ -42,12 +42,7 @@ async def _forward(request: web.Request, call: str) -> web.Response:
             code="no_processor",
             status=501,
         )
-    session_id = request.headers.get(SESSION_HEADER)
-    if not session_id:
-        raise UserError(f"{SESSION_HEADER}: missing (init_twinkle_client creates the session)")
-    session = await request.app[REGISTRY].session(
-        rules.check_id(SESSION_HEADER, session_id), request[TENANT]
-    )
+    session = await twinkle_session(request)
     body = await read_body(request)
     headers = {
         "Content-Type": "application/json",

@@ -207,7 +207,8 @@ async def weights_info(request: web.Request) -> web.Response:
 # -- model routes: the adapter's state ----------------------------------------------------------
 
 
-async def _session(request: web.Request) -> SessionRecord:
+async def twinkle_session(request: web.Request) -> SessionRecord:
+    """The caller's session that `X-Twinkle-Session-Id` names (400 without it, 404 if not its)."""
     session_id = request.headers.get(SESSION_HEADER)
     if not session_id:
         raise UserError(f"{SESSION_HEADER}: missing (init_twinkle_client creates the session)")
@@ -235,7 +236,7 @@ async def _adapter(
     request: web.Request, adapter_name: str | None
 ) -> tuple[TwinkleAdapterRecord, int]:
     """The caller's adapter of its session, and the revision its update must swap from."""
-    session = await _session(request)
+    session = await twinkle_session(request)
     name = check_adapter_name(adapter_name)
     entry = await request.app[BUS].entry(subjects.BUCKET_SESSIONS, _key(session.session_id, name))
     if entry is None:
@@ -336,7 +337,7 @@ def _base_model(request: web.Request) -> str:
 
 @routes.post(MODEL + "/create")
 async def create(request: web.Request) -> web.Response:
-    await _session(request)
+    await twinkle_session(request)
     _base_model(request)
     return json_response(_OK)
 
@@ -345,7 +346,7 @@ async def create(request: web.Request) -> web.Response:
 async def add_adapter_to_model(request: web.Request) -> web.Response:
     raw = await read_body(request)
     body = api.decode(raw, AddAdapterBody)
-    session = await _session(request)
+    session = await twinkle_session(request)
     name = check_adapter_name(body.adapter_name)
     base_model = _base_model(request)
     lora = trainable_lora(request, base_model, lora_config(body.config))

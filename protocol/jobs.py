@@ -59,9 +59,11 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
 
 
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):
-    """Apply the accumulated gradients of this model with its own AdamW settings."""
+    """Apply the accumulated gradients of this model with its own AdamW settings; `discard`:
+    clear them without a step (a Twinkle client's `zero_grad` before its `step`)."""
 
     adam: AdamParams = AdamParams()
+    discard: bool = False
 
 
 class SaveWeightsJob(JobBase, frozen=True, tag="save_weights"):

@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
+from transformers import AutoTokenizer
 
 from tests.conftest import TWINKLE_PYTHON, Cluster
 from tests.sdk_helpers import PROMPT, toy_batch, train_steps
@@ -149,7 +151,7 @@ def _base_model_losses(model: Path, batch: list[dict[str, list[int]]]) -> float:
 
 @pytest.mark.timeout(600)
 def test_a_twinkle_client_trains_with_accumulation_clipping_a_scheduler_and_resumes(
-    cluster: Cluster, tiny_model_35: Path, tmp_path: Path
+    cluster: Cluster, service: tinker.ServiceClient, tiny_model_35: Path, tmp_path: Path
 ) -> None:
     summary = run_article_program(
         "model_client.py", cluster, tiny_model_35, self_cognition_file(tmp_path)
@@ -176,6 +178,42 @@ def test_a_twinkle_client_trains_with_accumulation_clipping_a_scheduler_and_resu
     assert saved in summary["checkpoints"]  # type: ignore[operator]
     # the state saved after the last pass, loaded, gives that pass's loss on the same rows
     assert summary["after_load"] == pytest.approx(losses[-1], rel=1e-5)
+    _check_samples(summary["samples"], service, tiny_model_35, saved)  # type: ignore[arg-type]
+
+
+def _check_samples(
+    samples: dict[str, Any], service: tinker.ServiceClient, model: Path, saved: str
+) -> None:
+    """vLLMSampler's answers: the trajectory encoded by the sampler's template, the saved
+    checkpoint's own logprobs (as Tinker's SDK computes them on the same path), the template's
+    decoding, and each sequence appended to its prompt's feature."""
+    trained = samples["trained"][0]["sequences"][0]
+    base = samples["base"][0]["sequences"][0]
+    tokens = trained["tokens"]
+    assert len(tokens) == 6 and trained["stop_reason"] == "length"
+    ids = trained["new_input_feature"]["input_ids"]
+    assert ids[-len(tokens) :] == tokens
+    prompt = ids[: -len(tokens)]
+    assert base["new_input_feature"]["input_ids"][: len(prompt)] == prompt
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    chat = [{"role": "user", "content": "who are you?"}]
+    encoded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)
+    assert prompt == list(encoded["input_ids"])
+    assert trained["decoded"] == tokenizer.decode(tokens)
+    sampled = [row[0][1] for row in trained["logprobs"]]
+    assert [row[0][0] for row in trained["logprobs"]] == tokens
+    sampling = service.create_sampling_client(
+        model_path=saved.replace("twinkle://", "tinker://", 1)
+    ).result()
+    computed = sampling.compute_logprobs(types.ModelInput.from_ints(prompt + tokens)).result()
+    np.testing.assert_allclose(sampled, computed[len(prompt) :], atol=2e-3)
+    base_sampled = [row[0][1] for row in base["logprobs"]]
+    assert base["tokens"] != tokens or not np.allclose(base_sampled, sampled, atol=1e-3)
+    features = samples["feature"][0]["sequences"]
+    assert len(features) == 3
+    for seq in features:
+        assert 1 <= len(seq["tokens"]) <= 4 and seq["logprobs"] is None
+        assert seq["new_input_feature"]["input_ids"][8:] == seq["tokens"]
 
 
 @pytest.mark.timeout(900)

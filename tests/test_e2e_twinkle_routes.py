@@ -191,6 +191,18 @@ def test_a_wrong_field_is_a_clear_4xx_and_the_adapter_trains_on(
     _trains(twinkle)
 
 
+def test_zero_grad_before_step_discards_the_accumulated_gradients(twinkle: Twinkle) -> None:
+    """At a sync, `zero_grad` drops what the passes accumulated: the `step` after it applies
+    nothing (the loss stays), the next pass's `step` applies that pass's gradient."""
+    first = _trains(twinkle)
+    for call in ("zero_grad", "step"):
+        done = twinkle.post(call, {"adapter_name": "a"})
+        assert done.status_code == 200, done.text
+    assert _trains(twinkle) == first
+    assert twinkle.post("step", {"adapter_name": "a"}).status_code == 200
+    assert _trains(twinkle) < first
+
+
 def test_the_session_header_scopes_every_adapter_to_its_tenant(
     cluster: Cluster, twinkle: Twinkle, tiny_model: Path
 ) -> None:
@@ -298,3 +310,124 @@ def test_processor_objects_belong_to_their_session_and_tenant(
     finally:
         mine.http.close()
         other.http.close()
+
+
+# -- sampler routes ----------------------------------------------------------------------------
+
+TRAJECTORY = {"messages": [{"role": "user", "content": "hello"}]}
+FEATURE = {"input_ids": [5, 9, 11, 13]}
+
+
+def _sampler_post(
+    twinkle: Twinkle, call: str, body: Any, session: str | None = None
+) -> httpx.Response:
+    headers = {"X-Twinkle-Session-Id": twinkle.session_id if session is None else session}
+    return twinkle.http.post(
+        f"/api/v1/sampler/{twinkle.model}/twinkle/{call}", json=body, headers=headers
+    )
+
+
+@pytest.fixture(scope="module")
+def sampler(twinkle: Twinkle) -> Twinkle:
+    for call, body in (
+        ("create", {}),
+        ("set_template", {"template_cls": "Template", "max_length": 64}),
+        ("add_adapter_to_sampler", {"adapter_name": "s", "config": {"r": 4}}),
+    ):
+        done = _sampler_post(twinkle, call, body)
+        assert done.status_code == 200, done.text
+    return twinkle
+
+
+def _samples(sampler: Twinkle) -> None:
+    """A sample of a trajectory, answered at once with the template's decoding."""
+    done = _sampler_post(
+        sampler, "sample", {"inputs": [TRAJECTORY], "sampling_params": {"max_tokens": 2}}
+    )
+    assert done.status_code == 200, done.text
+    (seq,) = done.json()["samples"][0]["sequences"]
+    assert len(seq["tokens"]) == 2 and isinstance(seq["decoded"], str)
+
+
+def _sample(inputs: Any = None, **params: Any) -> dict[str, Any]:
+    return {"inputs": [FEATURE] if inputs is None else inputs, "sampling_params": params}
+
+
+SAMPLER_REFUSED: list[tuple[str, Any, str]] = [
+    ("set_template", {"template_cls": "os.system"}, "template_cls"),
+    ("set_template", {"template_cls": "Template", "trust_remote_code": True}, "setting"),
+    ("set_template", {"template_cls": "Template", "max_length": "x"}, "max_length"),
+    ("add_adapter_to_sampler", {"adapter_name": "../s", "config": {}}, "adapter_name"),
+    ("add_adapter_to_sampler", {"adapter_name": "t", "config": "{"}, "config"),
+    ("add_adapter_to_sampler", {"config": {}}, "adapter_name"),
+    ("apply_patch", {"patch_cls": "os.system"}, "patch"),
+    ("sample", _sample([]), "inputs"),
+    ("sample", _sample("text"), "inputs"),
+    ("sample", _sample([FEATURE] * 65), "inputs"),
+    ("sample", _sample([FEATURE, TRAJECTORY]), "inputs"),
+    ("sample", _sample([{"input_ids": []}]), "input_ids"),
+    ("sample", _sample([{"input_ids": [2**40]}]), "32-bit"),
+    ("sample", _sample([{"input_ids": [10**6]}]), "vocab"),
+    ("sample", _sample([{"input_ids": [1, 2], "labels": [1]}]), "labels"),
+    ("sample", _sample([{"messages": [{"role": "root", "content": "x"}]}]), "role"),
+    ("sample", _sample([{"messages": [{"role": "user", "content": [{"type": "image"}]}]}]), "text"),
+    ("sample", _sample([{"messages": [], "images": ["http://x"]}]), "images|messages"),
+    (
+        "sample",
+        _sample([{"messages": [{"role": "user", "content": "x" * (2 << 20)}]}]),
+        "large|MB|413|bytes|characters",
+    ),
+    ("sample", _sample(top_p=0), "top_p"),
+    ("sample", _sample(temperature=-1), "temperature"),
+    ("sample", _sample(temperature="hot"), "temperature"),
+    ("sample", _sample(max_tokens=10**9), "max_tokens|context"),
+    ("sample", _sample(max_tokens=-1), "max_tokens"),
+    ("sample", _sample(num_samples=0), "num_samples"),
+    ("sample", _sample(num_samples=10**6), "num_samples"),
+    ("sample", _sample(repetition_penalty=1.2), "repetition_penalty"),
+    ("sample", _sample(stop=5), "stop"),
+    ("sample", _sample(stop=[1, "x"]), "stop"),
+    ("sample", _sample(seed="x"), "seed"),
+    ("sample", _sample(logprobs=10**6), "topk|logprobs"),
+    ("sample", _sample(n=3), "n"),
+    ("sample", {**_sample(), "adapter_uri": "http://example.com/a"}, "adapter_uri"),
+    ("sample", {**_sample(), "adapter_uri": "twinkle://sess-x:train:0/weights/nope"}, "not found"),
+    ("sample", {**_sample(), "adapter_name": "../../x"}, "adapter_name"),
+    ("sample", {"inputs": [FEATURE], "sampling_params": "hot"}, "sampling_params"),
+]
+
+
+@pytest.mark.parametrize(("call", "body", "field"), SAMPLER_REFUSED, ids=lambda v: str(v)[:40])
+def test_a_wrong_sampler_field_is_a_clear_4xx_and_the_sampler_samples_on(
+    sampler: Twinkle, call: str, body: Any, field: str
+) -> None:
+    refused = _sampler_post(sampler, call, body)
+    assert 400 <= refused.status_code < 500, refused.text
+    assert re.search(field, refused.text, re.IGNORECASE), refused.text
+    _samples(sampler)
+
+
+def test_a_sampler_belongs_to_its_session_and_a_checkpoint_to_its_tenant(
+    cluster: Cluster, sampler: Twinkle, tiny_model: Path
+) -> None:
+    body = _sample(max_tokens=1)
+    assert _sampler_post(sampler, "sample", body, session="").status_code == 400
+    assert _sampler_post(sampler, "sample", body, session="sess-none").status_code == 404
+    saved = sampler.post("save", {"adapter_name": "a", "name": "sampled"})
+    assert saved.status_code == 200, saved.text
+    path = saved.json()["twinkle_path"]
+    mine = _sampler_post(sampler, "sample", {**body, "adapter_uri": path})
+    assert mine.status_code == 200, mine.text
+    other = _open(cluster, OTHER_TENANT_KEY, tiny_model)
+    try:
+        stolen = Twinkle(other.http, sampler.session_id, sampler.model)
+        assert _sampler_post(stolen, "sample", body).status_code == 404
+        assert _sampler_post(other, "sample", body).status_code == 404  # no sampler there yet
+        assert _sampler_post(other, "create", {}).status_code == 200
+        # a trajectory needs its own session's template
+        assert _sampler_post(other, "sample", _sample([TRAJECTORY])).status_code == 400
+        taken = _sampler_post(other, "sample", {**body, "adapter_uri": path})
+        assert taken.status_code == 404, taken.text
+    finally:
+        other.http.close()
+    _samples(sampler)

@@ -29,7 +29,9 @@ from tests.engine_helpers import (
     make_request,
     max_diff,
     perturb_b,
+    train_round,
     trained_views,
+    with_tenants,
 )
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -592,3 +594,26 @@ def test_load_rejects_incompatible_checkpoints(
     wide.release("m")
     spec = wide.load("m", tmp_path / "sampler", with_optimizer=False)
     assert (spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed) == (8, True, True, True)
+
+
+def test_discarded_gradients_leave_the_weights_and_the_other_slots_alone(
+    make_engine: Callable[..., Trainer],
+) -> None:
+    """A Twinkle client's `zero_grad` before its step: the slot's accumulated gradient is
+    cleared, nothing else; its next step applies only what was accumulated after."""
+    engine = with_tenants(make_engine(max_slots=3, max_rank=8))
+    train_round(engine, seed=1)
+    a, b = engine.slot("a"), engine.slot("b")
+    kept = engine.bank.grads[b].clone()
+    weights = engine.bank.weights.clone()
+    assert engine.bank.grads[a].abs().sum() > 0
+    engine.core.discard_gradients([a])
+    assert engine.bank.grads[a].abs().sum() == 0
+    assert torch.equal(engine.bank.grads[b], kept)
+    assert torch.equal(engine.bank.weights, weights)
+    # after the discard, a round accumulates exactly what a fresh round does
+    train_round(engine, seed=2)
+    after = engine.bank.grads[a].clone()
+    engine.core.discard_gradients([a])
+    train_round(engine, seed=2)
+    assert torch.equal(engine.bank.grads[a], after)

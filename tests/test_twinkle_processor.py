@@ -656,3 +656,89 @@ def test_shuffle_is_seeded_and_drop_last_drops(processor: Processor, session: st
     loader = ok(processor.post("create", body, session=session))["processor_id"]
     assert ok(processor.post("call", call_body(loader, "__len__"), session=session))["result"] == 2
     assert [len(batch) for batch in drain(processor, loader, session)] == [3, 3]
+
+
+def _template(processor: Processor, **settings: Any) -> dict[str, Any]:
+    return {"template_cls": "Template", "model_id": str(processor.model), **settings}
+
+
+def test_a_samplers_template_encodes_a_trajectory_and_appends_a_sample(
+    processor: Processor,
+) -> None:
+    """`/template` (the gateway's sampler routes): a trajectory's prompt as twinkle's own
+    Template encodes it with the generation prompt, then a sample decoded and appended."""
+    chat = {"messages": [{"role": "user", "content": "who are you?"}]}
+    encoded = processor.post("template", {"template": _template(processor), "encode": [chat]})
+    assert encoded.status_code == 200, encoded.text
+    [row] = encoded.json()["result"]
+    code = (
+        "import json, sys\n"
+        "from twinkle.template import Template\n"
+        "t = Template(model_id=sys.argv[1])\n"
+        "f = t.encode(json.loads(sys.argv[2]), add_generation_prompt=True)\n"
+        "print(json.dumps([list(map(int, f['input_ids'])), t.decode([5, 6, 7])]))\n"
+    )
+    ran = subprocess.run(
+        [str(SDK_PYTHON), "-c", code, str(processor.model), json.dumps(chat)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    ids, decoded = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert row["prompt"] == ids == row["feature"]["input_ids"]
+    finish = {
+        "template": _template(processor),
+        "features": [row["feature"]],
+        "finish": [{"feature": 0, "tokens": [5, 6, 7]}, {"feature": 0, "tokens": []}],
+    }
+    done = processor.post("template", finish)
+    assert done.status_code == 200, done.text
+    first, empty = done.json()["result"]
+    assert first["decoded"] == decoded
+    assert first["new_input_feature"]["input_ids"] == ids + [5, 6, 7]
+    assert empty["new_input_feature"]["input_ids"] == ids
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"template": {"template_cls": "os.system"}, "encode": [{}]}, ["template.template_cls"]),
+        (
+            {"template": {"template_cls": "Template", "model_id": "gpt2"}, "encode": [{}]},
+            ["model_id"],
+        ),
+        ({"template": "Template", "encode": [{}]}, ["template"]),
+        ({"template": None, "encode": []}, ["template"]),
+        ({"encode": [], "finish": []}, ["encode or finish"]),
+        ({"encode": [1]}, ["encode"]),
+        ({"encode": [{}] * 65}, ["encode"]),
+        ({"encode": [{"messages": "x"}]}, ["encode[0]"]),
+        (
+            {"features": [{"input_ids": [1]}], "finish": [{"feature": 1, "tokens": []}]},
+            ["finish[0].feature"],
+        ),
+        (
+            {"features": [{"input_ids": [1]}], "finish": [{"feature": 0, "tokens": ["x"]}]},
+            ["finish[0].tokens"],
+        ),
+        (
+            {"features": [{"input_ids": "x"}], "finish": [{"feature": 0, "tokens": []}]},
+            ["features[0].input_ids"],
+        ),
+        ({"finish": [{"feature": 0, "tokens": []}]}, ["features"]),
+        (
+            {"features": [{"input_ids": [1]}], "finish": [{"feature": 0, "tokens": [1]}], "x": 1},
+            ["x"],
+        ),
+    ],
+)
+def test_a_bad_template_call_is_a_400(
+    processor: Processor, body: dict[str, Any], words: list[str]
+) -> None:
+    full = {"template": _template(processor), **body} if "template" not in body else body
+    if isinstance(full.get("template"), dict) and "model_id" not in full["template"]:
+        full["template"] = {**full["template"], "model_id": str(processor.model)}
+    refused(processor.post("template", full), 400, *words)
+    assert processor.post("template", full, secret="wrong").status_code == 401

@@ -16,6 +16,7 @@ from twinkle.dataset import Dataset, DatasetMeta
 from twinkle.preprocessor import SelfCognitionProcessor
 from twinkle_client import init_twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel
+from twinkle_client.sampler import vLLMSampler
 
 
 def main() -> None:
@@ -62,6 +63,19 @@ def main() -> None:
     checkpoints = client.list_checkpoints(run_id)
     model.load(saved.twinkle_path, load_optimizer=True)
     after = model.forward_backward(inputs=batches[0]).result["loss"]
+
+    sampler = vLLMSampler(model_id=base_model)
+    sampler.set_template("Template", model_id=base_model, max_length=128)
+    sampler.add_adapter_to_sampler("default", {"r": 4, "target_modules": "all-linear"})
+    greedy = {"max_tokens": 6, "temperature": 0.0, "logprobs": 1}
+    trajectory = {"messages": [{"role": "user", "content": "who are you?"}]}
+    samples = {
+        "trained": sampler.sample([trajectory], greedy, adapter_uri=saved.twinkle_path),
+        "base": sampler.sample([trajectory], greedy, adapter_name="default"),
+        "feature": sampler.sample([{"input_ids": batches[0][0]["input_ids"][:8]}],
+                                  {"max_tokens": 4, "num_samples": 3, "seed": 7},
+                                  adapter_uri=saved.twinkle_path),
+    }
     print(json.dumps({
         "models": models,
         "batches": batches[:1],
@@ -72,6 +86,7 @@ def main() -> None:
         "saved": saved.twinkle_path,
         "checkpoints": [c.twinkle_path for c in checkpoints],
         "after_load": after,
+        "samples": {name: [r.model_dump() for r in rs] for name, rs in samples.items()},
     }, ensure_ascii=False))
 
 

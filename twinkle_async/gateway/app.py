@@ -32,6 +32,7 @@ from twinkle_async.gateway import (
     service_routes,
     training_routes,
     twinkle_routes,
+    twinkle_sampler_routes,
     unknown_routes,
 )
 from twinkle_async.gateway.completions import SessionCompletions
@@ -138,6 +139,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         admin_transfer_routes,
         metrics_routes,
         twinkle_routes,
+        twinkle_sampler_routes,
         processor_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):

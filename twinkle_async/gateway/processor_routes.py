@@ -11,12 +11,15 @@ naming what was refused) goes back as it is.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from protocol.errors import ServerError, Unavailable
+from protocol.errors import ServerError, Unavailable, UserError
+from protocol.records import SessionRecord
 from twinkle_async.gateway.bodies import read_body
 from twinkle_async.gateway.state import SETTINGS
 from twinkle_async.gateway.twinkle_routes import twinkle_session
@@ -34,7 +37,10 @@ async def processor_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
-async def _forward(request: web.Request, call: str) -> web.Response:
+async def _post(
+    request: web.Request, session: SessionRecord, call: str, body: bytes
+) -> tuple[int, bytes]:
+    """The service's status and answer to `body`, sent for the caller's session."""
     settings = request.app[SETTINGS]
     if not settings.processor_url:
         raise ServerError(
@@ -42,8 +48,6 @@ async def _forward(request: web.Request, call: str) -> web.Response:
             code="no_processor",
             status=501,
         )
-    session = await twinkle_session(request)
-    body = await read_body(request)
     headers = {
         "Content-Type": "application/json",
         "X-Processor-Secret": settings.processor_secret,
@@ -59,7 +63,29 @@ async def _forward(request: web.Request, call: str) -> web.Response:
         raise Unavailable(f"the Twinkle processor service did not answer: {exc}") from None
     if status == 401:  # the gateway's secret, not the client's: never the client's fault
         raise ServerError("the Twinkle processor service refused this gateway's secret")
+    return status, data
+
+
+async def _forward(request: web.Request, call: str) -> web.Response:
+    session = await twinkle_session(request)
+    status, data = await _post(request, session, call, await read_body(request))
     return web.Response(body=data, status=status, content_type="application/json")
+
+
+async def run_template(request: web.Request, session: SessionRecord, body: dict[str, Any]) -> Any:
+    """A sampler's template at work in the service (`workers.processor.sampler_templates`):
+    its result, or the service's refusal as ours (its status and detail)."""
+    status, data = await _post(request, session, "template", json.dumps(body).encode())
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = {}
+    if status == 200 and isinstance(answer, dict) and "result" in answer:
+        return answer["result"]
+    detail = answer.get("detail") if isinstance(answer, dict) else None
+    if 400 <= status < 500:
+        raise UserError(f"template: {detail or status}", status=status)
+    raise ServerError(f"the Twinkle processor service failed: {detail or status}")
 
 
 @routes.post("/api/v1/processor/twinkle/create")

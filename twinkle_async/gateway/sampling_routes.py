@@ -22,6 +22,7 @@ from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.sequenced import body_digest
 from twinkle_async.gateway.state import BUS, FUTURES, QUOTAS, REGISTRY, SAMPLES, TENANT
+from twinkle_async.registry import Registry
 from twinkle_async.seq_claims import claim_seq
 
 routes = web.RouteTableDef()
@@ -92,27 +93,7 @@ async def asample(request: web.Request) -> web.Response:
     if body.sampling_session_id is None:
         raise UserError("asample needs a sampling_session_id (create_sampling_session first)")
     sampler = await registry.sampler(body.sampling_session_id, tenant)
-    worker = registry.check_base_model(sampler.base_model)
-    if not registry.sampler_backends(sampler.base_model):
-        raise UserError(
-            f"no sampler serves {sampler.base_model!r} on this cluster (start one with --sampler)"
-        )
-    # Every rule of the body is checked here, so a bad field is a 400 before anything is
-    # spent; the sampler builds the `SampleSpec` from the same body. Images are read from
-    # their headers here; the sampler decodes them.
-    check_sample_request(
-        body,
-        max_context=worker.max_context if worker else None,
-        vocab_size=worker.vocab_size if worker else None,
-        vision=worker.vision if worker else None,
-        max_sequence=registry.longest_sample(sampler.base_model),
-        no_images=(
-            TEXT_ONLY
-            if worker
-            else f"{sampler.base_model!r} is still loading: send images once it is served"
-        ),
-    )
-    limit = (await request.app[QUOTAS].limits(tenant)).max_concurrent_samples
+    check_sample(registry, sampler.base_model, body)
     futures = request.app[FUTURES]
     if body.seq_id is None:  # never a retry
         request_id = dedupe = new_request_id("sample")
@@ -133,6 +114,51 @@ async def asample(request: web.Request) -> web.Response:
             named=f"sampling session {sampler.sampling_session_id!r}",
         )
         request_id = claim.request_id
+    await publish_sample(request, sampler, raw, request_id, dedupe, clone_id)
+    return json_response(
+        api.UntypedAPIFuture(
+            request_id=request_id,
+            sample_sequence_ids=[
+                stability.sequence_id(request_id, i) for i in range(body.num_samples)
+            ],
+        )
+    )
+
+
+def check_sample(registry: Registry, base_model: str, body: api.SampleRequest) -> None:
+    """Every rule of a sample body, so that a bad field is a 400 before anything is spent; the
+    sampler builds the `SampleSpec` from the same body. Images are read from their headers
+    here; the sampler decodes them."""
+    worker = registry.check_base_model(base_model)
+    if not registry.sampler_backends(base_model):
+        raise UserError(
+            f"no sampler serves {base_model!r} on this cluster (start one with --sampler)"
+        )
+    check_sample_request(
+        body,
+        max_context=worker.max_context if worker else None,
+        vocab_size=worker.vocab_size if worker else None,
+        vision=worker.vision if worker else None,
+        max_sequence=registry.longest_sample(base_model),
+        no_images=(
+            TEXT_ONLY
+            if worker
+            else f"{base_model!r} is still loading: send images once it is served"
+        ),
+    )
+
+
+async def publish_sample(
+    request: web.Request,
+    sampler: SamplerRecord,
+    raw: bytes,
+    request_id: str,
+    dedupe: str,
+    clone_id: int = 0,
+) -> None:
+    """Admit a checked sample body (`raw`) under the tenant's concurrency quota, record it
+    pending and publish it to the base model's pool."""
+    tenant = sampler.tenant_id
     job = SampleJob(
         request_id=request_id,
         tenant_id=tenant,
@@ -149,8 +175,9 @@ async def asample(request: web.Request) -> web.Response:
     # Counted for the whole cluster once the request id is known: a retried submit (its seq
     # claim names the same id) passes even at the limit; a refused one keeps its claim and is
     # counted when the SDK retries it.
+    limit = (await request.app[QUOTAS].limits(tenant)).max_concurrent_samples
     await request.app[SAMPLES].admit(tenant, request_id, limit, time.time())
-    await futures.record_pending(
+    await request.app[FUTURES].record_pending(
         request_id,
         "sample",
         "",
@@ -159,11 +186,3 @@ async def asample(request: web.Request) -> web.Response:
         clone_id=clone_id,
     )
     await bus.publish_sample(subjects.pool_of(sampler.base_model), job, dedupe, data)
-    return json_response(
-        api.UntypedAPIFuture(
-            request_id=request_id,
-            sample_sequence_ids=[
-                stability.sequence_id(request_id, i) for i in range(body.num_samples)
-            ],
-        )
-    )

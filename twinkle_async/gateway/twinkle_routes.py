@@ -221,7 +221,7 @@ def _key(session_id: str, adapter_name: str) -> str:
     return f"twinkle.{subjects.token(session_id)}.{subjects.token(adapter_name)}"
 
 
-async def _body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+async def json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     raw = await read_body(request)
     try:
         fields = json.loads(raw or b"{}")
@@ -265,7 +265,7 @@ def _locked(session_id: str, adapter_name: str) -> asyncio.Lock:
     return _locks.setdefault(key, asyncio.Lock())
 
 
-async def _finished(request: web.Request, request_id: str) -> Outcome:
+async def finished(request: web.Request, request_id: str) -> Outcome:
     """The outcome of a submitted call once done; its error as the answer's."""
     futures = request.app[FUTURES]
     deadline = time.monotonic() + WAIT_S
@@ -307,7 +307,7 @@ async def _call(
 
         body, build = str(refusal).encode(), refuse
     request_id = await submit(request, run, seq_id, request_type, body, build)
-    return await _finished(request, request_id)
+    return await finished(request, request_id)
 
 
 def _job_fields(run: RunRecord, request_id: str, seq_id: int) -> dict[str, Any]:
@@ -323,7 +323,7 @@ def _job_fields(run: RunRecord, request_id: str, seq_id: int) -> dict[str, Any]:
 # -- model routes -------------------------------------------------------------------------------
 
 
-def _base_model(request: web.Request) -> str:
+def served_base_model(request: web.Request) -> str:
     """The URL's model as one this cluster serves (twinkle's client drops `ms://`; a local
     path loses its leading slash in some clients' URLs)."""
     name = request.match_info["base_model"]
@@ -338,7 +338,7 @@ def _base_model(request: web.Request) -> str:
 @routes.post(MODEL + "/create")
 async def create(request: web.Request) -> web.Response:
     await twinkle_session(request)
-    _base_model(request)
+    served_base_model(request)
     return json_response(_OK)
 
 
@@ -348,7 +348,7 @@ async def add_adapter_to_model(request: web.Request) -> web.Response:
     body = api.decode(raw, AddAdapterBody)
     session = await twinkle_session(request)
     name = check_adapter_name(body.adapter_name)
-    base_model = _base_model(request)
+    base_model = served_base_model(request)
     lora = trainable_lora(request, base_model, lora_config(body.config))
     steps = twinkle_schedule.check_accumulation_steps(body.gradient_accumulation_steps)
     bus = request.app[BUS]
@@ -367,7 +367,7 @@ async def add_adapter_to_model(request: web.Request) -> web.Response:
             )
 
         request_id = await submit(request, run, 0, "create_model", raw, build)
-        await _finished(request, request_id)
+        await finished(request, request_id)
         record = TwinkleAdapterRecord(
             session_id=session.session_id,
             tenant_id=session.tenant_id,
@@ -395,7 +395,7 @@ async def _slot(request: web.Request, session_id: str, name: str) -> int:
 
 async def _settings(request: web.Request, change: Any) -> web.Response:
     """A call that only changes what the adapter's loop holds (`change(record, fields)`)."""
-    _, fields = await _body(request)
+    _, fields = await json_body(request)
     record, revision = await _adapter(request, fields.get("adapter_name"))
     async with _locked(record.session_id, record.adapter_name):
         record, revision = await _adapter(request, record.adapter_name)
@@ -472,7 +472,7 @@ def _lr(record: TwinkleAdapterRecord) -> float:
 
 @routes.post(MODEL + "/get_train_configs")
 async def get_train_configs(request: web.Request) -> web.Response:
-    _, fields = await _body(request)
+    _, fields = await json_body(request)
     record, _ = await _adapter(request, fields.get("adapter_name"))
     described = {
         "adapter_name": record.adapter_name,
@@ -576,12 +576,22 @@ async def _plain_step(request: web.Request, adapter_name: str | None) -> None:
         await _save(request, await _step(request, record, 0.0), revision)
 
 
-def _check_zero_grad(record: TwinkleAdapterRecord) -> None:
-    if _synced(record) and not record.clipped and record.count > 0:
-        raise UserError(
-            "zero_grad before step: discarding accumulated gradients without a step is not"
-            " supported by this server; call step (or clip_grad_and_step) first"
-        )
+async def _zero_grad(request: web.Request, adapter_name: str | None) -> None:
+    """At a sync whose step has not run, the accumulated gradients are dropped (a later `step`
+    of the same sync has none to apply, as torch's after `zero_grad`)."""
+    record, revision = await _adapter(request, adapter_name)
+    if not _synced(record) or record.clipped or record.count <= 0:
+        return
+    run = await _run(request, record)
+
+    def make(seq_id: int) -> tuple[bytes, Any]:
+        async def build(request_id: str, first: bool) -> Job:
+            return OptimStepJob(**_job_fields(run, request_id, seq_id), discard=True)
+
+        return b'{"discard":true}', build
+
+    await _call(request, run, "optim_step", make)
+    await _save(request, msgspec.structs.replace(record, clipped=True, count=0.0), revision)
 
 
 async def _lr_step(request: web.Request, adapter_name: str | None) -> None:
@@ -594,7 +604,7 @@ async def _lr_step(request: web.Request, adapter_name: str | None) -> None:
 
 @routes.post(MODEL + "/step")
 async def step(request: web.Request) -> web.Response:
-    _, fields = await _body(request)
+    _, fields = await json_body(request)
     record, _ = await _adapter(request, fields.get("adapter_name"))
     async with _locked(record.session_id, record.adapter_name):
         await _plain_step(request, record.adapter_name)
@@ -603,15 +613,16 @@ async def step(request: web.Request) -> web.Response:
 
 @routes.post(MODEL + "/zero_grad")
 async def zero_grad(request: web.Request) -> web.Response:
-    _, fields = await _body(request)
+    _, fields = await json_body(request)
     record, _ = await _adapter(request, fields.get("adapter_name"))
-    _check_zero_grad(record)
+    async with _locked(record.session_id, record.adapter_name):
+        await _zero_grad(request, record.adapter_name)
     return json_response(_OK)
 
 
 @routes.post(MODEL + "/lr_step")
 async def lr_step(request: web.Request) -> web.Response:
-    _, fields = await _body(request)
+    _, fields = await json_body(request)
     record, _ = await _adapter(request, fields.get("adapter_name"))
     async with _locked(record.session_id, record.adapter_name):
         await _lr_step(request, record.adapter_name)
@@ -631,7 +642,7 @@ async def clip_grad_and_step(request: web.Request) -> web.Response:
 
 @routes.post(MODEL + "/calculate_metric")
 async def calculate_metric(request: web.Request) -> web.Response:
-    _, fields = await _body(request)
+    _, fields = await json_body(request)
     record, _ = await _adapter(request, fields.get("adapter_name"))
     return json_response(
         {

@@ -407,6 +407,12 @@ class MultiSlotModel:
         # in a worker group a row is whole only over the ranks: a slot fails on all or none
         return {slot for slot, bad in zip(slots, self.collective.agree(failed), strict=True) if bad}
 
+    def discard_gradients(self, slots: Sequence[int]) -> list[None]:
+        """Clear the accumulated gradients of each listed slot without a step."""
+        for slot in slots:
+            self.bank.grads[slot].zero_()
+        return [None] * len(slots)
+
     def optim_step(
         self, slots: Sequence[int], adams: Sequence[AdamParams]
     ) -> list[dict[str, float] | TwinkleError]:

@@ -68,7 +68,7 @@ class Context:
     max_answer_bytes: int
 
 
-def _failed(what: str, exc: Exception) -> Refused:
+def failed(what: str, exc: Exception) -> Refused:
     """A twinkle step that failed on the caller's own data or choices: a 400 saying so."""
     log.warning("%s failed", what, exc_info=exc)
     message = " ".join(str(exc).split())
@@ -102,7 +102,7 @@ def create_dataset(f: Fields, ctx: Context) -> Work:
         try:
             dataset = Dataset(dataset_meta=desc)
         except Exception as exc:
-            raise _failed(f"dataset_meta.dataset_id: reading {shown(dataset_id)}", exc) from None
+            raise failed(f"dataset_meta.dataset_id: reading {shown(dataset_id)}", exc) from None
         _check_rows("dataset_meta", dataset, ctx)
         return dataset
 
@@ -129,8 +129,25 @@ def create_dataloader(parent: Entry, options: dict[str, Any]) -> Work:
     return lambda: DataLoader(dataset=parent.obj, **options)
 
 
-def set_template(entry: Entry, f: Fields, ctx: Context) -> Work:
-    name = f.choice("template_func", tuple(TEMPLATES))
+@dataclass(frozen=True)
+class TemplateSpec:
+    """A template as a caller names it: its class, its served model and its settings."""
+
+    name: str
+    model: str
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def make(self, ctx: Context) -> Any:
+        """The template (blocking: it reads the model's tokenizer)."""
+        path = model_dir(self.model, ctx.models.paths[self.model])
+        try:
+            return TEMPLATES[self.name](model_id=path, **dict(self.kwargs))
+        except Exception as exc:
+            raise failed(f"template_func: {self.name} for {self.model}", exc) from None
+
+
+def template_spec(f: Fields, ctx: Context, name_field: str = "template_func") -> TemplateSpec:
+    name = f.choice(name_field, tuple(TEMPLATES))
     model = ctx.models.name_of(f.take("model_id"))
     kwargs = {
         "max_length": f.integer("max_length", 1, MAX_LENGTH, 8192),
@@ -139,15 +156,15 @@ def set_template(entry: Entry, f: Fields, ctx: Context) -> Work:
         "enable_thinking": f.boolean("enable_thinking", True),
         "default_system": f.string("default_system", checks.MAX_STRING, None),
     }
+    return TemplateSpec(name, model, tuple(kwargs.items()))
+
+
+def set_template(entry: Entry, f: Fields, ctx: Context) -> Work:
+    spec = template_spec(f, ctx)
     f.done()
 
     def work() -> None:
-        path = model_dir(model, ctx.models.paths[model])
-        try:
-            template = TEMPLATES[name](model_id=path, **kwargs)
-        except Exception as exc:
-            raise _failed(f"template_func: {name} for {model}", exc) from None
-        entry.obj.set_template(template)
+        entry.obj.set_template(spec.make(ctx))
 
     return work
 
@@ -175,7 +192,7 @@ def dataset_map(entry: Entry, f: Fields, ctx: Context) -> Work:
         try:
             entry.obj.map(cls(**args), **kwargs)
         except Exception as exc:
-            raise _failed(f"map: {name}", exc) from None
+            raise failed(f"map: {name}", exc) from None
         _check_rows("map", entry.obj, ctx)
 
     return work
@@ -202,7 +219,7 @@ def encode(entry: Entry, f: Fields, ctx: Context) -> Work:
         try:
             entry.obj.encode(add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:
-            raise _failed("encode", exc) from None
+            raise failed("encode", exc) from None
         _check_rows("encode", entry.obj, ctx)
 
     return work

@@ -1,6 +1,8 @@
 """The processor service's HTTP side: `POST /create` and `POST /call` with the bodies twinkle's
 client sends to `/api/v1/processor/twinkle/create` and `/call`, from our gateway only.
 
+`POST /template` runs a Twinkle sampler's template (`sampler_templates`) for the gateway.
+
 Every request carries `X-Processor-Secret` (the secret file's content, else 401), `X-Tenant` and
 `X-Session` (else 400): the (tenant, session) that owns what it creates and alone may call it.
 Answers: `{"processor_id": "pid:..."}`, `{"result": ...}`, or `{"detail": "..."}` with 400 (a
@@ -28,10 +30,11 @@ from workers.processor import objects
 from workers.processor.checks import Fields, Refused, json_object, listed, shown
 from workers.processor.objects import CALLS, CREATE, Context, Work
 from workers.processor.registry import Owner, Registry
+from workers.processor.sampler_templates import Templates, template_work
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 2 << 20
+MAX_BODY = 32 << 20  # a sampler's prompts and samples (the gateway bounds what clients send)
 MAX_HEADER = 256  # X-Tenant, X-Session
 POOL_WORKERS = 2
 _dumps = functools.partial(json.dumps, ensure_ascii=False)
@@ -62,11 +65,13 @@ class Service:
         self.registry = Registry(max_objects)
         self.ttl_s = ttl_s
         self.pool = ThreadPoolExecutor(POOL_WORKERS, thread_name_prefix="twinkle")
+        self.templates = Templates(ctx)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY)
         app.router.add_post("/create", self.create)
         app.router.add_post("/call", self.call)
+        app.router.add_post("/template", self.template)
         return app
 
     def owner(self, request: web.Request) -> Owner:
@@ -144,6 +149,22 @@ class Service:
         if isinstance(result, bytes):
             return web.Response(body=result, content_type="application/json")
         return web.json_response({"result": result}, dumps=_dumps)
+
+    async def template(self, request: web.Request) -> web.Response:
+        """A sampler's template at work (`sampler_templates`): the gateway's call, for its
+        caller's trajectories and samples."""
+        self.owner(request)
+        work = template_work(
+            self.templates, Fields("", json_object(await request.read())), self.ctx
+        )
+        result = await self.run(work)
+        if len(result) > self.ctx.max_answer_bytes:
+            raise Refused(
+                f"the answer is {len(result)} bytes of JSON, over this server's "
+                f"{self.ctx.max_answer_bytes}; sample fewer inputs a call",
+                413,
+            )
+        return web.Response(body=result, content_type="application/json")
 
     async def sweep_forever(self) -> None:
         """Drop objects idle past the TTL, checking every quarter of it (1 s to 60 s)."""

@@ -277,6 +277,7 @@ class EngineOps:
         outcomes: dict[int, Outcome] = {}
         steps: list[tuple[str, api.AdamParams]] = []
         called: list[int] = []
+        discards: list[int] = []
         for i, job in enumerate(jobs):
             assert isinstance(job, OptimStepJob)
             try:
@@ -285,8 +286,28 @@ class EngineOps:
             except TwinkleError as err:
                 outcomes[i] = failed_outcome(job, err)
                 continue
+            if job.discard:
+                discards.append(i)
+                continue
             steps.append((job.model_id, job.adam))
             called.append(i)
+        if discards:
+            ids = [jobs[i].model_id for i in discards]
+            cleared = transactions(
+                self.residency,
+                lambda group: self.model.discard_gradients(
+                    [t.slot for t in self.residency.resident(group)]
+                ),
+                ids,
+                ids,
+                describe=lambda n: jobs[discards[n]].request_id,
+            )
+            for i, verdict in zip(discards, cleared, strict=True):
+                outcomes[i] = (
+                    failed_outcome(jobs[i], verdict)
+                    if isinstance(verdict, TwinkleError)
+                    else done_outcome(jobs[i], api.encode(api.OptimStepResponse(metrics={})))
+                )
         if steps:
             started = time.perf_counter()
             results = transactions(

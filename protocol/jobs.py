@@ -58,12 +58,27 @@ class ForwardBackwardJob(JobBase, frozen=True, tag="forward_backward"):
     custom_loss: CustomLoss | None = None
 
 
+class StepAdam(AdamParams, frozen=True):
+    """A step's Adam settings, with `coupled_weight_decay`: the decay added to the gradient (an
+    L2 penalty, torch's `Adam`) instead of applied to the weights (`AdamW`, Tinker's)."""
+
+    coupled_weight_decay: bool = False
+
+
 class OptimStepJob(JobBase, frozen=True, tag="optim_step"):
     """Apply the accumulated gradients of this model with its own AdamW settings; `discard`:
-    clear them without a step (a Twinkle client's `zero_grad` before its `step`)."""
+    clear them without a step (a Twinkle client's `zero_grad` before its `step`);
+    `coupled_weight_decay`: decay as torch's `Adam` does (a Twinkle client's `Adam`)."""
 
     adam: AdamParams = AdamParams()
     discard: bool = False
+    coupled_weight_decay: bool = False
+
+    def step_adam(self) -> AdamParams:
+        """The settings the optimizer steps with."""
+        if not self.coupled_weight_decay:
+            return self.adam
+        return StepAdam(**msgspec.structs.asdict(self.adam), coupled_weight_decay=True)
 
 
 class SaveWeightsJob(JobBase, frozen=True, tag="save_weights"):

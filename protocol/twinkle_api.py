@@ -13,7 +13,8 @@ runs the same operations a Tinker client's `forward_backward` and `optim_step` r
   (one per batch for the mean, the labelled tokens for the sum) before taking their norm and
   clipping. The server's step clips the undivided gradients at `max_grad_norm * count`, answers
   the norm divided by `count`, and steps with `eps * count`: AdamW's update of gradients scaled
-  by a constant is the same update with eps scaled by it.
+  by a constant is the same update with eps scaled by it. Adam's weight decay (coupled, an L2
+  penalty added to the gradient) is scaled by `count` with it.
 """
 
 from __future__ import annotations
@@ -240,7 +241,8 @@ def step_params(record: TwinkleAdapterRecord, lr: float, max_grad_norm: float) -
             beta1=settings.beta1,
             beta2=settings.beta2,
             eps=settings.eps * count,
-            weight_decay=settings.weight_decay,
+            # Adam's L2 penalty joins the gradient, which is `count` times twinkle's here
+            weight_decay=settings.weight_decay * (count if settings.coupled else 1.0),
             grad_clip_norm=max_grad_norm * count,
         )
     )

@@ -219,14 +219,14 @@ def learning_rate(scheduler: Scheduler | None, base_lr: float, steps_done: int) 
 
 
 class OptimizerSettings(msgspec.Struct, frozen=True):
-    """The Adam hyper-parameters a twinkle client's LoRA weights get; weight decay decoupled."""
+    """The Adam hyper-parameters a twinkle client's LoRA weights get."""
 
     lr: float
     beta1: float
     beta2: float
     eps: float
     weight_decay: float
-    coupled: bool = False  # Adam's L2 penalty, stepped as AdamW's decoupled decay
+    coupled: bool = False  # Adam's weight decay: an L2 penalty in the gradient, not AdamW's
 
 
 _IGNORED = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -238,8 +238,8 @@ def check_optimizer(cls: object, kwargs: Mapping[str, object]) -> OptimizerSetti
     """Check a `set_optimizer` class name (`Adam`, `AdamW`) and its keyword arguments.
 
     Twinkle gives LoRA weights `lr` 1e-5 and `weight_decay` 0.01 unless the client passes them,
-    for Adam too, where torch applies it as a coupled L2 penalty. This server's step decouples
-    weight decay (AdamW): Adam's is applied decoupled, and `coupled` says so (docs/twinkle.md).
+    for Adam too, where torch applies it as a coupled L2 penalty (`coupled`), as the step here
+    then does.
     """
     if cls not in ("Adam", "AdamW"):
         raise UserError(f"optimizer_cls must be Adam or AdamW, got {_show(cls)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from protocol.api import AdamParams, LoraConfig
 from protocol.errors import NotFound, UserError
+from protocol.jobs import StepAdam
 from protocol.rules import check_adam
 from protocol.sampling import MAX_LOGPROBS_K
 from protocol.tensors import DatumArrays, FwdBwdRequest
@@ -33,6 +35,7 @@ from tests.engine_helpers import (
     trained_views,
     with_tenants,
 )
+from workers.engine import optimizer as optimizer_module
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -163,6 +166,51 @@ def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Trainer]) -> 
         if group == "mlp":
             assert torch.count_nonzero(a) == 0 and torch.count_nonzero(b) == 0
     assert engine.optimizer.steps[engine.slot("x")] == 3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_coupled_weight_decay_matches_torch_adam(
+    make_engine: Callable[..., Trainer], monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    """A Twinkle client's `Adam`: the decay added to the gradient (torch's `Adam`), the
+    gradient buffer left as it was until the step clears it, on the fused kernel and the
+    foreach path alike; an AdamW slot in the same step is unaffected."""
+    if not fused:
+        monkeypatch.setattr(optimizer_module, "_FUSED_ADAM", None)
+    engine = make_engine(max_slots=2, max_rank=8)
+    engine.create("x", LoraConfig(rank=4, seed=1))
+    engine.create("w", LoraConfig(rank=4, seed=2))
+    generator = torch.Generator().manual_seed(3)
+    for model_id in ("x", "w"):  # non-zero weights, so that the decay shows
+        for view in _slot_params(engine, engine.bank.weights, model_id):
+            view.copy_(torch.randn(view.shape, generator=generator))
+    base = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1)
+    coupled = StepAdam(**msgspec.structs.asdict(base), coupled_weight_decay=True)
+    references = {}
+    for model_id, cls in (("x", torch.optim.Adam), ("w", torch.optim.AdamW)):
+        params = [
+            v.clone().requires_grad_(True)
+            for v in _slot_params(engine, engine.bank.weights, model_id)
+        ]
+        references[model_id] = (
+            params,
+            cls(params, lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1),
+        )
+    for _ in range(3):
+        for model_id, (params, _) in references.items():
+            for param, view in zip(
+                params, _slot_params(engine, engine.bank.grads, model_id), strict=True
+            ):
+                gradient = torch.randn(view.shape, generator=generator)
+                view.copy_(gradient)
+                param.grad = gradient.clone()
+        engine.optim_step([("x", coupled), ("w", base)])
+        for model_id, (params, reference) in references.items():
+            reference.step()
+            for param, view in zip(
+                params, _slot_params(engine, engine.bank.weights, model_id), strict=True
+            ):
+                assert max_diff(param.detach(), view) <= 1e-6, model_id
 
 
 def _slot_params(engine: Trainer, buffer: torch.Tensor, model_id: str) -> list[torch.Tensor]:

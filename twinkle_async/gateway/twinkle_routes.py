@@ -528,11 +528,16 @@ async def _step(
 ) -> TwinkleAdapterRecord:
     """The optimizer step of a sync (see `protocol.twinkle_api`), and the record after it."""
     params = step_params(record, _lr(record), max_grad_norm)
+    coupled = record.optimizer is not None and record.optimizer.coupled
     run = await _run(request, record)
 
     def make(seq_id: int) -> tuple[bytes, Any]:
         async def build(request_id: str, first: bool) -> Job:
-            return OptimStepJob(**_job_fields(run, request_id, seq_id), adam=params)
+            return OptimStepJob(
+                **_job_fields(run, request_id, seq_id),
+                adam=params,
+                coupled_weight_decay=coupled,
+            )
 
         return _ENCODER.encode(params), build
 

@@ -50,6 +50,7 @@ import torch
 
 from protocol.api import AdamParams
 from protocol.errors import UserError
+from protocol.jobs import StepAdam
 from workers.engine.collective import Collective
 
 GRAD_NORM_METRIC = "unclipped_grad_l2:mean"
@@ -83,7 +84,7 @@ class _Scalars:
         return cls(
             spec=spec,
             step=step,
-            decay=1.0 - spec.learning_rate * spec.weight_decay,
+            decay=1.0 if coupled(spec) else 1.0 - spec.learning_rate * spec.weight_decay,
             avg_weight=1.0 - spec.beta1,
             beta2=spec.beta2,
             avg_sq_weight=1.0 - spec.beta2,
@@ -322,12 +323,17 @@ def _adamw(
     a sequence of foreach ops over all slots. Both phases run the same path, so a rehearsal
     predicts its step bit for bit.
     """
-    if _FUSED_ADAMW is not None and params and params[0].device.type in ("cpu", "cuda"):
+    if (
+        _FUSED_ADAMW is not None
+        and _FUSED_ADAM is not None
+        and params
+        and params[0].device.type in ("cpu", "cuda")
+    ):
         for param, grad, exp_avg, exp_avg_sq, s in zip(
             params, grads, exp_avgs, exp_avg_sqs, scalars, strict=True
         ):
             spec = s.spec
-            _FUSED_ADAMW(
+            (_FUSED_ADAM if coupled(spec) else _FUSED_ADAMW)(
                 [param],
                 [grad],
                 [exp_avg],
@@ -344,6 +350,10 @@ def _adamw(
             )
         return
     torch._foreach_mul_(params, [s.decay for s in scalars])
+    grads = [  # Adam's L2 penalty: the decay added to a copy of the gradient
+        g.add(p, alpha=s.spec.weight_decay) if coupled(s.spec) else g
+        for g, p, s in zip(grads, params, scalars, strict=True)
+    ]
     torch._foreach_lerp_(exp_avgs, grads, [s.avg_weight for s in scalars])
     torch._foreach_mul_(exp_avg_sqs, [s.beta2 for s in scalars])
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [s.avg_sq_weight for s in scalars])
@@ -355,6 +365,12 @@ def _adamw(
 
 
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
+_FUSED_ADAM = getattr(torch, "_fused_adam_", None)  # the decay added to the gradient, not stored
+
+
+def coupled(spec: AdamParams) -> bool:
+    """Whether the step decays as torch's `Adam` (the decay in the gradient), not `AdamW`."""
+    return isinstance(spec, StepAdam) and spec.coupled_weight_decay
 
 
 def _bounded(
@@ -394,10 +410,13 @@ def _step_is_bounded(
         beta1, beta2, eps = (_float32(x) for x in (spec.beta1, spec.beta2, spec.eps))
         if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and eps > 0.0 and v_low >= 0.0):
             return False  # also False for NaN
+        if coupled(spec):  # the gradient Adam sees, the decay in it; the weights keep theirs
+            g, shrink = g + spec.weight_decay * w, 0.0
+        else:
+            shrink = spec.learning_rate * spec.weight_decay * w
         m_new = m + g  # |lerp(m, g, 1 - beta1)| <= max(|m|, |g|), and |g - m| <= |g| + |m|
         square = g * g
         v_new = v_high + square
-        shrink = spec.learning_rate * spec.weight_decay * w
         ratio = m_new / eps  # |m / (sqrt(v) / bias + eps)| <= |m| / eps
         scaled = math.sqrt(v_new) / s.bias_sqrt2
         update = abs(s.step_size) * ratio

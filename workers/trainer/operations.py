@@ -289,7 +289,7 @@ class EngineOps:
             if job.discard:
                 discards.append(i)
                 continue
-            steps.append((job.model_id, job.adam))
+            steps.append((job.model_id, job.step_adam()))
             called.append(i)
         if discards:
             ids = [jobs[i].model_id for i in discards]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -132,13 +133,7 @@ def test_slot_adamw_matches_torch_adamw(make_engine: Callable[..., Trainer]) -> 
     bystander = [buffer[bystander_slot].clone() for buffer in bank_buffers(engine)]
 
     for _ in range(3):
-        for model_id, (params, _) in references.items():
-            for param, view in zip(
-                params, _slot_params(engine, engine.bank.grads, model_id), strict=True
-            ):
-                gradient = torch.randn(view.shape, generator=generator)
-                view.copy_(gradient)
-                param.grad = gradient.clone()
+        _same_gradients(engine, references, generator)
         metrics = engine.optim_step([("x", adams["x"]), ("y", adams["y"])])
         norm = torch.nn.utils.clip_grad_norm_(references["x"][0], adams["x"].grad_clip_norm)
         assert metrics[0]["unclipped_grad_l2:mean"] == pytest.approx(float(norm), rel=1e-5)
@@ -197,13 +192,7 @@ def test_coupled_weight_decay_matches_torch_adam(
             cls(params, lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1),
         )
     for _ in range(3):
-        for model_id, (params, _) in references.items():
-            for param, view in zip(
-                params, _slot_params(engine, engine.bank.grads, model_id), strict=True
-            ):
-                gradient = torch.randn(view.shape, generator=generator)
-                view.copy_(gradient)
-                param.grad = gradient.clone()
+        _same_gradients(engine, references, generator)
         engine.optim_step([("x", coupled), ("w", base)])
         for model_id, (params, reference) in references.items():
             reference.step()
@@ -211,6 +200,19 @@ def test_coupled_weight_decay_matches_torch_adam(
                 params, _slot_params(engine, engine.bank.weights, model_id), strict=True
             ):
                 assert max_diff(param.detach(), view) <= 1e-6, model_id
+
+
+def _same_gradients(
+    engine: Trainer, references: dict[str, Any], generator: torch.Generator
+) -> None:
+    """New random gradients in each slot's buffer and its reference parameters alike."""
+    for model_id, (params, _) in references.items():
+        for param, view in zip(
+            params, _slot_params(engine, engine.bank.grads, model_id), strict=True
+        ):
+            gradient = torch.randn(view.shape, generator=generator)
+            view.copy_(gradient)
+            param.grad = gradient.clone()
 
 
 def _slot_params(engine: Trainer, buffer: torch.Tensor, model_id: str) -> list[torch.Tensor]:

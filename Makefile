@@ -61,7 +61,8 @@ $(STAMP): pyproject.toml requirements.txt
 
 test: install
 	# a native library that crashes at interpreter exit prints its stack instead of a bare abort
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q
+	# on two processes, a test module on one of them (its module-scoped cluster with it)
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 # compose.yaml built and run for real (a private dockerd; needs root, installs docker.io,
 # docker-compose and debootstrap with apt when missing; caches under ~/.cache/twinkle-compose)

@@ -222,7 +222,7 @@ def params(given: dict[str, Any] | None, num_samples: int | None) -> Params:
     count = _optional_int(fields, "num_samples", 1)
     if count is None:
         count = 1 if num_samples is None else num_samples
-    stop = fields.get("stop")
+    stop = fields.get("stop") or None  # twinkle's empty stop is its default: stop at EOS
     if stop is not None and not isinstance(stop, str | list):
         raise UserError("sampling_params.stop: a string, a list of strings or of token ids")
     only = max_tokens == 0

@@ -346,7 +346,7 @@ def _samples(sampler: Twinkle) -> None:
     )
     assert done.status_code == 200, done.text
     (seq,) = done.json()["samples"][0]["sequences"]
-    assert len(seq["tokens"]) == 2 and isinstance(seq["decoded"], str)
+    assert 1 <= len(seq["tokens"]) <= 2 and isinstance(seq["decoded"], str)  # 1: at EOS
 
 
 def _sample(inputs: Any = None, **params: Any) -> dict[str, Any]:

@@ -42,6 +42,7 @@ def test_twinkles_parameters_map_onto_a_tinker_sample_request() -> None:
     assert request.topk_sample_logprobs == 3
     assert request.prompt_logprobs and request.topk_prompt_logprobs == 2
     assert params({"num_samples": 2}, 5).num_samples == 2
+    assert params({"stop": []}, None).tinker.stop is None  # twinkle's default: stop at EOS
     one = sample_request([1], params({"logprobs": 1}, None))
     assert one.topk_sample_logprobs == 0 and not one.prompt_logprobs
     only = params({"max_tokens": 0, "prompt_logprobs": 0}, None)

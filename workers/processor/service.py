@@ -34,7 +34,8 @@ from workers.processor.sampler_templates import Templates, template_work
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 32 << 20  # a sampler's prompts and samples (the gateway bounds what clients send)
+MAX_BODY = 2 << 20  # a client's call, as the gateway forwards it
+MAX_TEMPLATE_BODY = 32 << 20  # a sampler's prompts and samples (the gateway bounds them)
 MAX_HEADER = 256  # X-Tenant, X-Session
 POOL_WORKERS = 2
 _dumps = functools.partial(json.dumps, ensure_ascii=False)
@@ -68,7 +69,7 @@ class Service:
         self.templates = Templates(ctx)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY)
+        app = web.Application(middlewares=[json_errors], client_max_size=MAX_TEMPLATE_BODY)
         app.router.add_post("/create", self.create)
         app.router.add_post("/call", self.call)
         app.router.add_post("/template", self.template)
@@ -91,7 +92,7 @@ class Service:
 
     async def create(self, request: web.Request) -> web.Response:
         owner = self.owner(request)
-        f = Fields("", json_object(await request.read()))
+        f = Fields("", json_object(await _body(request, MAX_BODY)))
         class_type = f.take("class_type")
         if not isinstance(class_type, str) or class_type not in CREATE:
             raise Refused(
@@ -130,7 +131,7 @@ class Service:
 
     async def call(self, request: web.Request) -> web.Response:
         owner = self.owner(request)
-        f = Fields("", json_object(await request.read()))
+        f = Fields("", json_object(await _body(request, MAX_BODY)))
         entry = self.registry.get(owner, f.take("processor_id"))
         function = f.take("function")
         table = CALLS[entry.kind]
@@ -155,7 +156,9 @@ class Service:
         caller's trajectories and samples."""
         self.owner(request)
         work = template_work(
-            self.templates, Fields("", json_object(await request.read())), self.ctx
+            self.templates,
+            Fields("", json_object(await _body(request, MAX_TEMPLATE_BODY))),
+            self.ctx,
         )
         result = await self.run(work)
         if len(result) > self.ctx.max_answer_bytes:
@@ -173,6 +176,13 @@ class Service:
             await asyncio.sleep(interval)
             for entry in self.registry.sweep(self.ttl_s):
                 log.info("%s %s of tenant %s expired", entry.kind, entry.pid, entry.owner[0])
+
+
+async def _body(request: web.Request, limit: int) -> bytes:
+    raw = await request.read()
+    if len(raw) > limit:
+        raise Refused(f"body: {len(raw)} bytes, over this call's {limit}", 413)
+    return raw
 
 
 def write_ready(path: Path, url: str) -> None:

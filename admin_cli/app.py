@@ -32,7 +32,9 @@ app = typer.Typer(
 tenants_app = typer.Typer(no_args_is_help=True, help="Create, list and show tenants.")
 keys_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke tenants' API keys.")
 quotas_app = typer.Typer(no_args_is_help=True, help="Show and set a tenant's limits.")
-runs_app = typer.Typer(no_args_is_help=True, help="Training runs: list, show, unload, delete.")
+runs_app = typer.Typer(
+    no_args_is_help=True, help="Training runs: list, show, metrics, unload, delete."
+)
 checkpoints_app = typer.Typer(
     no_args_is_help=True,
     help="Checkpoints: list, delete, publish, unpublish, expire, export, import.",
@@ -290,6 +292,13 @@ def runs_show(ctx: typer.Context, run_id: str) -> None:
     """A run and its checkpoints."""
     admin = _admin(ctx)
     admin.show(admin.call("GET", f"runs/{segment(run_id)}"), tables.run)
+
+
+@runs_app.command("metrics")
+def runs_metrics(ctx: typer.Context, run_id: str) -> None:
+    """A run's metric history: each forward_backward's and optim_step's metrics."""
+    admin = _admin(ctx)
+    admin.show(admin.call("GET", f"runs/{segment(run_id)}/metrics"), tables.run_metrics)
 
 
 @runs_app.command("unload")

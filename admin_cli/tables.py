@@ -253,6 +253,26 @@ def run(data: dict[str, Any]) -> RenderableType:
     )
 
 
+def run_metrics(data: dict[str, Any]) -> RenderableType:
+    """A run's metric history: a row a request, a column a metric (the names of all rows)."""
+    steps = data["steps"]
+    names = sorted({name for step in steps for name in step["metrics"]})
+    rows = [
+        (
+            step["step"],
+            step["kind"],
+            when(step["time"]),
+            *(_metric(step["metrics"].get(name)) for name in names),
+        )
+        for step in steps
+    ]
+    return table("metrics", ("step", "kind", "time", *names), rows, "no metrics yet")
+
+
+def _metric(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"
+
+
 def checkpoints(data: dict[str, Any]) -> RenderableType:
     rows = [
         (

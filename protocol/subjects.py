@@ -13,9 +13,11 @@ import zlib
 
 STREAM_OPS = "TW_OPS"
 STREAM_SAMPLE = "TW_SAMPLE"
+STREAM_METRICS = "TW_METRICS"
 OPS_PREFIX = "tw.v1.ops"
 SAMPLE_PREFIX = "tw.v1.sample"
 CANCEL_PREFIX = "tw.v1.cancel"
+METRICS_PREFIX = "tw.v1.metrics"
 
 BUCKET_FUTURES = "tw_futures"
 BUCKET_SESSIONS = "tw_sessions"
@@ -68,6 +70,11 @@ def shard_filter(pool: str, shard: int) -> str:
 def consumer_name(pool: str, shard: int) -> str:
     """The durable pull consumer of one shard, `ops-<pool>-<shard>`."""
     return f"ops-{pool}-{shard}"
+
+
+def metrics_subject(run_id: str) -> str:
+    """`tw.v1.metrics.<run_token>`: a training run's metric history, one message a request."""
+    return f"{METRICS_PREFIX}.{token(run_id)}"
 
 
 def sample_subject(pool: str) -> str:

@@ -121,6 +121,20 @@ class SampleStreamSpec:
     max_msg_bytes: int = 8 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class MetricsStreamSpec:
+    """Each run's metric history (`protocol.metric_history`): limits retention, at most
+    `max_per_run` entries a run (its oldest dropped first), each at most `max_msg_bytes`."""
+
+    name: str = subjects.STREAM_METRICS
+    subjects: tuple[str, ...] = (f"{subjects.METRICS_PREFIX}.>",)
+    max_per_run: int = 10_000
+    max_bytes: int = 2 * 1024**3
+    max_age_s: float = 90 * 24 * 3600.0
+    duplicate_window_s: float = 600.0  # a replayed op's entry is written once
+    max_msg_bytes: int = 8 * 1024
+
+
 async def kv_keys(
     request: Callable[[str, bytes], Awaitable[bytes]], bucket: str, prefix: str = ""
 ) -> list[str]:

@@ -44,7 +44,7 @@ def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsClust
 
 def _streams() -> list[str]:
     buckets = [f"KV_{spec.name}" for spec in topology.buckets(0.0)]
-    return [subjects.STREAM_OPS, subjects.STREAM_SAMPLE, *buckets]
+    return [subjects.STREAM_OPS, subjects.STREAM_SAMPLE, subjects.STREAM_METRICS, *buckets]
 
 
 async def _replicas(url: str) -> dict[str, int]:

@@ -244,6 +244,33 @@ class Bus(KvStore):
             )
         return data
 
+    async def subject_messages(self, stream: str, subject: str) -> list[bytes]:
+        """Every message `stream` holds on `subject`, oldest first (an ordered consumer that
+        reads them and goes)."""
+        js = self.js
+        assert js is not None
+        info = await js.stream_info(stream, subjects_filter=subject)
+        count = (info.state.subjects or {}).get(subject, 0)
+        if not count:
+            return []
+        sub = await js.subscribe(
+            subject,
+            stream=stream,
+            ordered_consumer=True,
+            deliver_policy=js_api.DeliverPolicy.ALL,
+            inactive_threshold=30.0,
+        )
+        found: list[bytes] = []
+        try:
+            while len(found) < count:
+                msg = await sub.next_msg(timeout=self.settings.request_timeout_s)
+                found.append(msg.data)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return found
+
     async def publish_job(self, pool: str, job: Job, data: bytes | None = None) -> None:
         """Publish a training op to its model's shard; a repeat of `(model_id, seq_id)` is dropped.
 
@@ -336,7 +363,21 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
         max_msg_size=sample.max_msg_bytes,
         num_replicas=replicas,
     )
-    for stream_config in (config, sample_config):
+    history = topology.MetricsStreamSpec()
+    metrics_config = js_api.StreamConfig(
+        name=history.name,
+        subjects=list(history.subjects),
+        retention=js_api.RetentionPolicy.LIMITS,
+        storage=js_api.StorageType.FILE,
+        max_age=history.max_age_s,
+        max_bytes=history.max_bytes,
+        max_msgs_per_subject=history.max_per_run,
+        discard=js_api.DiscardPolicy.OLD,
+        duplicate_window=history.duplicate_window_s,
+        max_msg_size=history.max_msg_bytes,
+        num_replicas=replicas,
+    )
+    for stream_config in (config, sample_config, metrics_config):
         try:
             await js.add_stream(stream_config)
         except ServiceUnavailableError:

@@ -165,6 +165,7 @@ class WorkerBus(KvStore):
             try:
                 await self.js.stream_info(subjects.STREAM_OPS)
                 await self.js.stream_info(subjects.STREAM_SAMPLE)
+                await self.js.stream_info(subjects.STREAM_METRICS)
                 for name in names:
                     self.kv[name] = await self.js.key_value(name)
                 return
@@ -278,6 +279,17 @@ class WorkerBus(KvStore):
     def _forget_task(self, task: asyncio.Task[None]) -> None:
         if task in self._tasks:
             self._tasks.remove(task)
+
+    async def publish_once(self, subject: str, data: bytes, msg_id: str) -> None:
+        """A JetStream publish with `Nats-Msg-Id`: stored once however often it is sent."""
+        js = self.js
+        assert js is not None
+        headers = {"Nats-Msg-Id": msg_id}
+
+        async def attempt() -> None:
+            await js.publish(subject, data, headers=headers, timeout=self.timeout_s)
+
+        await self.retried(f"publish to {subject}", attempt)
 
     def max_value_bytes(self) -> int:
         """The largest value one KV write carries: the server's `max_payload`, less room for

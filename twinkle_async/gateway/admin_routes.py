@@ -16,6 +16,7 @@ from aiohttp import web
 from protocol import api, records, rules, subjects
 from protocol.errors import NotFound, UserError
 from protocol.records import KeyRecord, QuotaRecord, TenantRecord, UsageRecord
+from twinkle_async.gateway import rest_routes
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.state import BUS, KEYS, LIFECYCLE, QUOTAS, REGISTRY, SETTINGS
 from twinkle_async.quotas import LIMIT_NAMES, MAX_IN_FLIGHT
@@ -273,6 +274,12 @@ async def show_run(request: web.Request) -> web.Response:
     run = await _any_run(request)
     ckpts = await request.app[REGISTRY].checkpoints(run.model_id)
     return json_response({"run": _plain(run), "checkpoints": [_plain(c) for c in ckpts]})
+
+
+@routes.get("/admin/v1/runs/{run_id}/metrics")
+async def run_metrics(request: web.Request) -> web.Response:
+    run = await _any_run(request)
+    return json_response({"steps": await rest_routes.metric_steps(request, run.model_id)})
 
 
 @routes.post("/admin/v1/runs/{run_id}/unload")

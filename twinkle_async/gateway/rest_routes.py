@@ -10,11 +10,11 @@ import datetime as dt
 
 from aiohttp import web
 
-from protocol import api, paths, rest_api
+from protocol import api, metric_history, paths, rest_api, subjects
 from protocol.errors import UserError
 from protocol.records import CheckpointRecord, RunRecord
 from twinkle_async.gateway.bodies import json_response, read_json
-from twinkle_async.gateway.state import REGISTRY, TENANT
+from twinkle_async.gateway.state import BUS, REGISTRY, TENANT
 
 routes = web.RouteTableDef()
 
@@ -98,6 +98,20 @@ async def get_training_run(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     run = await registry.run(request.match_info["run_id"], request[TENANT])
     return json_response(run_view(run, await registry.checkpoints(run.model_id)))
+
+
+@routes.get("/api/v1/training_runs/{run_id}/metrics")
+async def run_metrics(request: web.Request) -> web.Response:
+    """The run's metric history (`protocol.metric_history`), oldest first."""
+    run = await request.app[REGISTRY].run(request.match_info["run_id"], request[TENANT])
+    return json_response({"steps": await metric_steps(request, run.model_id)})
+
+
+async def metric_steps(request: web.Request, run_id: str) -> list[metric_history.MetricEntry]:
+    found = await request.app[BUS].subject_messages(
+        subjects.STREAM_METRICS, subjects.metrics_subject(run_id)
+    )
+    return [metric_history.decode(data) for data in found]
 
 
 @routes.get("/api/v1/training_runs/{run_id}/checkpoints")

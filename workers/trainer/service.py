@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from nats.aio.msg import Msg
 
-from protocol import records, subjects
+from protocol import metric_history, records, subjects
 from protocol.errors import Gone, ServerError, Unavailable
 from protocol.jobs import (
     CreateModelJob,
@@ -496,6 +496,7 @@ class TrainerService:
         await self._ack(item)
         if outcome.state == "done" and publish:
             self._count(job)
+            await self._keep_metrics(job, outcome)
         if not self.sequencer.holds(item):
             # Handed over while it ran: its new owner rebuilds the model from the snapshot and
             # the log (this op included) and snapshots it; a snapshot or a failure noted here
@@ -575,6 +576,25 @@ class TrainerService:
             self.usage.add(job.tenant_id, forward_backward_requests=1, **{tokens: job.n_tokens})
         elif isinstance(job, OptimStepJob):
             self.usage.add(job.tenant_id, optim_steps=1)
+
+    async def _keep_metrics(self, job: Job, outcome: Outcome) -> None:
+        """Add a finished op's metrics to its run's history (`protocol.metric_history`); a
+        failure here loses that entry only, never the op."""
+        entry = metric_history.entry_of(job, outcome)
+        if entry is None:
+            return
+        try:
+            await self.bus.publish_once(
+                subjects.metrics_subject(job.model_id),
+                metric_history.encode(entry),
+                f"metrics-{job.request_id}",
+            )
+        except Unavailable:
+            raise
+        except Exception:
+            log.exception(
+                "op %s of %s: its metric history entry was lost", job.request_id, job.model_id
+            )
 
     async def _finish_unsequenced(self, item: Item, outcome: Outcome) -> None:
         """Store an outcome and ack, for an op whose model's line is gone."""

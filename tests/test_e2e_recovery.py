@@ -13,7 +13,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import nats
 import numpy as np
 import pytest
@@ -78,6 +80,20 @@ async def _leases(nats_url: str, pool: str) -> dict[int, str]:
         await nc.close()
 
 
+def _history(cluster: Cluster, run_id: str) -> list[dict[str, Any]]:
+    """The run's metric history once it holds all `STEPS` passes and steps (its entries are
+    written as the worker answers)."""
+    url = f"{cluster.base_url}/api/v1/training_runs/{run_id}/metrics"
+    deadline = time.monotonic() + 30
+    while True:
+        got = httpx.get(url, headers={"X-API-Key": cluster.api_key}, timeout=30)
+        assert got.status_code == 200, got.text
+        steps: list[dict[str, Any]] = got.json()["steps"]
+        if len(steps) >= 2 * STEPS or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("model", ["tiny_model", "tiny_model_moe"])
 def test_a_killed_worker_loses_nothing(
     pool_cluster: Cluster, model: str, request: pytest.FixtureRequest
@@ -115,6 +131,7 @@ def test_a_killed_worker_loses_nothing(
 
         # the uninterrupted runs of the same seeds and data
         reference = {}
+        reference_runs = {}
         for seed in clients:
             client = service.create_lora_training_client(
                 base_model=str(tiny_model), rank=4, seed=seed
@@ -122,6 +139,7 @@ def test_a_killed_worker_loses_nothing(
             reference[seed] = saved_adapter(
                 cluster, train_pipelined(client, seed, STEPS, "reference")
             )
+            reference_runs[seed] = client.model_id
 
         results: dict[int, str] = {}
         errors: list[BaseException] = []
@@ -153,6 +171,15 @@ def test_a_killed_worker_loses_nothing(
             assert got.keys() == want.keys()
             for key in want:
                 np.testing.assert_allclose(got[key], want[key], atol=1e-4, rtol=0, err_msg=key)
+        # each run's metric history: every request's entry once, as the uninterrupted run's
+        for seed, client in clients.items():
+            got, want = _history(cluster, client.model_id), _history(cluster, reference_runs[seed])
+            assert [(s["step"], s["kind"]) for s in got] == [(s["step"], s["kind"]) for s in want]
+            assert len(got) == 2 * STEPS
+            for mine, theirs in zip(got, want, strict=True):
+                assert mine["metrics"].keys() == theirs["metrics"].keys()
+                for name, value in theirs["metrics"].items():
+                    assert mine["metrics"][name] == pytest.approx(value, rel=1e-3), name
         # `up` restarted the killed worker under its id
         restarted = _workers(cluster, tiny_model)
         assert second_id in restarted and restarted[second_id] != workers[second_id]

@@ -473,6 +473,9 @@ class TrainerService:
                 key = subjects.checkpoint_key(checkpoint.run_id, checkpoint.checkpoint_id)
                 await self.bus.put(subjects.BUCKET_CHECKPOINTS, key, records.encode(checkpoint))
             if publish:
+                # before the outcome: a worker that dies between the two leaves the op to a
+                # replay that publishes both, the entry stored once (its message id)
+                await self._keep_metrics(job, outcome)
                 await self._store(outcome)
         except Unavailable:
             raise
@@ -496,7 +499,6 @@ class TrainerService:
         await self._ack(item)
         if outcome.state == "done" and publish:
             self._count(job)
-            await self._keep_metrics(job, outcome)
         if not self.sequencer.holds(item):
             # Handed over while it ran: its new owner rebuilds the model from the snapshot and
             # the log (this op included) and snapshots it; a snapshot or a failure noted here

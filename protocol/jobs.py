@@ -177,6 +177,15 @@ Job = (
 )
 
 
+class TextPrompt(msgspec.Struct, frozen=True):
+    """A prompt as text (an OpenAI-compatible request): the sampler tokenizes `text`, or the
+    chat `messages` with the base model's chat template, and answers text
+    (`protocol.text_sampling`)."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+
+
 class SampleJob(msgspec.Struct, frozen=True):
     """One `asample`, on `tw.v1.sample.<pool>`: taken by any sampler of the pool.
 
@@ -193,6 +202,7 @@ class SampleJob(msgspec.Struct, frozen=True):
     published_at: float = 0.0
     adapter_content_id: str = ""  # the content the session is bound to ("": current)
     clone_id: int = 0  # the sampling client's clone (`seq_id // CLONE_SEQ_SPAN`)
+    text: TextPrompt | None = None  # the prompt as text: `body`'s prompt is empty
 
 
 RequestType = Literal[

@@ -25,6 +25,7 @@ from twinkle_async.gateway import (
     futures_routes,
     metrics_routes,
     model_routes,
+    openai_routes,
     processor_routes,
     rest_routes,
     sampling_futures_routes,
@@ -140,6 +141,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
         metrics_routes,
         twinkle_routes,
         twinkle_sampler_routes,
+        openai_routes,
         processor_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):

@@ -76,7 +76,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`/api/` needs a tenant's API key (`X-API-Key`); `/admin/` the admin key (`X-Admin-Key`)."""
+    """`/api/` and `/v1/` (OpenAI's) need a tenant's API key (`X-API-Key` or a Bearer token);
+    `/admin/` the admin key (`X-Admin-Key`)."""
     if request.path in _OPEN_PATHS:
         return await handler(request)
     if request.path.startswith("/admin/"):
@@ -86,7 +87,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if not same_secret(request.headers.get("X-Admin-Key", ""), admin_key):
             raise Unauthorized("invalid or missing admin key (send it in X-Admin-Key)")
         return await handler(request)
-    if not request.path.startswith("/api/"):
+    if not request.path.startswith(("/api/", "/v1/")):
         return await handler(request)
     tenant = await request.app[KEYS].tenant_of(api_key(request.headers))
     if tenant is None:

@@ -171,27 +171,42 @@ async def cancel_future(request: web.Request) -> web.Response:
             return json_response({})
         if await request.app[FUTURES].cancel(outcome, entry[1], Cancelled().message):
             await request.app[SAMPLES].done(tenant, request_id)
-            await _tell_samplers(request.app, outcome, tenant)
+            try:
+                sampler = await request.app[REGISTRY].sampler(outcome.sampling_session_id, tenant)
+            except TwinkleError:
+                sampler = None  # the session is gone: nothing to route the cancel by
+            if sampler is not None:
+                await tell_samplers(request.app, request_id, sampler.base_model)
             log.info("sample %s cancelled by its client", request_id)
             return json_response({})
     raise Unavailable(f"could not cancel {request_id!r} while its sampler updated it; retry")
 
 
-async def _tell_samplers(app: web.Application, outcome: Outcome, tenant: str) -> None:
+async def cancel_pending(app: web.Application, request_id: str, base_model: str) -> None:
+    """Cancel a sample still pending (one the gateway's own caller gave up on); a finished
+    one is left as it is."""
+    for _ in range(_MAX_CANCEL_TRIES):
+        entry = await app[BUS].entry(subjects.BUCKET_FUTURES, subjects.future_key(request_id))
+        outcome = decode_outcome(entry[0]) if entry is not None else None
+        if entry is None or outcome is None or outcome.state != "pending":
+            return
+        if await app[FUTURES].cancel(outcome, entry[1], Cancelled().message):
+            await app[SAMPLES].done(outcome.tenant_id, request_id)
+            await tell_samplers(app, request_id, base_model)
+            return
+
+
+async def tell_samplers(app: web.Application, request_id: str, base_model: str) -> None:
     """Ask the pool's samplers to drop the request (best effort: a sampler that misses it
     still skips the job at pickup, where the failed outcome is no longer pending)."""
-    try:
-        sampler = await app[REGISTRY].sampler(outcome.sampling_session_id, tenant)
-    except TwinkleError:
-        return  # the session is gone: nothing to route the cancel by
     nc = app[BUS].nc
     if nc is None:
         return
-    subject = subjects.sample_cancel_subject(subjects.pool_of(sampler.base_model))
+    subject = subjects.sample_cancel_subject(subjects.pool_of(base_model))
     try:
-        await asyncio.wait_for(nc.publish(subject, outcome.request_id.encode()), _PUBLISH_TIMEOUT_S)
+        await asyncio.wait_for(nc.publish(subject, request_id.encode()), _PUBLISH_TIMEOUT_S)
     except (nats.errors.Error, TimeoutError) as exc:
-        log.warning("could not tell the samplers to drop %s: %r", outcome.request_id, exc)
+        log.warning("could not tell the samplers to drop %s: %r", request_id, exc)
 
 
 @routes.post("/api/v1/join_sampling_session")

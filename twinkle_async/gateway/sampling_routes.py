@@ -14,7 +14,7 @@ from aiohttp import web
 
 from protocol import api, paths, stability, subjects
 from protocol.errors import UserError
-from protocol.jobs import SampleJob
+from protocol.jobs import SampleJob, TextPrompt
 from protocol.records import SamplerRecord
 from protocol.sampling import TEXT_ONLY, check_sample_request
 from protocol.sampling_futures import check_sample_seq_id, clone_of
@@ -155,6 +155,7 @@ async def publish_sample(
     request_id: str,
     dedupe: str,
     clone_id: int = 0,
+    text: TextPrompt | None = None,
 ) -> None:
     """Admit a checked sample body (`raw`) under the tenant's concurrency quota, record it
     pending and publish it to the base model's pool."""
@@ -169,6 +170,7 @@ async def publish_sample(
         body=raw,
         published_at=time.time(),
         clone_id=clone_id,
+        text=text,
     )
     bus = request.app[BUS]
     data = bus.encode_sample_job(job)  # past the bus's largest message: a 413, nothing pending

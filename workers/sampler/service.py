@@ -31,11 +31,13 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from protocol import api, stability, subjects
+from protocol import api, stability, subjects, text_sampling
 from protocol.errors import Cancelled, ServerError, TwinkleError, UserError
 from protocol.jobs import Outcome, SampleJob, decode_sample_job, encode_outcome
 from protocol.paths import (
@@ -111,6 +113,7 @@ class SamplerService:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         # jobs taken and not yet answered (queued or sampling), by id(msg): kept alive
         self._held: dict[int, Msg] = {}
+        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}  # of text jobs' base models
         self.served = 0
 
     async def run(self) -> None:
@@ -208,6 +211,8 @@ class SamplerService:
             return
         try:
             body = api.decode(job.body, api.SampleRequest)
+            if job.text is not None:
+                body = await asyncio.to_thread(self._tokenized, job, body)
             spec = sample_spec(
                 body,
                 max_context=self.backend.max_context,
@@ -225,6 +230,35 @@ class SamplerService:
             return
         self._held[id(msg)] = msg
         self._queue.put_nowait(Prepared(job, msg, spec, adapter_dir, adapter_key, future))
+
+    def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase:
+        """The base model's tokenizer (loaded once, from the model's own files)."""
+        tokenizer = self._tokenizers.get(base_model)
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(base_model)
+            except Exception as exc:
+                log.exception("the tokenizer of %s could not be loaded", base_model)
+                raise ServerError(f"the tokenizer of {base_model!r} could not be loaded") from exc
+            self._tokenizers[base_model] = tokenizer
+        return tokenizer
+
+    def _tokenized(self, job: SampleJob, body: api.SampleRequest) -> api.SampleRequest:
+        """A text job's body with its prompt's tokens (`protocol.text_sampling`)."""
+        assert job.text is not None
+        tokenizer = self.tokenizer(job.base_model)
+
+        def chat(messages: list[dict[str, str]]) -> list[int]:
+            try:
+                encoded: Any = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, return_dict=True
+                )
+            except Exception as exc:  # a template that refuses these messages
+                raise UserError(f"messages: the chat template refused them: {exc}") from None
+            return [int(token) for token in encoded["input_ids"]]
+
+        tokens = text_sampling.prompt_tokens(job.text, tokenizer.encode, chat)
+        return text_sampling.with_prompt(body, tokens)
 
     def _adapter_dir(self, adapter_path: str, content_id: str) -> tuple[Path, str]:
         """The directory holding the content a session is bound to, and its cache key.
@@ -355,6 +389,15 @@ class SamplerService:
             )
         )
 
+    def _text_answer(self, job: SampleJob, result: SampleOutput, spec: SampleSpec) -> bytes:
+        tokenizer = self.tokenizer(job.base_model)
+        return text_sampling.answer(
+            result,
+            len(spec.prompt),
+            spec.stop_strings,
+            lambda tokens: str(tokenizer.decode(tokens, skip_special_tokens=True)),
+        )
+
     async def _finish(
         self,
         job: SampleJob,
@@ -385,12 +428,15 @@ class SamplerService:
                 clone_id=job.clone_id,
             )
         else:
+            text = job.text is not None and spec is not None
             outcome = Outcome(
                 request_id=job.request_id,
                 state="done",
                 request_type="sample",
-                payload=encode_sample_response(result, spec),
-                payload_type="proto",
+                payload=self._text_answer(job, result, spec)
+                if text and spec is not None
+                else encode_sample_response(result, spec),
+                payload_type="json" if text else "proto",
                 finished_at=time.time(),
                 tenant_id=job.tenant_id,
                 sampling_session_id=job.sampling_session_id,

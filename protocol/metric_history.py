@@ -45,11 +45,8 @@ def entry_of(job: Job, outcome: Outcome) -> MetricEntry | None:
     kind: Kind
     if isinstance(job, ForwardBackwardJob):
         kind = "forward" if job.forward_only else "forward_backward"
-        if outcome.payload_type == "proto":
-            metrics = dict(pb.ForwardBackwardOutput.FromString(outcome.payload).metrics)
-        else:
-            metrics = dict(msgspec.json.decode(outcome.payload).get("metrics") or {})
-    elif isinstance(job, OptimStepJob):
+        metrics = dict(pb.ForwardBackwardOutput.FromString(outcome.payload).metrics)
+    elif isinstance(job, OptimStepJob) and not job.discard:  # a discard is no step
         kind = "optim_step"
         metrics = dict(api.decode(outcome.payload, api.OptimStepResponse).metrics or {})
     else:

@@ -45,6 +45,8 @@ def test_failed_ops_and_other_ops_keep_nothing_and_entries_are_bounded() -> None
     failed = Outcome(request_id="req-1", state="error", error="boom")
     assert metric_history.entry_of(OptimStepJob(**FIELDS), failed) is None
     assert metric_history.entry_of(SaveWeightsJob(**FIELDS), _done(b"{}")) is None
+    discarded = api.encode(api.OptimStepResponse(metrics={}))
+    assert metric_history.entry_of(OptimStepJob(**FIELDS, discard=True), _done(discarded)) is None
     many = {f"m{i:03d}" + "x" * 500: float(i) for i in range(500)}
     step = api.encode(api.OptimStepResponse(metrics=many))
     entry = metric_history.entry_of(OptimStepJob(**FIELDS), _done(step))

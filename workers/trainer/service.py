@@ -582,10 +582,10 @@ class TrainerService:
     async def _keep_metrics(self, job: Job, outcome: Outcome) -> None:
         """Add a finished op's metrics to its run's history (`protocol.metric_history`); a
         failure here loses that entry only, never the op."""
-        entry = metric_history.entry_of(job, outcome)
-        if entry is None:
-            return
         try:
+            entry = metric_history.entry_of(job, outcome)
+            if entry is None:
+                return
             await self.bus.publish_once(
                 subjects.metrics_subject(job.model_id),
                 metric_history.encode(entry),

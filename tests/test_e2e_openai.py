@@ -146,6 +146,33 @@ def test_bad_input_is_a_clear_4xx(
     assert 400 <= status < 500, raised.value
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"messages": []},
+        {"messages": [{"role": "root", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"messages": "hello"},
+        {"max_tokens": -1},
+        {"stop": ["x"] * 1000},
+        {"seed": "x"},
+        {"top_logprobs": 10**6, "logprobs": True},
+        {"n": -3},
+    ],
+)
+def test_bad_chat_input_is_a_clear_4xx(
+    cluster: Cluster, tiny_model: Path, changes: dict[str, object]
+) -> None:
+    body: dict[str, object] = {
+        "model": str(tiny_model),
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        **changes,
+    }
+    with pytest.raises(openai.BadRequestError):
+        _client(cluster).chat.completions.create(**body)  # type: ignore[call-overload]
+
+
 def test_a_missing_or_wrong_key_is_a_401(cluster: Cluster, tiny_model: Path) -> None:
     with pytest.raises(openai.AuthenticationError):
         _client(cluster, "tml-not-a-key").models.list()

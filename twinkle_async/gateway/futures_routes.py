@@ -13,13 +13,15 @@ import time
 from aiohttp import web
 
 from protocol import api, rules
-from protocol.errors import ErrorCategory, NotFound
+from protocol.errors import ErrorCategory, NotFound, ServerError, UserError
 from protocol.jobs import Outcome
 from protocol.json_tensors import answer_json, wants_protobuf
 from twinkle_async.gateway.bodies import json_response, read_json
 from twinkle_async.gateway.state import FUTURES, REGISTRY, SAMPLES, SETTINGS, TENANT
 
 routes = web.RouteTableDef()
+
+WAIT_S = 590.0  # a waiting route's longest wait (twinkle's client gives up after 600 s)
 
 
 async def _owned(request: web.Request, outcome: Outcome) -> bool:
@@ -65,3 +67,24 @@ async def retrieve_future(request: web.Request) -> web.Response:
         answer = answer_json(outcome.request_type, outcome.payload)
         return web.Response(body=answer, content_type="application/json")
     return web.Response(body=outcome.payload, content_type="application/json")
+
+
+async def finished(request: web.Request, request_id: str) -> Outcome:
+    """The outcome of a request this gateway submitted for its caller, once done (for routes
+    that answer when the work is done, as Twinkle's and OpenAI's clients expect); its error
+    as the answer's."""
+    futures = request.app[FUTURES]
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        outcome = await futures.wait(request_id, max(0.1, min(30.0, deadline - time.monotonic())))
+        if outcome is None:
+            raise ServerError(f"request {request_id} was lost")
+        if outcome.state != "pending":
+            break
+        if time.monotonic() > deadline:
+            raise ServerError(f"request {request_id} did not finish in {WAIT_S:.0f} s", status=504)
+    if outcome.state == "error":
+        if outcome.category is ErrorCategory.USER:
+            raise UserError(outcome.error)
+        raise ServerError(outcome.error)
+    return outcome

@@ -28,10 +28,10 @@ from protocol.sampling import MAX_LOGPROBS_K
 from protocol.text_sampling import TextAnswer, check_prompt, decode_answer
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body
+from twinkle_async.gateway.futures_routes import finished
 from twinkle_async.gateway.sampling_futures_routes import cancel_pending
 from twinkle_async.gateway.sampling_routes import publish_sample
 from twinkle_async.gateway.state import REGISTRY, TENANT
-from twinkle_async.gateway.twinkle_routes import finished
 
 routes = web.RouteTableDef()
 

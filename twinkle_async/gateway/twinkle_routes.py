@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from protocol import api, paths, rules, subjects, twinkle_schedule
-from protocol.errors import ErrorCategory, NotFound, ServerError, UserError
+from protocol.errors import NotFound, UserError
 from protocol.jobs import CreateModelJob, Job, LoadWeightsJob, OptimStepJob, Outcome
 from protocol.json_tensors import answer_json, forward_backward_from_json
 from protocol.records import RunRecord, SessionRecord
@@ -44,6 +44,7 @@ from protocol.twinkle_api import (
 from twinkle_async.gateway import rest_routes
 from twinkle_async.gateway.bodies import json_response, read_body, read_json
 from twinkle_async.gateway.checkpoint_files import remove_checkpoint
+from twinkle_async.gateway.futures_routes import finished
 from twinkle_async.gateway.sequenced import live_run, submit
 from twinkle_async.gateway.service_routes import new_session
 from twinkle_async.gateway.state import ARTIFACTS, BUS, FUTURES, REGISTRY, SETTINGS, TENANT
@@ -61,7 +62,6 @@ routes = web.RouteTableDef()
 SESSION_HEADER = "X-Twinkle-Session-Id"
 MODEL = "/api/v1/model/{base_model:.+}/twinkle"
 MAX_ADAPTERS = 64  # a session's adapters
-WAIT_S = 590.0  # twinkle's client gives up on a call after 600 s
 _OK = {"status": "ok"}
 _ENCODER = msgspec.json.Encoder()
 _locks: dict[str, asyncio.Lock] = {}
@@ -263,25 +263,6 @@ def _locked(session_id: str, adapter_name: str) -> asyncio.Lock:
         for name in [k for k, lock in _locks.items() if not lock.locked()]:
             del _locks[name]
     return _locks.setdefault(key, asyncio.Lock())
-
-
-async def finished(request: web.Request, request_id: str) -> Outcome:
-    """The outcome of a submitted call once done; its error as the answer's."""
-    futures = request.app[FUTURES]
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        outcome = await futures.wait(request_id, max(0.1, min(30.0, deadline - time.monotonic())))
-        if outcome is None:
-            raise ServerError(f"request {request_id} was lost")
-        if outcome.state != "pending":
-            break
-        if time.monotonic() > deadline:
-            raise ServerError(f"request {request_id} did not finish in {WAIT_S:.0f} s", status=504)
-    if outcome.state == "error":
-        if outcome.category is ErrorCategory.USER:
-            raise UserError(outcome.error)
-        raise ServerError(outcome.error)
-    return outcome
 
 
 async def _run(request: web.Request, record: TwinkleAdapterRecord) -> RunRecord:
@@ -530,22 +511,26 @@ async def _step(
     params = step_params(record, _lr(record), max_grad_norm)
     coupled = record.optimizer is not None and record.optimizer.coupled
     run = await _run(request, record)
-
-    def make(seq_id: int) -> tuple[bytes, Any]:
-        async def build(request_id: str, first: bool) -> Job:
-            return OptimStepJob(
-                **_job_fields(run, request_id, seq_id),
-                adam=params,
-                coupled_weight_decay=coupled,
-            )
-
-        return _ENCODER.encode(params), build
-
-    outcome = await _call(request, run, "optim_step", make)
+    outcome = await _optim_step(
+        request, run, _ENCODER.encode(params), adam=params, coupled_weight_decay=coupled
+    )
     metrics = api.decode(outcome.payload, api.OptimStepResponse).metrics or {}
     norm = float(metrics.get("unclipped_grad_l2:mean", 0.0))
     count = record.count if max_grad_norm > 0 and record.count > 0 else 1.0
     return msgspec.structs.replace(record, clipped=True, count=0.0, grad_norm=norm / count)
+
+
+async def _optim_step(request: web.Request, run: RunRecord, body: bytes, **fields: Any) -> Outcome:
+    """An `optim_step` job of the adapter's run with its own `fields`; `body` is what a retry
+    of it is recognised by."""
+
+    def make(seq_id: int) -> tuple[bytes, Any]:
+        async def build(request_id: str, first: bool) -> Job:
+            return OptimStepJob(**_job_fields(run, request_id, seq_id), **fields)
+
+        return body, build
+
+    return await _call(request, run, "optim_step", make)
 
 
 def _synced(record: TwinkleAdapterRecord) -> bool:
@@ -588,14 +573,7 @@ async def _zero_grad(request: web.Request, adapter_name: str | None) -> None:
     if not _synced(record) or record.clipped or record.count <= 0:
         return
     run = await _run(request, record)
-
-    def make(seq_id: int) -> tuple[bytes, Any]:
-        async def build(request_id: str, first: bool) -> Job:
-            return OptimStepJob(**_job_fields(run, request_id, seq_id), discard=True)
-
-        return b'{"discard":true}', build
-
-    await _call(request, run, "optim_step", make)
+    await _optim_step(request, run, b'{"discard":true}', discard=True)
     await _save(request, msgspec.structs.replace(record, clipped=True, count=0.0), revision)
 
 

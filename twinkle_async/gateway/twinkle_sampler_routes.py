@@ -44,12 +44,12 @@ from protocol.twinkle_sampling import (
 )
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response
+from twinkle_async.gateway.futures_routes import finished
 from twinkle_async.gateway.processor_routes import run_template
 from twinkle_async.gateway.sampling_routes import check_sample, publish_sample
 from twinkle_async.gateway.state import BUS, QUOTAS, REGISTRY, TENANT
 from twinkle_async.gateway.twinkle_routes import (
     MAX_ADAPTERS,
-    finished,
     json_body,
     served_base_model,
     twinkle_session,

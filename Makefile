@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: install test compose-test demo lint format clean
+.PHONY: install test compose-test vendor-console demo lint format clean
 
 # Older tinker SDKs, each in a virtualenv of its own, for the wire-compatibility tests
 # (tests/test_e2e_old_sdk.py)
@@ -59,7 +59,14 @@ $(STAMP): pyproject.toml requirements.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
-test: install
+# Debian's chromium for the console's browser test (tests/test_e2e_console.py), installed with
+# apt when missing (needs root, as compose-test does)
+CHROMIUM := /usr/bin/chromium
+
+$(CHROMIUM):
+	apt-get update -q && apt-get install -y -q chromium
+
+test: install $(CHROMIUM)
 	# a native library that crashes at interpreter exit prints its stack instead of a bare abort
 	# on two processes, a test module on one of them (its module-scoped cluster with it)
 	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -n 2 --dist loadfile
@@ -68,6 +75,11 @@ test: install
 # docker-compose and debootstrap with apt when missing; caches under ~/.cache/twinkle-compose)
 compose-test: install
 	$(PY) -m tests.compose_e2e
+
+# the console's chart library, fetched from the npm registry at the pinned version and checked
+# against its integrity hash; the files are committed (twinkle_async/gateway/console/vendor)
+vendor-console: install
+	$(PY) deploy/vendor_console.py
 
 demo: install
 	$(PY) examples/demo.py

@@ -9,6 +9,7 @@ and exits 1; Typer's usage errors exit 2.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -40,6 +41,9 @@ checkpoints_app = typer.Typer(
     help="Checkpoints: list, delete, publish, unpublish, expire, export, import.",
 )
 sessions_app = typer.Typer(no_args_is_help=True, help="Client sessions: list, show.")
+prices_app = typer.Typer(
+    no_args_is_help=True, help="Show and set the prices usage is costed at, per million tokens."
+)
 workers_app = typer.Typer(no_args_is_help=True, help="Worker processes and their load.")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
@@ -47,6 +51,7 @@ app.add_typer(quotas_app, name="quotas")
 app.add_typer(runs_app, name="runs")
 app.add_typer(checkpoints_app, name="checkpoints")
 app.add_typer(sessions_app, name="sessions")
+app.add_typer(prices_app, name="prices")
 app.add_typer(workers_app, name="workers")
 
 
@@ -169,6 +174,20 @@ def tenants_show(ctx: typer.Context, name: str) -> None:
     admin.show(admin.call("GET", f"tenants/{segment(name)}"), tables.tenant)
 
 
+@tenants_app.command("usage")
+def tenants_usage(
+    ctx: typer.Context,
+    name: str,
+    days: Annotated[
+        int, typer.Option(min=1, max=14, help="UTC days up to today, today included")
+    ] = 7,
+) -> None:
+    """A tenant's tokens and their cost, per day and per training run."""
+    admin = _admin(ctx)
+    answer = admin.call("GET", f"tenants/{segment(name)}/usage", params={"days": str(days)})
+    admin.show(answer, tables.tenant_usage)
+
+
 # -- keys ---------------------------------------------------------------------------------------
 
 
@@ -275,6 +294,49 @@ def usage(
     """What each tenant trained and sampled, and what it holds now."""
     admin = _admin(ctx)
     admin.show(admin.call("GET", "usage", params={"tenant": tenant}), tables.usage)
+
+
+# -- prices -------------------------------------------------------------------------------------
+
+
+def _price(kind: str) -> Any:
+    return typer.Option(min=0.0, show_default=False, help=f"the price of a million {kind} tokens")
+
+
+@prices_app.command("show")
+def prices_show(ctx: typer.Context) -> None:
+    """The prices usage is costed at (all 0 until set)."""
+    admin = _admin(ctx)
+    admin.show(admin.call("GET", "prices"), tables.prices)
+
+
+@prices_app.command("set")
+def prices_set(
+    ctx: typer.Context,
+    train: Annotated[float | None, _price("trained (forward_backward)")] = None,
+    forward: Annotated[float | None, _price("forward-only")] = None,
+    sample: Annotated[float | None, _price("sampled")] = None,
+    currency: Annotated[
+        str | None, typer.Option(show_default=False, help="a code of 1-8 capital letters, e.g. USD")
+    ] = None,
+) -> None:
+    """Set some of the prices; the ones not given keep their value."""
+    given: dict[str, float | str | None] = {
+        "train": train,
+        "forward": forward,
+        "sample": sample,
+        "currency": currency,
+    }
+    body = {name: value for name, value in given.items() if value is not None}
+    for name, value in body.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise typer.BadParameter(f"{value} is not a finite number", param_hint=f"--{name}")
+    if not body:
+        raise typer.BadParameter(
+            "nothing to change: give --train, --forward, --sample or --currency"
+        )
+    admin = _admin(ctx)
+    admin.show(admin.call("PUT", "prices", body), tables.prices)
 
 
 # -- runs ---------------------------------------------------------------------------------------

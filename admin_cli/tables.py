@@ -200,6 +200,71 @@ def usage(data: dict[str, Any]) -> RenderableType:
     return table("usage", columns, rows, "no usage")
 
 
+# -- prices and usage per day and per run -------------------------------------------------------
+
+PRICE_KINDS = (("train", "trained"), ("forward", "forward-only"), ("sample", "sampled"))
+
+
+def prices(data: dict[str, Any]) -> RenderableType:
+    """The price list: a currency and, per kind of token, a price per million."""
+    return fields(
+        f"prices ({data['currency']} per million tokens)",
+        [(f"{title} tokens", _amount(data[kind])) for kind, title in PRICE_KINDS],
+    )
+
+
+def _amount(value: float) -> str:
+    return f"{value:.6g}" if value < 0.01 else f"{value:,.2f}"
+
+
+def tenant_usage(data: dict[str, Any]) -> RenderableType:
+    """`GET /tenants/{name}/usage`: the tenant's days, then its runs, each with its cost."""
+    currency = data["currency"]
+    days = table(
+        f"usage of {data['tenant']} per day (UTC)",
+        ("day", "tokens trained", "tokens forward", "sampled tokens", f"cost ({currency})"),
+        [
+            (
+                d["day"],
+                d["tokens_trained"],
+                d["tokens_forward"],
+                d["sampled_tokens"],
+                _amount(d["cost"]),
+            )
+            for d in data["days"]
+        ],
+        "no days",
+    )
+    runs = table(
+        (
+            f"runs (the {len(data['runs'])} most recently active; the others were not read)"
+            if data.get("runs_truncated")
+            else "runs"
+        ),
+        (
+            "run_id",
+            "base model",
+            "tokens trained",
+            "tokens forward",
+            "optim steps",
+            f"cost ({currency})",
+        ),
+        [
+            (
+                r["run_id"],
+                r["base_model"],
+                r["tokens_trained"],
+                r["tokens_forward"],
+                r["optim_steps"],
+                _amount(r["cost"]),
+            )
+            for r in data["runs"]
+        ],
+        "no runs",
+    )
+    return Group(days, Text(""), runs)
+
+
 # -- runs, checkpoints, sessions ----------------------------------------------------------------
 
 
@@ -254,7 +319,8 @@ def run(data: dict[str, Any]) -> RenderableType:
 
 
 def run_metrics(data: dict[str, Any]) -> RenderableType:
-    """A run's metric history: a row a request, a column a metric (the names of all rows)."""
+    """A run's metric history: a row a request (with the tokens of a pass), a column a metric
+    (the names of all rows)."""
     steps = data["steps"]
     names = sorted({name for step in steps for name in step["metrics"]})
     rows = [
@@ -262,11 +328,12 @@ def run_metrics(data: dict[str, Any]) -> RenderableType:
             step["step"],
             step["kind"],
             when(step["time"]),
+            step.get("tokens") or "",
             *(_metric(step["metrics"].get(name)) for name in names),
         )
         for step in steps
     ]
-    return table("metrics", ("step", "kind", "time", *names), rows, "no metrics yet")
+    return table("metrics", ("step", "kind", "time", "tokens", *names), rows, "no metrics yet")
 
 
 def _metric(value: float | None) -> str:

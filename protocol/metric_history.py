@@ -1,6 +1,7 @@
 """A training run's metric history: one entry for each finished `forward_backward`, `forward`
 and `optim_step` of the run, with the metrics its answer carried (`loss:sum` and the rest, or
-the step's gradient norm and learning rate).
+the step's gradient norm and learning rate), and the tokens a pass ran (what the run's usage
+per day is summed from, `gateway/usage_views.py`).
 
 The worker that finished the request publishes the entry to the `TW_METRICS` stream under the
 run's subject (`subjects.metrics_subject`), with the request id as its message id, so an op
@@ -28,13 +29,16 @@ Kind = Literal["forward_backward", "forward", "optim_step"]
 
 class MetricEntry(msgspec.Struct, frozen=True):
     """One request's metrics: `step` is its seq_id in the run (the order the client sent it),
-    `time` when it finished (Unix seconds); a metric that is not a finite number is null."""
+    `time` when it finished (Unix seconds); a metric that is not a finite number is null.
+    `tokens`: the tokens of a `forward_backward` or `forward` (0 for an `optim_step`, and for
+    an entry written before it was kept)."""
 
     step: int
     kind: Kind
     time: float
     metrics: dict[str, float | None]
     request_id: str = ""
+    tokens: int = 0
 
 
 def entry_of(job: Job, outcome: Outcome) -> MetricEntry | None:
@@ -43,9 +47,11 @@ def entry_of(job: Job, outcome: Outcome) -> MetricEntry | None:
         return None
     metrics: dict[str, float]
     kind: Kind
+    tokens = 0
     if isinstance(job, ForwardBackwardJob):
         kind = "forward" if job.forward_only else "forward_backward"
         metrics = dict(pb.ForwardBackwardOutput.FromString(outcome.payload).metrics)
+        tokens = job.n_tokens
     elif isinstance(job, OptimStepJob) and not job.discard:  # a discard is no step
         kind = "optim_step"
         metrics = dict(api.decode(outcome.payload, api.OptimStepResponse).metrics or {})
@@ -61,6 +67,7 @@ def entry_of(job: Job, outcome: Outcome) -> MetricEntry | None:
         time=outcome.finished_at,
         metrics=kept,
         request_id=job.request_id,
+        tokens=tokens,
     )
 
 

@@ -31,6 +31,10 @@ BUCKET_LEASES = "tw_leases"
 BUCKET_WORKERS = "tw_workers"
 BUCKET_STABILITY = "tw_stability"  # per sampled sequence, for stable_reinforce
 
+# the operator's prices (`records.PriceList`) in `tw_quotas`, beside the tenants' limits: a
+# dotted key, which no tenant's name can be
+PRICES_KEY = "cluster.prices"
+
 DEFAULT_SHARDS = 16
 
 _SLUG_RE = re.compile(r"[^a-z0-9]+")

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -381,6 +382,15 @@ def administer(base_url: str, admin_key: str, saved: str) -> None:
         names = sorted(p.name for p in Path(out, "adapter").iterdir())
     assert names == ["adapter_config.json", "adapter_model.safetensors"], names
     log(f"twinkle-admin: {len(workers['workers'])} workers listed, {saved} exported")
+    # the console's files are in the installed package (no CDN, no checkout)
+    for path in (
+        "/console",
+        "/console/static/console.js",
+        "/console/static/vendor/uPlot.iife.min.js",
+    ):
+        with urllib.request.urlopen(f"{base_url}{path}", timeout=30) as response:
+            assert response.status == 200 and response.read(), path
+    log("console: page and chart library served from the image")
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -106,13 +106,15 @@ def trained(cluster: Cluster, tiny_model: Path) -> Iterator[Trained]:
 def test_help_lists_every_command() -> None:
     result = runner.invoke(app, ["--help"], env=NO_ENV)
     assert result.exit_code == 0
-    for group in ("tenants", "keys", "quotas", "usage", "runs", "checkpoints", "sessions"):
+    groups = ("tenants", "keys", "quotas", "usage", "prices", "runs", "checkpoints", "sessions")
+    for group in groups:
         assert group in result.stdout
     assert "workers" in result.stdout and "queues" in result.stdout
     commands = {
-        "tenants": ("create", "list", "show"),
+        "tenants": ("create", "list", "show", "usage"),
         "keys": ("create", "list", "revoke"),
         "quotas": ("show", "set"),
+        "prices": ("show", "set"),
         "runs": ("list", "show", "unload", "delete"),
         "checkpoints": ("list", "delete", "publish", "unpublish", "ttl"),
         "sessions": ("list", "show"),
@@ -155,6 +157,7 @@ def test_an_unknown_tenant_is_refused(cluster: Cluster) -> None:
         ["tenants", "show", "cli-nobody"],
         ["quotas", "show", "cli-nobody"],
         ["usage", "cli-nobody"],
+        ["tenants", "usage", "cli-nobody"],
         ["keys", "create", "--tenant", "cli-nobody"],
     ):
         refused(cli(cluster, *args), "tenant 'cli-nobody' not found")
@@ -276,6 +279,52 @@ def test_usage_of_every_tenant_and_of_one(cluster: Cluster, trained: Trained) ->
     assert {"tokens_trained", "optim_steps", "active_adapters"} <= set(mine)
     everyone = answer(cluster, "usage")["usage"]
     assert {"cli-train", "default"} <= {u["tenant"] for u in everyone}
+
+
+def test_prices_show_and_set(cluster: Cluster) -> None:
+    found = answer(cluster, "prices", "show")  # the cluster's: put back at the end
+    try:
+        out = human(cluster, "prices", "set", "--train", "1.5", "--currency", "EUR")
+        assert "prices (EUR per million tokens)" in out and "1.50" in out
+        # only the prices given are sent: the others keep their value
+        view = answer(cluster, "prices", "set", "--forward", "0.25", "--sample", "3")
+        assert view == {"currency": "EUR", "train": 1.5, "forward": 0.25, "sample": 3.0}
+        assert answer(cluster, "prices", "show") == view
+        shown = human(cluster, "prices", "show")
+        assert "trained tokens" in shown and "0.25" in shown and "3.00" in shown
+
+        refused(cli(cluster, "prices", "set", "--currency", "usd"), "currency")
+        refused(cli(cluster, "prices", "set", "--train", "2000000"), "train")
+        for args, hint in (
+            ([], "nothing to change"),
+            (["--train", "-1"], "--train"),
+            (["--sample", "nan"], "--sample"),
+            (["--forward", "inf"], "--forward"),
+            (["--train", "cheap"], "--train"),
+        ):
+            result = cli(cluster, "prices", "set", *args)
+            assert result.exit_code == 2 and hint in result.stderr, (args, result.output)
+        assert answer(cluster, "prices", "show") == view
+    finally:
+        httpx.put(
+            f"{cluster.base_url}/admin/v1/prices",
+            json=found,
+            headers={"X-Admin-Key": cluster.admin_key},
+        ).raise_for_status()
+
+
+def test_tenants_usage_per_day_and_per_run(cluster: Cluster, trained: Trained) -> None:
+    tokens = sum(datum.model_input.length for datum in toy_batch(n=2))  # what `train` sent
+    data = answer(cluster, "tenants", "usage", "cli-train", "--days", "3")
+    assert data["tenant"] == "cli-train" and len(data["days"]) == 3
+    [run] = data["runs"]
+    assert run["run_id"] == trained.run_id
+    assert (run["tokens_trained"], run["optim_steps"]) == (tokens, 1)
+    out = human(cluster, "tenants", "usage", "cli-train")
+    assert "usage of cli-train per day" in out and trained.run_id in out
+    assert f"cost ({data['currency']})" in out
+    result = cli(cluster, "tenants", "usage", "cli-train", "--days", "15")
+    assert result.exit_code == 2 and "--days" in result.stderr
 
 
 # -- runs ---------------------------------------------------------------------------------------

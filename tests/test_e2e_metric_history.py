@@ -61,6 +61,11 @@ def test_a_runs_history_holds_every_pass_and_step_it_answered(
     assert [s["step"] for s in steps] == sorted(s["step"] for s in steps)
     assert all(s["time"] > 0 for s in steps)
     assert steps[0]["metrics"]["loss:sum"] > steps[4]["metrics"]["loss:sum"]  # it learns
+    # each pass keeps its tokens (a step none): what the run's usage is summed from
+    n_tokens = sum(datum.model_input.length for datum in batch)
+    kinds = ("forward_backward", "optim_step", "forward")
+    tokens = {kind: sum(s["tokens"] for s in steps if s["kind"] == kind) for kind in kinds}
+    assert tokens == {"forward_backward": 3 * n_tokens, "optim_step": 0, "forward": n_tokens}
 
     # another tenant: as unknown as a run that does not exist; a malformed id is a 400
     assert _history(cluster, run_id, OTHER_TENANT_KEY).status_code == 404
@@ -75,3 +80,4 @@ def test_a_runs_history_holds_every_pass_and_step_it_answered(
     assert json.loads(shown.stdout)["steps"] == steps
     table = CliRunner().invoke(app, [*argv, "runs", "metrics", run_id], env=env)
     assert table.exit_code == 0 and "loss:sum" in table.stdout and "optim_step" in table.stdout
+    assert "tokens" in table.stdout and str(n_tokens) in table.stdout

@@ -27,17 +27,20 @@ def test_a_pass_and_a_step_keep_their_metrics_in_request_order() -> None:
     payload = encode_forward_backward_output(
         [{"logprobs": np.zeros(3, dtype=np.float32)}], {"loss:sum": 2.5, "bad:mean": math.nan}
     )
-    entry = metric_history.entry_of(ForwardBackwardJob(**FIELDS), _done(payload, "proto"))
+    entry = metric_history.entry_of(
+        ForwardBackwardJob(**FIELDS, n_tokens=96), _done(payload, "proto")
+    )
     assert entry is not None
-    assert (entry.step, entry.kind, entry.time) == (7, "forward_backward", 123.5)
+    assert (entry.step, entry.kind, entry.time, entry.tokens) == (7, "forward_backward", 123.5, 96)
     assert entry.metrics == {"bad:mean": None, "loss:sum": 2.5}
     forward = metric_history.entry_of(
-        ForwardBackwardJob(**FIELDS, forward_only=True), _done(payload, "proto")
+        ForwardBackwardJob(**FIELDS, forward_only=True, n_tokens=12), _done(payload, "proto")
     )
-    assert forward is not None and forward.kind == "forward"
+    assert forward is not None and (forward.kind, forward.tokens) == ("forward", 12)
     step = api.encode(api.OptimStepResponse(metrics={"learning_rate:mean": 1e-3}))
     stepped = metric_history.entry_of(OptimStepJob(**FIELDS), _done(step))
     assert stepped is not None and stepped.metrics == {"learning_rate:mean": 1e-3}
+    assert stepped.tokens == 0
     assert metric_history.decode(metric_history.encode(stepped)) == stepped
 
 

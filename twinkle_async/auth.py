@@ -82,7 +82,10 @@ class KeyRing:
         """The tenant a key belongs to, or None for an unknown or revoked key."""
         if not key.startswith(KEY_PREFIX):
             return None
-        key_hash = hash_key(key)
+        return await self.tenant_of_hash(hash_key(key))
+
+    async def tenant_of_hash(self, key_hash: str) -> str | None:
+        """`tenant_of` for a key known by its hash (a console session keeps only that)."""
         tenant = self.bootstrap.get(key_hash)
         if tenant is not None:
             return tenant

@@ -2,13 +2,14 @@
 
 Each function takes records the gateway already read (one tenant's) and the time, and builds the
 SDK's response; `account_routes` does the reading and the parameter checks. What the fields mean
-on this server (it has no prices, no projects, no display names):
+on this server (it has no projects, no display names, and prices no billing event):
 
 - billing: `training` events count the tokens of forward and forward_backward passes,
   `sampling_sample` the tokens generated; prompt (prefill) tokens are not counted, so no
   `sampling_prefill` events. `checkpoint` events count the checkpoints saved in the hour that
   are still stored, `storage` events the GB-hours (10**9 bytes for an hour) held by checkpoints
-  still stored. Costs and rates are never set; `user_id` and `project_id` are the tenant.
+  still stored. Costs and rates are never set (the operator's prices cost usage in
+  `usage_views`); `user_id` and `project_id` are the tenant.
 - a tenant is its own single project and its sessions' owner: both are the tenant's id.
 - the audit log is derived from the records kept (sessions, training runs, sampling sessions,
   checkpoints, API keys): creations, session ends and key revocations. Deleted checkpoints and

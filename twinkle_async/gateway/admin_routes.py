@@ -320,7 +320,7 @@ async def show_session(request: web.Request) -> web.Response:
 @routes.get("/admin/v1/workers")
 async def list_workers(request: web.Request) -> web.Response:
     now = time.time()
-    depth = {c["pool"]: c for c in await _consumer_depths(request) if c["pool"]}
+    depth = {c["pool"]: c for c in await consumer_depths(request) if c["pool"]}
     rows = []
     for worker in sorted(request.app[REGISTRY].workers.values(), key=lambda w: w.worker_id):
         row = _plain(worker)
@@ -330,7 +330,7 @@ async def list_workers(request: web.Request) -> web.Response:
     return json_response({"workers": rows})
 
 
-async def _consumer_depths(request: web.Request) -> list[dict[str, Any]]:
+async def consumer_depths(request: web.Request) -> list[dict[str, Any]]:
     """Every consumer of the ops and sample streams, and each pool's `backlog`: the jobs its
     consumers have not finished (pending delivery plus delivered and not yet acked)."""
     js = request.app[BUS].js
@@ -380,7 +380,7 @@ async def queues(request: web.Request) -> web.Response:
                 "consumers": info.state.consumer_count,
             }
         )
-    rows = await _consumer_depths(request)
+    rows = await consumer_depths(request)
     return json_response(
         {
             "streams": streams,

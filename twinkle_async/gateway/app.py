@@ -20,6 +20,7 @@ from twinkle_async.gateway import (
     admin_store_routes,
     admin_transfer_routes,
     checkpoint_routes,
+    console_routes,
     custom_loss_routes,
     download_routes,
     futures_routes,
@@ -35,6 +36,7 @@ from twinkle_async.gateway import (
     twinkle_routes,
     twinkle_sampler_routes,
     unknown_routes,
+    usage_routes,
 )
 from twinkle_async.gateway.completions import SessionCompletions
 from twinkle_async.gateway.metrics_routes import METRICS, metrics_middleware
@@ -123,6 +125,7 @@ def build_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(sweeper_ctx)  # after the bus: it sweeps through the registry
     app.cleanup_ctx.append(account_routes.ledger_ctx)  # after the bus: it watches usage keys
     app.cleanup_ctx.append(processor_routes.processor_ctx)
+    app.cleanup_ctx.append(console_routes.console_ctx)  # after the bus: it hears outcomes
     for module in (
         service_routes,
         training_routes,
@@ -143,6 +146,8 @@ def build_app(settings: GatewaySettings) -> web.Application:
         twinkle_sampler_routes,
         openai_routes,
         processor_routes,
+        console_routes,
+        usage_routes,
         unknown_routes,  # last: the paths nothing else matched
     ):
         app.add_routes(module.routes)

@@ -185,7 +185,17 @@ async def external_weights_urls(request: web.Request) -> web.Response:
 async def checkpoint_archive(request: web.Request) -> web.Response:
     """Older SDKs: a 302 to a signed tar of the checkpoint's files, `Expires` when it lapses."""
     path, ckpt = await _readable(request)
-    # no redirect to a download this gateway could not serve
+    url, expires = archive_location(request, path, ckpt)
+    return web.Response(
+        status=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)}
+    )
+
+
+def archive_location(
+    request: web.Request, path: TinkerPath, ckpt: CheckpointRecord
+) -> tuple[str, int]:
+    """A signed URL of a tar of the checkpoint's files, and when it lapses (Unix seconds)."""
+    # no link to a download this gateway could not serve
     if ckpt.store_key:
         artifact_store(request, ckpt)
     else:
@@ -195,9 +205,7 @@ async def checkpoint_archive(request: web.Request) -> web.Response:
     url = signed_urls.archive_url(
         base_url(request), settings.download_secret, path, ckpt.content_id, expires
     )
-    return web.Response(
-        status=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)}
-    )
+    return url, expires
 
 
 # -- copy_weights ---------------------------------------------------------------------------

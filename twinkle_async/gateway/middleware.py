@@ -24,9 +24,10 @@ from protocol.errors import (
     Unavailable,
     UserError,
 )
-from twinkle_async.auth import same_secret
+from twinkle_async.auth import hash_key, same_secret
 from twinkle_async.bus import TRANSIENT_ERRORS
-from twinkle_async.gateway.state import KEYS, SETTINGS, TENANT
+from twinkle_async.gateway import console_session
+from twinkle_async.gateway.state import CONSOLE_KIND, KEYS, SETTINGS, TENANT
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +78,58 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """`/api/` and `/v1/` (OpenAI's) need a tenant's API key (`X-API-Key` or a Bearer token);
-    `/admin/` the admin key (`X-Admin-Key`)."""
-    if request.path in _OPEN_PATHS:
+    `/admin/` the admin key (`X-Admin-Key`). A web console session (`console_session`) stands
+    for the key it was opened with where no key is sent; `/console/api/` takes only a session."""
+    path = request.path
+    if path in _OPEN_PATHS:
         return await handler(request)
-    if request.path.startswith("/admin/"):
+    if path.startswith("/admin/"):
         admin_key = request.app[SETTINGS].admin_key
         if not admin_key:  # None, or an empty variable: never a key that "" would match
             raise Forbidden("the admin API is off: start the gateway with --admin-key")
+        if "X-Admin-Key" not in request.headers and await _console_login(request) == "admin":
+            return await handler(request)
         if not same_secret(request.headers.get("X-Admin-Key", ""), admin_key):
             raise Unauthorized("invalid or missing admin key (send it in X-Admin-Key)")
         return await handler(request)
-    if not request.path.startswith(("/api/", "/v1/")):
+    if path.startswith("/console/api/"):
+        kind = await _console_login(request)
+        if kind is None:
+            raise Unauthorized("no console session: log in at /console")
+        request[CONSOLE_KIND] = kind
         return await handler(request)
-    tenant = await request.app[KEYS].tenant_of(api_key(request.headers))
+    if not path.startswith(("/api/", "/v1/")):
+        return await handler(request)
+    key = api_key(request.headers)
+    if not key and await _console_login(request) == "tenant":
+        return await handler(request)
+    tenant = await request.app[KEYS].tenant_of(key)
     if tenant is None:
         raise Unauthorized("invalid, revoked or missing API key (send a tml-... key in X-API-Key)")
     request[TENANT] = tenant
     return await handler(request)
+
+
+async def _console_login(request: web.Request) -> str | None:
+    """The kind of console session the request carries ("tenant", with `TENANT` set, or
+    "admin"), or None: no cookie, no matching CSRF token, lapsed, or its key no longer valid."""
+    cookie = request.cookies.get(console_session.COOKIE, "")
+    if not cookie:
+        return None
+    settings = request.app[SETTINGS]
+    secret = settings.download_secret
+    session = console_session.read(secret, cookie)
+    token = request.headers.get(console_session.CSRF_HEADER, "")
+    if session is None or not console_session.csrf_ok(secret, cookie, token):
+        return None
+    if session.kind == "admin":
+        admin_key = settings.admin_key
+        return "admin" if admin_key and session.key_hash == hash_key(admin_key) else None
+    tenant = await request.app[KEYS].tenant_of_hash(session.key_hash)
+    if tenant is None:
+        return None
+    request[TENANT] = tenant
+    return "tenant"
 
 
 def api_key(headers: Mapping[str, str]) -> str:

@@ -24,3 +24,4 @@ SAMPLES = web.AppKey("samples", InFlight)
 # the artifact store of checkpoints saved there (None: no `--artifact-store`)
 ARTIFACTS = web.AppKey[StoreFiles | None]("artifacts")
 TENANT = web.RequestKey("tenant_id", str)  # set by the auth middleware
+CONSOLE_KIND = web.RequestKey("console_kind", str)  # "tenant" or "admin", on /console/api/

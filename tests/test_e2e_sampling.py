@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
+from transformers import AutoTokenizer
 
 from examples import rl
 from tests.conftest import OTHER_TENANT_KEY, Cluster
@@ -97,6 +99,45 @@ def test_vllm_sampler_logprobs_match_the_trainer(vllm_cluster: Cluster, tiny_mod
     np.testing.assert_allclose(
         np.asarray(sampled[1:], dtype=np.float64), trainer_logprobs(client, PROMPT), atol=1e-3
     )
+    service.close("success").result()
+
+
+def test_openai_completions_on_the_vllm_cluster_answer_the_sdks_tokens(
+    vllm_cluster: Cluster, tiny_model: Path
+) -> None:
+    """A text job (`/v1/completions`, `/v1/chat/completions`) through a pool that vLLM serves:
+    tokenized and detokenized by the sampler, the greedy tokens those of the SDK's sample."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    service = tinker.ServiceClient(base_url=vllm_cluster.base_url, api_key=vllm_cluster.api_key)
+    base = service.create_sampling_client(base_model=str(tiny_model)).result()
+    headers = {"Authorization": f"Bearer {vllm_cluster.api_key}"}
+    prompt = "the quick brown fox"
+    ids = tokenizer.encode(prompt)
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    want = base.sample(types.ModelInput.from_ints(ids), 1, greedy).result().sequences[0].tokens
+    done = httpx.post(
+        f"{vllm_cluster.base_url}/v1/completions",
+        json={"model": str(tiny_model), "prompt": prompt, "max_tokens": 6, "temperature": 0},
+        headers=headers,
+        timeout=120,
+    )
+    assert done.status_code == 200, done.text
+    assert done.json()["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)
+    assert done.json()["usage"]["prompt_tokens"] == len(ids)
+    chat = httpx.post(
+        f"{vllm_cluster.base_url}/v1/chat/completions",
+        json={
+            "model": str(tiny_model),
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+        headers=headers,
+        timeout=120,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["role"] == "assistant"
+    assert chat.json()["usage"]["completion_tokens"] <= 4
     service.close("success").result()
 
 

@@ -178,6 +178,49 @@ def test_a_cancelled_sample_stops_the_sampler(
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize("backend", ["torch", "vllm"])
+def test_an_openai_client_that_goes_away_cancels_its_generation(
+    backend: str, request: pytest.FixtureRequest, tiny_model: Path
+) -> None:
+    """`/v1/completions` holds the connection while the sampler generates; a client that
+    closes it (here: a read timeout) has its sample cancelled, as `cancel_future` does."""
+    cluster: Cluster = request.getfixturevalue("cluster" if backend == "torch" else "vllm_cluster")
+    urls = asyncio.run(_sampler_metrics_urls(cluster.nats_url, str(tiny_model)))
+    before = _sampler_counters(urls)
+    body = {
+        "model": str(tiny_model),
+        "prompt": "once upon a time",
+        "max_tokens": 4000,
+        "temperature": 1.0,
+        "n": 4,
+        "seed": 5,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{cluster.base_url}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {cluster.api_key}"},
+            timeout=httpx.Timeout(30, read=1.0),
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        after = _sampler_counters(urls)
+        moved = sum(
+            after("twinkle_sampler_cancelled_total", stage=stage)
+            - before("twinkle_sampler_cancelled_total", stage=stage)
+            for stage in ("sampling", "pickup")
+        )
+        if moved:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the sampler never dropped the abandoned generation")
+    assert moved == 1
+    assert after("twinkle_sampler_generated_tokens_total") == before(
+        "twinkle_sampler_generated_tokens_total"
+    )
+
+
 def _sampling_session(service: tinker.ServiceClient, tiny_model: Path) -> str:
     sampler = service.create_sampling_client(base_model=str(tiny_model)).result()
     session_id: str = sampler._sampling_session_id

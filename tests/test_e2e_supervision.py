@@ -138,6 +138,22 @@ def test_a_killed_gateway_returns_on_its_port_and_the_loop_finishes_exactly(
     assert restarted != gateway
     assert httpx.get(f"{supervised.base_url}/healthz").status_code == 200  # the same base URL
     assert_same_run(reference, interrupted)
+    # the run's metric history, read through the new gateway: every pass and step once
+    history = httpx.get(
+        f"{supervised.base_url}/api/v1/training_runs/{client.model_id}/metrics",
+        headers={"X-API-Key": supervised.api_key},
+        timeout=30,
+    )
+    assert history.status_code == 200, history.text
+    steps = history.json()["steps"]
+    passes = [
+        s["metrics"]["loss:sum"] / n_targets(batch)
+        for s in steps
+        if s["kind"] == "forward_backward"
+    ]
+    assert passes == pytest.approx(interrupted[0], abs=1e-6)
+    assert sum(s["kind"] == "optim_step" for s in steps) == 10
+    assert len({s["step"] for s in steps}) == len(steps)
 
 
 async def _fresh_heartbeat(nats_url: str, worker_ids: set[str], since: float) -> bool:

@@ -169,10 +169,14 @@ def test_bad_chat_input_is_a_clear_4xx(
         "max_tokens": 2,
         **changes,
     }
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as raised:
         _client(cluster).chat.completions.create(**body)  # type: ignore[call-overload]
+    # OpenAI's error shape, which its clients read: a message, a type and a code
+    assert raised.value.type == "invalid_request_error" and raised.value.code
+    assert isinstance(raised.value.body, dict) and raised.value.body["message"]
 
 
 def test_a_missing_or_wrong_key_is_a_401(cluster: Cluster, tiny_model: Path) -> None:
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError) as raised:
         _client(cluster, "tml-not-a-key").models.list()
+    assert raised.value.type == "authentication_error"

@@ -36,8 +36,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN_PATHS = frozenset({"/api/v1/healthz", "/healthz", "/metrics"})
 
 
-def error_response(err: TwinkleError) -> web.Response:
-    body = {"detail": err.message, "category": err.category.value, "code": err.code}
+def error_response(err: TwinkleError, openai: bool = False) -> web.Response:
+    """The error's JSON answer; on the OpenAI routes (`openai`) it also carries OpenAI's
+    `{"error": {"message", "type", "code"}}`, which OpenAI's clients read their message from."""
+    body: dict[str, object] = {
+        "detail": err.message,
+        "category": err.category.value,
+        "code": err.code,
+    }
+    if openai:
+        kind = "invalid_request_error" if err.category is ErrorCategory.USER else "server_error"
+        if err.status == 401:
+            kind = "authentication_error"
+        elif err.status == 429:
+            kind = "rate_limit_error"
+        body["error"] = {"message": err.message, "type": kind, "param": None, "code": err.code}
     return web.json_response(
         body, status=err.status, headers={"x-should-retry": "true" if err.retryable else "false"}
     )
@@ -45,25 +58,29 @@ def error_response(err: TwinkleError) -> web.Response:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    openai = request.path.startswith("/v1/")
     try:
         return await handler(request)
     except TwinkleError as err:
         if err.category is not ErrorCategory.USER:
             log.warning("%s %s failed: %s", request.method, request.path, err.message)
-        return error_response(err)
+        return error_response(err, openai)
     except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(PayloadTooLarge(f"request body too large: {exc.text}"))
+        return error_response(PayloadTooLarge(f"request body too large: {exc.text}"), openai)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         # aiohttp's own answers (no route, wrong method) in the same JSON shape as ours
         reason = f"{request.method} {request.path[:100]}: {exc.reason}"
         return error_response(
-            UserError(reason, code=exc.reason.lower().replace(" ", "_"), status=exc.status)
+            UserError(reason, code=exc.reason.lower().replace(" ", "_"), status=exc.status),
+            openai,
         )
     except TRANSIENT_ERRORS as exc:
         log.warning("%s %s: the bus is away: %r", request.method, request.path, exc)
-        return error_response(Unavailable(f"the job bus is unavailable ({type(exc).__name__})"))
+        return error_response(
+            Unavailable(f"the job bus is unavailable ({type(exc).__name__})"), openai
+        )
     except Exception:
         incident = uuid.uuid4().hex[:12]
         log.exception("%s %s crashed (incident %s)", request.method, request.path, incident)

@@ -184,6 +184,8 @@ class TextPrompt(msgspec.Struct, frozen=True):
 
     text: str | None = None
     messages: list[dict[str, str]] | None = None
+    # the sampler publishes each sequence's text as it grows (`subjects.sample_stream_subject`)
+    stream: bool = False
 
 
 class SampleJob(msgspec.Struct, frozen=True):

@@ -17,6 +17,7 @@ STREAM_METRICS = "TW_METRICS"
 OPS_PREFIX = "tw.v1.ops"
 SAMPLE_PREFIX = "tw.v1.sample"
 CANCEL_PREFIX = "tw.v1.cancel"
+STREAM_PREFIX = "tw.v1.stream"
 METRICS_PREFIX = "tw.v1.metrics"
 
 BUCKET_FUTURES = "tw_futures"
@@ -91,6 +92,12 @@ def sample_cancel_subject(pool: str) -> str:
     the pool (one still queued in the stream is skipped at pickup: its future is no longer
     pending)."""
     return f"{CANCEL_PREFIX}.{pool}"
+
+
+def sample_stream_subject(request_id: str) -> str:
+    """`tw.v1.stream.<request_token>`: core NATS, the text a streamed sample has so far
+    (`protocol.text_sampling.TextProgress`), from its sampler to the gateway that waits."""
+    return f"{STREAM_PREFIX}.{token(request_id)}"
 
 
 def sample_consumer(pool: str) -> str:

@@ -5,6 +5,7 @@ against the Tinker SDK's samples of the same tokens."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import openai
@@ -180,3 +181,61 @@ def test_a_missing_or_wrong_key_is_a_401(cluster: Cluster, tiny_model: Path) -> 
     with pytest.raises(openai.AuthenticationError) as raised:
         _client(cluster, "tml-not-a-key").models.list()
     assert raised.value.type == "authentication_error"
+
+
+def test_stream_sends_the_text_as_it_is_drawn(cluster: Cluster, tiny_model: Path) -> None:
+    """`stream`: many chunks, spread over the generation, that join to the unstreamed text (a
+    seeded sample draws the same tokens), each choice of n on its own; a stop string is never
+    sent, not even its first characters."""
+    client = _client(cluster)
+    model = str(tiny_model)
+    options: dict[str, object] = {
+        "model": model,
+        "prompt": "a long story:",
+        "max_tokens": 160,
+        "temperature": 1.0,
+        "seed": 1,
+        "n": 2,
+    }
+    whole = client.completions.create(**options)  # type: ignore[call-overload]
+    assert all(len(c.text) > 40 for c in whole.choices), whole.choices
+    texts = {0: "", 1: ""}
+    arrivals: list[float] = []
+    finished_at = 0.0
+    finishes = {}
+    for chunk in client.completions.create(stream=True, **options):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            if choice.text:
+                texts[choice.index] += choice.text
+                arrivals.append(time.monotonic())
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+                finished_at = time.monotonic()
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert len(arrivals) >= 6  # sent as drawn, not once at the end
+    assert finished_at - arrivals[0] > 0.1
+
+    # a stop string: the streamed text stops where the whole one does, the stop left out
+    stop = whole.choices[0].text[20:23]
+    cut = client.completions.create(stop=[stop], **{**options, "n": 1})  # type: ignore[call-overload]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(stop=[stop], stream=True, **{**options, "n": 1})  # type: ignore[call-overload]
+        if c.choices
+    ]
+    assert "".join(pieces) == cut.choices[0].text
+    assert stop not in "".join(pieces)
+
+    # chat: the role first, then the content as drawn
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=80,
+        temperature=1.0,
+        seed=1,
+        stream=True,
+    )
+    deltas = [c.choices[0].delta for c in chat if c.choices]
+    assert deltas[0].role == "assistant"
+    assert sum(1 for d in deltas if d.content) >= 3

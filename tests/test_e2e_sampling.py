@@ -4,6 +4,7 @@ and clear errors for bad sampling input."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -138,6 +139,26 @@ def test_openai_completions_on_the_vllm_cluster_answer_the_sdks_tokens(
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["role"] == "assistant"
     assert chat.json()["usage"]["completion_tokens"] <= 4
+
+    # streamed: the same greedy text, in pieces as it is drawn
+    long = {"model": str(tiny_model), "prompt": "once upon", "max_tokens": 48, "temperature": 0}
+    unstreamed = httpx.post(
+        f"{vllm_cluster.base_url}/v1/completions", json=long, headers=headers, timeout=120
+    ).json()
+    pieces = []
+    with httpx.stream(
+        "POST",
+        f"{vllm_cluster.base_url}/v1/completions",
+        json={**long, "stream": True},
+        headers=headers,
+        timeout=120,
+    ) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: {"):
+                pieces += [c["text"] for c in json.loads(line[6:])["choices"] if c["text"]]
+    assert "".join(pieces) == unstreamed["choices"][0]["text"]
+    if unstreamed["usage"]["completion_tokens"] >= 24:
+        assert len(pieces) >= 2, pieces
     service.close("success").result()
 
 

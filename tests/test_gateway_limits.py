@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import numpy as np
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from msgspec.structs import replace
 
@@ -375,3 +377,37 @@ async def test_json_bodies_of_older_sdks_run_and_their_refusals_spend_the_seq(
     wrong = {"Authorization": "Bearer tml-not-a-key", "Content-Type": "application/json"}
     status, _ = await post("/api/v1/forward_backward", _json_body(6, [1]), wrong)
     assert status == 401
+
+
+async def test_a_client_that_leaves_mid_body_is_no_server_fault(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body cut off by its client's disconnect: logged as the client's leaving, not as a
+    crash with an incident id (what used to fill the log when SDK processes exited). Served as
+    `serve` serves it (aiohttp's test server cancels such a handler instead)."""
+    caplog.set_level(logging.INFO, logger="twinkle_async.gateway.middleware")
+    settings = GatewaySettings(
+        api_keys={API_KEY: TENANT}, bus=BusSettings(nats_url=nats_server.url)
+    )
+    runner = web.AppRunner(build_app(settings), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /api/v1/retrieve_futures HTTP/1.1\r\nHost: x\r\nX-API-Key: "
+            + API_KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+        deadline = time.monotonic() + 5
+        while not any("went away" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            await asyncio.sleep(0.05)
+        assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+    finally:
+        await runner.cleanup()

@@ -213,6 +213,27 @@ async def test_seeds_reproduce_alone_and_in_concurrent_batches(
 
 
 @on_module_loop
+async def test_progress_hears_the_tokens_as_they_are_drawn(
+    sampler: VllmSampler, checkpoints: Checkpoints
+) -> None:
+    """A streamed request's listener hears each growing prefix of the final tokens; a request
+    of n > 1 is answered whole (vLLM's last output of n holds one sequence) and heard never."""
+    heard: list[dict[int, list[int]]] = []
+    spec = SampleSpec(prompt=PROMPTS[0], max_tokens=16, seed=7, stop_at_eos=False)
+    (run,) = (await sampler.sample(spec, None, None, heard.append)).sequences
+    (alone,) = (await sampler.sample(spec, None, None)).sequences
+    assert run.tokens == alone.tokens and len(run.tokens) == 16
+    assert len(heard) >= 2
+    for drawn in heard:
+        assert list(drawn) == [0] and run.tokens[: len(drawn[0])] == drawn[0]
+    assert [len(d[0]) for d in heard] == sorted(len(d[0]) for d in heard)
+    many: list[dict[int, list[int]]] = []
+    output = await sampler.sample(replace(spec, num_samples=3), None, None, many.append)
+    assert len(output.sequences) == 3 and all(len(s.tokens) == 16 for s in output.sequences)
+    assert many == []
+
+
+@on_module_loop
 async def test_stop_token_stop_string_and_length(
     sampler: VllmSampler, checkpoints: Checkpoints
 ) -> None:

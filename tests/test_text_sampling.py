@@ -44,3 +44,28 @@ def test_a_prompt_is_text_or_messages_bounded() -> None:
     ):
         with pytest.raises(UserError):
             check_prompt(bad)
+
+
+def test_streamed_text_sends_only_what_cannot_change() -> None:
+    from protocol.text_sampling import ReceivedText, StreamedText, TextProgress
+
+    streamed = StreamedText(["STOP"])
+    assert streamed.update({0: "hello"}) == [(0, 0, "he")]  # "llo" could begin "STOP"
+    assert streamed.update({0: "hello wor"}) == [(0, 2, "llo ")]
+    assert streamed.update({0: "hello wor"}) == []  # nothing new
+    assert streamed.update({0: "hello world"}) == [(0, 6, "wo")]
+    assert streamed.update({0: "hello world!STOP and on", 1: "x"}) == [(0, 8, "rld!")]
+    assert streamed.update({0: "hello world!STOP and on and on"}) == []  # past its stop
+    assert streamed.closed == {0}
+    plain = StreamedText([])
+    assert plain.update({0: "ab", 1: "c"}) == [(0, 0, "ab"), (1, 0, "c")]
+    assert plain.update({0: "ab\ufffd\ufffd"}) == []
+
+    received = ReceivedText()
+    assert received.add(TextProgress(rows=[(0, 0, "he"), (1, 0, "x")])) == [(0, "he"), (1, "x")]
+    assert received.add(TextProgress(rows=[(0, 6, "wo")])) == []  # one before it was lost
+    assert received.add(TextProgress(rows=[(0, 2, "llo ")])) == [(0, "llo ")]
+    assert received.rest(0, "hello world!") == "world!"
+    assert received.rest(1, "x") == ""
+    assert received.rest(2, "new") == "new"
+    assert received.rest(0, "something else") == ""  # never sends text twice

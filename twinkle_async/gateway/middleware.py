@@ -76,6 +76,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             UserError(reason, code=exc.reason.lower().replace(" ", "_"), status=exc.status),
             openai,
         )
+    except ConnectionResetError:
+        # the client went away mid-request (its body half sent): nobody to answer, no fault
+        log.info("%s %s: the client went away", request.method, request.path)
+        return web.Response(status=499)
     except TRANSIENT_ERRORS as exc:
         log.warning("%s %s: the bus is away: %r", request.method, request.path, exc)
         return error_response(

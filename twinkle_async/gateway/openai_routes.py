@@ -6,33 +6,44 @@
 in the Tinker routes). A request is one sample job of a text prompt (`jobs.TextPrompt`): the
 sampler tokenizes it (a chat through the base model's own chat template), samples as for
 `asample` (the same samplers, checks and `max_concurrent_samples` quota) and answers text
-(`protocol.text_sampling`). `stream` answers server-sent events: each choice's text in one
-chunk when it is done, then the usage chunk and `[DONE]`.
+(`protocol.text_sampling`). `stream` answers server-sent events: each choice's text as the
+sampler draws it, then its end, the usage chunk and `[DONE]` (with logprobs asked for, each
+choice in one chunk when it is done). A client that goes away cancels its generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 from aiohttp import web
+from nats.aio.msg import Msg
 
-from protocol import api, paths
-from protocol.errors import UserError
+from protocol import api, paths, subjects
+from protocol.errors import TwinkleError, UserError
 from protocol.jobs import Outcome, TextPrompt
 from protocol.records import SamplerRecord
 from protocol.sampling import MAX_LOGPROBS_K
-from protocol.text_sampling import TextAnswer, check_prompt, decode_answer
+from protocol.text_sampling import (
+    ReceivedText,
+    TextAnswer,
+    TextProgress,
+    check_prompt,
+    decode_answer,
+)
 from twinkle_async.futures import new_request_id
 from twinkle_async.gateway.bodies import json_response, read_body
 from twinkle_async.gateway.futures_routes import finished
 from twinkle_async.gateway.sampling_futures_routes import cancel_pending
 from twinkle_async.gateway.sampling_routes import publish_sample
-from twinkle_async.gateway.state import REGISTRY, TENANT
+from twinkle_async.gateway.state import BUS, REGISTRY, TENANT
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 OWNER = "twinkle-async"
@@ -106,10 +117,14 @@ def _sample_body(options: _Options, logprobs_k: int) -> api.SampleRequest:
     )
 
 
-async def _run(
-    request: web.Request, options: _Options, prompt: TextPrompt, logprobs_k: int
-) -> tuple[str, TextAnswer]:
-    """Sample `prompt` on `options.model`: the request id and the answer."""
+async def _submit(
+    request: web.Request,
+    options: _Options,
+    prompt: TextPrompt,
+    logprobs_k: int,
+    request_id: str,
+) -> str:
+    """Publish the sample of `prompt` on `options.model` as `request_id`; its base model."""
     check_prompt(prompt)
     body = _sample_body(options, logprobs_k)
     base_model, model_path, content_id = await _model(request, options.model)
@@ -128,8 +143,16 @@ async def _run(
         created_at=time.time(),
         content_id=content_id,
     )
-    request_id = new_request_id("sample")
     await publish_sample(request, sampler, api.encode(body), request_id, request_id, text=prompt)
+    return base_model
+
+
+async def _run(
+    request: web.Request, options: _Options, prompt: TextPrompt, logprobs_k: int
+) -> tuple[str, TextAnswer]:
+    """Sample `prompt` on `options.model`: the request id and the answer."""
+    request_id = new_request_id("sample")
+    base_model = await _submit(request, options, prompt, logprobs_k, request_id)
     outcome = await _finished_or_cancelled(request, request_id, base_model)
     return request_id, decode_answer(outcome.payload)
 
@@ -174,6 +197,88 @@ async def _stream(
     return response
 
 
+Chunk = Callable[[int, str, str | None], dict[str, Any]]  # (index, text, finish reason)
+
+
+async def _token_stream(
+    request: web.Request,
+    options: _Options,
+    prompt: TextPrompt,
+    head: Callable[[str], dict[str, Any]],
+    chunk: Chunk,
+    first: Callable[[int], dict[str, Any]] | None = None,
+) -> web.StreamResponse:
+    """`stream` as OpenAI's API streams: each sequence's text as the sampler draws it
+    (`protocol.text_sampling`), then each one's end, the usage chunk and `[DONE]`. `head`
+    gives a chunk's common fields for a request id; `first`, a sequence's opening chunk."""
+    nc = request.app[BUS].nc
+    assert nc is not None
+    request_id = new_request_id("sample")
+    heard: asyncio.Queue[TextProgress] = asyncio.Queue()
+
+    async def on_progress(msg: Msg) -> None:
+        try:
+            heard.put_nowait(msgspec.json.decode(msg.data, type=TextProgress))
+        except msgspec.DecodeError:
+            log.warning("an undecodable stream update for %s", request_id)
+
+    subscription = await nc.subscribe(subjects.sample_stream_subject(request_id), cb=on_progress)
+    try:
+        streamed = msgspec.structs.replace(prompt, stream=True)
+        base_model = await _submit(request, options, streamed, 0, request_id)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+
+        async def send(data: dict[str, Any]) -> None:
+            await response.write(f"data: {json.dumps({**head(request_id), **data})}\n\n".encode())
+
+        try:
+            if first is not None:
+                for index in range(options.n):
+                    await send(first(index))
+            received = ReceivedText()
+            waiting = asyncio.ensure_future(finished(request, request_id))
+            try:
+                while not waiting.done():
+                    update = asyncio.ensure_future(heard.get())
+                    done, _ = await asyncio.wait(
+                        {waiting, update},
+                        timeout=_DISCONNECT_POLL_S,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    if update in done:
+                        for index, text in received.add(update.result()):
+                            await send(chunk(index, text, None))
+                    else:
+                        update.cancel()
+                    if request.transport is None or request.transport.is_closing():
+                        raise ConnectionResetError("the client went away")
+                try:
+                    answer = decode_answer(waiting.result().payload)
+                except TwinkleError as err:  # the stream is open: the error is its last event
+                    await send({"error": {"message": err.message, "code": err.code}})
+                    await response.write(b"data: [DONE]\n\n")
+                    await response.write_eof()
+                    return response
+            finally:
+                waiting.cancel()
+            for index, seq in enumerate(answer.sequences):
+                await send(chunk(index, received.rest(index, seq.text), seq.finish_reason))
+            await send({"choices": [], "usage": _usage(answer)})
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # the client went away: nobody to answer
+            await cancel_pending(request.app, request_id, base_model)
+        except asyncio.CancelledError:
+            await asyncio.shield(cancel_pending(request.app, request_id, base_model))
+            raise
+        return response
+    finally:
+        await subscription.unsubscribe()
+
+
 @routes.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
@@ -201,6 +306,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if body.echo:
         raise UserError("echo: not supported (the prompt is not sent back)")
     k = body.logprobs or 0
+    if body.stream and body.logprobs is None:
+        return await _token_stream(
+            request,
+            body,
+            TextPrompt(text=body.prompt),
+            lambda request_id: {
+                "id": f"cmpl-{request_id}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.model,
+            },
+            lambda index, text, finish: {
+                "choices": [
+                    {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+                ]
+            },
+        )
     request_id, answer = await _run(request, body, TextPrompt(text=body.prompt), k)
     created = int(time.time())
     choices = []
@@ -236,6 +358,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = api.decode(await read_body(request), ChatBody)
     k = (body.top_logprobs or 1) if body.logprobs else 0
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    if body.stream and not body.logprobs:
+
+        def delta(index: int, text: str, finish: str | None) -> dict[str, Any]:
+            content = {"content": text} if text or finish is None else {}
+            choice = {"index": index, "delta": content, "finish_reason": finish, "logprobs": None}
+            return {"choices": [choice]}
+
+        return await _token_stream(
+            request,
+            body,
+            TextPrompt(messages=messages),
+            lambda request_id: {
+                "id": f"chatcmpl-{request_id}",
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": body.model,
+            },
+            delta,
+            lambda index: {
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
+                ]
+            },
+        )
     request_id, answer = await _run(request, body, TextPrompt(messages=messages), k if k > 1 else 0)
     created = int(time.time())
     choices = []

@@ -47,6 +47,8 @@ class Prepared:
     adapter_dir: Path | None
     adapter_key: str | None = None  # names the adapter's content: a cache key that never goes stale
     future: Pending | None = None  # its pending future as last read or written
+    # a streamed job's listener: each sequence's tokens so far, after a step that drew some
+    progress: Callable[[dict[int, list[int]]], None] | None = None
 
     @property
     def attempts(self) -> int:
@@ -163,6 +165,7 @@ class TorchBackend:
                     cancelled = self._cancelling.pop(ticket, None)
                     if cancelled is not None and not cancelled[1].done():
                         cancelled[1].set_result(Cancelled(generated_tokens=tokens))
+                self._report_progress()
                 results = stepped.finished
                 if stepped.failed:  # the sampler dropped everything it held
                     log.error(
@@ -194,6 +197,15 @@ class TorchBackend:
             for _, answer in waiting:
                 if not answer.done():
                     answer.set_result(ServerError(FAILED))
+
+    def _report_progress(self) -> None:
+        """Streamed requests still generating: their tokens so far, between two steps (no step
+        runs while the driver is here, so the rows hold still)."""
+        for ticket, (item, _) in self._waiters.items():
+            if item.progress is not None:
+                drawn = self.sampler.drawn(ticket)
+                if drawn:
+                    item.progress(drawn)
 
     def _step(self, items: list[Prepared], cancels: list[int]) -> Stepped:
         """On the engine thread: drop `cancels`, submit `items`, then take one step."""
@@ -258,7 +270,7 @@ class VllmBackend:
         async def one(item: Prepared) -> SampleOutput | TwinkleError:
             request_id = item.job.request_id
             task = asyncio.ensure_future(
-                self.sampler.sample(item.spec, item.adapter_dir, item.adapter_key)
+                self.sampler.sample(item.spec, item.adapter_dir, item.adapter_key, item.progress)
             )
             self._requests[request_id] = task
             try:

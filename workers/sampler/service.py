@@ -30,6 +30,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from protocol.paths import (
     version_dir,
 )
 from protocol.sampling import SampleOutput, SampleSpec, encode_sample_response, sample_spec
+from protocol.text_sampling import TextProgress
 from workers.artifacts import ArtifactStore
 from workers.bus import WorkerBus
 from workers.metrics import SamplerMetrics
@@ -67,6 +69,7 @@ from workers.watchdog import stop_process
 
 log = logging.getLogger(__name__)
 
+STREAM_INTERVAL_S = 0.05  # a streamed sample's text goes out at most this often
 _MAX_CANCELLED = 65536  # request ids of recent cancels a sampler remembers
 _REDELIVER_DELAY_S = 1.0  # a job whose answer could not be written runs again after this
 
@@ -229,7 +232,43 @@ class SamplerService:
             await self._finish(job, msg, err, future=future)
             return
         self._held[id(msg)] = msg
-        self._queue.put_nowait(Prepared(job, msg, spec, adapter_dir, adapter_key, future))
+        progress = self._progress(job, spec) if job.text is not None and job.text.stream else None
+        self._queue.put_nowait(
+            Prepared(job, msg, spec, adapter_dir, adapter_key, future, progress=progress)
+        )
+
+    def _progress(self, job: SampleJob, spec: SampleSpec) -> Callable[[dict[int, list[int]]], None]:
+        """A streamed text job's listener: each sequence's new text, at most every
+        `STREAM_INTERVAL_S`, to the gateway that waits (`subjects.sample_stream_subject`)."""
+        tokenizer = self.tokenizer(job.base_model)
+        streamed = text_sampling.StreamedText(spec.stop_strings)
+        subject = subjects.sample_stream_subject(job.request_id)
+        last = 0.0
+
+        def heard(drawn: dict[int, list[int]]) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last < STREAM_INTERVAL_S:
+                return
+            last = now
+            texts = {
+                i: str(tokenizer.decode(t, skip_special_tokens=True)) for i, t in drawn.items()
+            }
+            rows = streamed.update(texts)
+            if rows and self.bus.nc is not None:
+                sent = asyncio.ensure_future(
+                    self.bus.nc.publish(subject, msgspec.json.encode(TextProgress(rows=rows)))
+                )
+                self._tasks.add(sent)
+                sent.add_done_callback(self._published)
+
+        return heard
+
+    def _published(self, task: asyncio.Task[None]) -> None:
+        """A stream update sent, or lost (the answer makes it good)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a stream update was not sent: %r", task.exception())
 
     def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase:
         """The base model's tokenizer (loaded once, from the model's own files)."""

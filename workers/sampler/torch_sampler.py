@@ -161,6 +161,18 @@ class TorchSampler:
                 finished += self._advance(self._running)
         return finished
 
+    def drawn(self, ticket: int) -> dict[int, list[int]]:
+        """The tokens each sequence of request `ticket` has drawn so far, by sample index
+        (finished sequences included); empty while it waits or once answered."""
+        found: dict[int, list[int]] = {}
+        batch = self._running
+        for row in batch.rows if batch is not None else []:
+            if row.request.ticket == ticket:
+                if not found:
+                    found = {i: list(seq.tokens) for i, seq in row.request.sequences.items()}
+                found[row.sample_index] = list(row.tokens)
+        return found
+
     def cancel(self, ticket: int) -> int | None:
         """Drop request `ticket`, waiting or generating (its client cancelled it): the tokens
         its rows still in generation had drawn, None if the sampler no longer holds it."""

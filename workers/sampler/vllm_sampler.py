@@ -67,7 +67,7 @@ import json
 import logging
 import re
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,7 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
 from vllm.triton_utils import HAS_TRITON
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -425,11 +426,16 @@ class VllmSampler:
     # -- sampling ----------------------------------------------------------------------------
 
     async def sample(
-        self, spec: SampleSpec, adapter_dir: Path | None, adapter_key: str | None
+        self,
+        spec: SampleSpec,
+        adapter_dir: Path | None,
+        adapter_key: str | None,
+        progress: Callable[[dict[int, list[int]]], None] | None = None,
     ) -> SampleOutput:
         """Sample `spec` from the base model, or with the adapter in `adapter_dir`.
 
-        `adapter_key` names the checkpoint for caching (the directory path when None).
+        `adapter_key` names the checkpoint for caching (the directory path when None);
+        `progress` hears each sequence's tokens so far as vLLM draws them.
         """
         engine = self._started()
         if needs_full_rows(spec):
@@ -448,6 +454,12 @@ class VllmSampler:
         if adapter_dir is not None:
             lora = await self._lora_request(Path(adapter_dir), adapter_key or str(adapter_dir))
         params = sampling_params(spec)
+        if spec.num_samples > 1:
+            # vLLM streams each of n sequences on its own, and its last output holds only the
+            # last one to finish: such a request is answered whole, not streamed
+            progress = None
+        if progress is not None:
+            params.output_kind = RequestOutputKind.CUMULATIVE
         request_id = f"sample-{next(self._request_ids)}"
         final: RequestOutput | None = None
         try:
@@ -456,6 +468,8 @@ class VllmSampler:
             )
             async for output in engine.generate(prompt, params, request_id, lora_request=lora):
                 final = output
+                if progress is not None and not output.finished:
+                    progress({seq.index: list(seq.token_ids) for seq in output.outputs})
         except (VLLMClientError, ValueError) as error:  # vLLM's request validation
             raise UserError(f"sample: {error}") from None
         except VLLMServerError as error:  # a failed step or a dead engine core

@@ -246,8 +246,16 @@ def test_another_tenant_sees_none_of_it(
 
 
 def test_the_operator_sees_workers_queues_and_errors(
-    trained: Trained, browser: Browser, cluster: Cluster, shots: Path
+    trained: Trained, browser: Browser, cluster: Cluster, shots: Path, tiny_model: Path
 ) -> None:
+    # a request the sampler refuses (its prompt, tokenized there, outgrows the context)
+    refused = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {cluster.api_key}"},
+        json={"model": str(tiny_model), "prompt": "hello " * 6000, "max_tokens": 4},
+        timeout=120,
+    )
+    assert refused.status_code == 400, refused.text
     workers = httpx.get(
         f"{cluster.base_url}/admin/v1/workers",
         headers={"X-Admin-Key": cluster.admin_key},
@@ -260,6 +268,12 @@ def test_the_operator_sees_workers_queues_and_errors(
         assert worker["worker_id"] in table and worker["base_model"] in table
     assert "ops" in page.inner_text("#queues").lower()
     assert "other" in page.inner_text("#tenants")
+    errors_shown = page.inner_text("#errors")
+    assert refused.json()["detail"][:60] in errors_shown and TENANT in errors_shown
+    # the page reads the workers again every 5 s: from the second reading, a rate a worker
+    page.wait_for_function(
+        "() => !document.getElementById('workers').innerText.includes('…')", timeout=30_000
+    )
     page.screenshot(path=str(shots / "operator.png"), full_page=True)
     assert not errors, errors
     # a tenant's pages are not the operator's, nor the operator's a tenant's

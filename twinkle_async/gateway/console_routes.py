@@ -330,7 +330,9 @@ async def workers(request: web.Request) -> web.Response:
     _operator(request)
     now = time.time()
     depth = {c["pool"]: c for c in await consumer_depths(request) if c["pool"]}
-    rates = request.app[RATES].add(now, await _worker_tokens(request))
+    known = request.app[REGISTRY].workers.values()
+    tokens = await _worker_tokens(request)
+    rates = request.app[RATES].add(now, {w.worker_id: tokens.get(w.worker_id, 0) for w in known})
     rows = [
         {
             "worker_id": w.worker_id,

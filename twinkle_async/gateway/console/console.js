@@ -259,15 +259,23 @@ async function playgroundView(preset) {
     go.disabled = true;
     answer.textContent = "…";
     answer.classList.remove("error");
+    delete answer.dataset.finish;
     try {
-      const common = { model: model.value, max_tokens: Number(maxTokens.value), temperature: Number(temperature.value) };
-      const done = mode.value === "chat"
-        ? await api("POST", "/v1/chat/completions", { ...common, messages: [{ role: "user", content: prompt.value }] })
-        : await api("POST", "/v1/completions", { ...common, prompt: prompt.value });
-      const choice = done.choices[0];
-      answer.textContent = mode.value === "chat" ? choice.message.content : choice.text;
-      answer.dataset.finish = choice.finish_reason;
-      usage.textContent = `${done.usage.prompt_tokens} prompt tokens, ${done.usage.completion_tokens} sampled; finish: ${choice.finish_reason}`;
+      const chat = mode.value === "chat";
+      const body = { model: model.value, max_tokens: Number(maxTokens.value), temperature: Number(temperature.value), stream: true };
+      if (chat) body.messages = [{ role: "user", content: prompt.value }]; else body.prompt = prompt.value;
+      // streamed: the text appears as the sampler draws it
+      let finish = null;
+      answer.textContent = "";
+      await streamEvents(chat ? "/v1/chat/completions" : "/v1/completions", body, (event) => {
+        if (event.error) throw new Error(event.error.message);
+        for (const choice of event.choices || []) {
+          answer.textContent += (chat ? choice.delta.content : choice.text) || "";
+          if (choice.finish_reason) finish = choice.finish_reason;
+        }
+        if (event.usage) usage.textContent = `${event.usage.prompt_tokens} prompt tokens, ${event.usage.completion_tokens} sampled; finish: ${finish}`;
+      });
+      answer.dataset.finish = finish;
     } catch (err) {
       answer.textContent = err.message;
       answer.classList.add("error");
@@ -280,6 +288,31 @@ async function playgroundView(preset) {
       h("div", { class: "row" }, h("label", {}, "Model or sampler checkpoint", model), h("label", {}, "Mode", mode),
         h("label", {}, "Max tokens", maxTokens), h("label", {}, "Temperature", temperature)),
       prompt, h("div", { class: "row" }, go), answer, usage));
+}
+
+async function streamEvents(url, body, onEvent) {
+  const response = await fetch(url, {
+    method: "POST", credentials: "same-origin",
+    headers: { "X-Console-CSRF": S.csrf, "Content-Type": "application/json" }, body: JSON.stringify(body),
+  });
+  if (!response.ok) {
+    const data = await response.json().catch(() => ({}));
+    throw new Error(data.detail || `${response.status} ${response.statusText}`);
+  }
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffered = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    buffered += decoder.decode(value || new Uint8Array(), { stream: !done });
+    let end;
+    while ((end = buffered.indexOf("\n\n")) >= 0) {
+      const line = buffered.slice(0, end).trim();
+      buffered = buffered.slice(end + 2);
+      if (line.startsWith("data: ") && line !== "data: [DONE]") onEvent(JSON.parse(line.slice(6)));
+    }
+    if (done) return;
+  }
 }
 
 // -- tenant: usage ------------------------------------------------------------------------------
@@ -314,6 +347,21 @@ async function usageView() {
 
 // -- operator -----------------------------------------------------------------------------------
 
+let refresher = null;  // the operator's workers table, read again every few seconds
+
+function workersTable(workers) {
+  return table([
+    { title: "Worker", cell: (w) => h("span", { class: "mono" }, w.worker_id) },
+    { title: "Role", cell: (w) => w.role },
+    { title: "Base model", cell: (w) => h("span", { class: "mono" }, w.base_model) },
+    { title: "Slots used", num: true, cell: (w) => w.slots_used },
+    { title: "Slots free", num: true, cell: (w) => w.slots_free },
+    { title: "Queue depth", num: true, cell: (w) => w.queue_depth },
+    { title: "Tokens/s (1 min)", num: true, cell: (w) => (w.tokens_per_s === null ? "…" : num(w.tokens_per_s, 1)) },
+    { title: "State", cell: (w) => (w.stale ? h("span", { class: "error" }, "stale") : "live") },
+  ], workers.workers, "No worker has reported in.");
+}
+
 async function operatorView() {
   const [workers, tenants, keys, queues, errors] = await Promise.all([
     api("GET", "/console/api/workers"),
@@ -328,16 +376,7 @@ async function operatorView() {
   const limits = (q) => (q ? Object.entries(q.limits).map(([k, v]) => `${k}=${v === null ? "∞" : v}${k in q.overrides ? "*" : ""}`).join("  ") : "—");
   show(h("h1", {}, "Operator"),
     h("h2", {}, "Workers"),
-    h("div", { id: "workers" }, table([
-      { title: "Worker", cell: (w) => h("span", { class: "mono" }, w.worker_id) },
-      { title: "Role", cell: (w) => w.role },
-      { title: "Base model", cell: (w) => h("span", { class: "mono" }, w.base_model) },
-      { title: "Slots used", num: true, cell: (w) => w.slots_used },
-      { title: "Slots free", num: true, cell: (w) => w.slots_free },
-      { title: "Queue depth", num: true, cell: (w) => w.queue_depth },
-      { title: "Tokens/s (1 min)", num: true, cell: (w) => (w.tokens_per_s === null ? "…" : num(w.tokens_per_s, 1)) },
-      { title: "State", cell: (w) => (w.stale ? h("span", { class: "error" }, "stale") : "live") },
-    ], workers.workers, "No worker has reported in.")),
+    h("div", { id: "workers" }, workersTable(workers)),
     h("h2", {}, "Pools and queues"),
     h("div", { id: "queues" }, table([
       { title: "Pool", cell: (p) => h("span", { class: "mono" }, p.pool) },
@@ -372,6 +411,11 @@ async function operatorView() {
       { title: "Category", cell: (e) => e.category },
       { title: "Error", cell: (e) => e.error },
     ], errors.errors, "No failed requests since this gateway started.")));
+  refresher = setInterval(async () => {
+    const place = document.getElementById("workers");
+    if (!place) return;
+    try { place.replaceChildren(workersTable(await api("GET", "/console/api/workers"))); } catch (err) { /* shown at the next look */ }
+  }, 5000);
 }
 
 function pricesForm(prices) {
@@ -391,6 +435,7 @@ function pricesForm(prices) {
 // -- routing ------------------------------------------------------------------------------------
 
 async function route() {
+  if (refresher) { clearInterval(refresher); refresher = null; }
   if (!S.kind) { chrome(null); loginView(); return; }
   const hash = location.hash || (S.kind === "admin" ? "#/operator" : "#/runs");
   const [, page, arg] = hash.match(/^#\/([^/]*)\/?(.*)$/) || [];

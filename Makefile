@@ -64,7 +64,8 @@ $(STAMP): pyproject.toml requirements.txt
 CHROMIUM := /usr/bin/chromium
 
 $(CHROMIUM):
-	apt-get update -q && apt-get install -y -q chromium
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 test: install $(CHROMIUM)
 	# a native library that crashes at interpreter exit prints its stack instead of a bare abort

@@ -394,3 +394,39 @@ def test_the_console_serves_only_its_own_files(cluster: Cluster) -> None:
         "x" * 3000,
     ):
         assert httpx.get(f"{base}/console/static/{name}", timeout=30).status_code in (400, 404)
+
+
+def test_hostile_console_calls_get_a_clear_4xx(cluster: Cluster, trained: Trained) -> None:
+    """The console's own routes, with what a hostile tenant could send."""
+    other = _login(cluster, OTHER_TENANT_KEY)
+    jar = {"twinkle_console": other.cookies["twinkle_console"]}
+    headers = {"X-Console-CSRF": other.json()["csrf"]}
+
+    def download(path: str) -> httpx.Response:
+        return httpx.get(
+            f"{cluster.base_url}/console/api/download",
+            params={"path": path},
+            headers=headers,
+            cookies=jar,
+            timeout=30,
+        )
+
+    assert download(trained.state).status_code == 404  # another tenant's checkpoint
+    for path in ("", "tinker://", "tinker://../../etc/passwd", "x" * 5000, "tinker://a/b/c/d/e"):
+        got = download(path)
+        assert got.status_code in (400, 404), (path[:30], got.status_code, got.text)
+        assert got.json()["detail"]
+    assert (
+        httpx.get(
+            f"{cluster.base_url}/console/api/download", headers=headers, cookies=jar, timeout=30
+        ).status_code
+        == 400
+    )  # no path at all
+    # the operator's routes are not a tenant's, and a key far too long is no key
+    assert (
+        httpx.get(
+            f"{cluster.base_url}/console/api/errors", headers=headers, cookies=jar, timeout=30
+        ).status_code
+        == 403
+    )
+    assert _login(cluster, "tml-" + "x" * 4000).status_code == 401

@@ -28,6 +28,7 @@ from aiohttp import web
 from protocol import paths, records, subjects
 from protocol.errors import Forbidden, NotFound, Unauthorized, UserError
 from protocol.jobs import Outcome
+from protocol.metric_history import MetricEntry
 from protocol.records import RunRecord, UsageRecord
 from twinkle_async.auth import hash_key, same_secret
 from twinkle_async.gateway import console_session
@@ -66,7 +67,8 @@ _SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
 }
 MAX_LOGIN_BYTES = 4096
-MAX_RUNS = 50  # runs the list shows, the most recently active first
+MAX_RUNS = 20  # runs the list shows, the most recently active first (each history is read)
+HISTORY_READS = 4  # runs' metric histories read at once by one call
 MAX_ERRORS = 100  # recent failed requests a gateway keeps for the operator
 RATE_WINDOW_S = 60.0
 
@@ -213,7 +215,13 @@ async def runs(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     found = sorted(await registry.runs(tenant), key=lambda r: -r.last_request_time)
     shown = found[:MAX_RUNS]
-    histories = await asyncio.gather(*(metric_steps(request, run.model_id) for run in shown))
+    reads = asyncio.Semaphore(HISTORY_READS)
+
+    async def history(run: RunRecord) -> list[MetricEntry]:
+        async with reads:
+            return await metric_steps(request, run.model_id)
+
+    histories = await asyncio.gather(*(history(run) for run in shown))
     rows = []
     for run, steps in zip(shown, histories, strict=True):
         ckpts = await registry.checkpoints(run.model_id)

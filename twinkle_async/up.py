@@ -412,7 +412,8 @@ def _announce(info: dict[str, Any], ready_file: Path | None) -> None:
     base_url = info["base_url"]
     print(
         f"Twinkle Async is up.\n  base URL:  {base_url}\n  API key:   {info['api_key']}\n"
-        f"  admin key: {info['admin_key']}  (twinkle-admin --gateway {base_url} --admin-key ...)",
+        f"  admin key: {info['admin_key']}  (twinkle-admin --gateway {base_url} --admin-key ...)\n"
+        f"  console:   {base_url}/console  (log in with either key)",
         flush=True,
     )
     if ready_file is not None:

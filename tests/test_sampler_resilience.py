@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from protocol import subjects
@@ -321,3 +322,31 @@ async def test_a_worker_with_another_ack_wait_updates_the_pools_consumer(
             await asyncio.gather(task, return_exceptions=True)
         finally:
             await worker.close()
+
+
+async def test_a_stream_listener_that_fails_stops_its_own_updates_only(
+    nats_server: NatsServer, gateway: Bus, tmp_path: Path
+) -> None:
+    """The listener runs inside the engine's driver, between steps: a fault in it (here, a
+    tokenizer that cannot decode) must not reach the driver, which would fail every request
+    it steps."""
+    from protocol.jobs import TextPrompt
+    from protocol.sampling import SampleSpec
+
+    class Undecodable:
+        def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+            raise ValueError("no such token")
+
+    worker = WorkerBus(nats_server.url)
+    await worker.connect()
+    try:
+        service = SamplerService(worker, FullLengthBackend(True), POOL, tmp_path)
+        service._tokenizers["m"] = Undecodable()  # type: ignore[assignment]
+        streamed = msgspec.structs.replace(
+            job("req-stream"), text=TextPrompt(text="hi", stream=True)
+        )
+        heard = service._progress(streamed, SampleSpec(prompt=(5, 6, 7)))
+        heard({0: [5, 6]})  # raised before
+        heard({0: [5, 6, 7]})  # and stays quiet
+    finally:
+        await worker.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -246,15 +247,22 @@ class SamplerService:
         last = 0.0
 
         def heard(drawn: dict[int, list[int]]) -> None:
+            # called by the engine's driver: a fault here loses this job's updates only (its
+            # answer still gives the text), never the batch the driver steps
             nonlocal last
             now = time.monotonic()
             if now - last < STREAM_INTERVAL_S:
                 return
             last = now
-            texts = {
-                i: str(tokenizer.decode(t, skip_special_tokens=True)) for i, t in drawn.items()
-            }
-            rows = streamed.update(texts)
+            try:
+                texts = {
+                    i: str(tokenizer.decode(t, skip_special_tokens=True)) for i, t in drawn.items()
+                }
+                rows = streamed.update(texts)
+            except Exception:
+                log.exception("sample %s: its stream stops here", job.request_id)
+                last = math.inf
+                return
             if rows and self.bus.nc is not None:
                 sent = asyncio.ensure_future(
                     self.bus.nc.publish(subject, msgspec.json.encode(TextProgress(rows=rows)))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.msg import Msg
@@ -335,47 +335,46 @@ async def ensure_topology(js: JetStreamContext, settings: BusSettings) -> None:
     `_NotYet` while the cluster has fewer nodes up than the replicas asked for.
     """
     replicas = topology.check_replicas(settings.nats_replicas)
+
+    def on_file(
+        spec: topology.StreamSpec | topology.SampleStreamSpec | topology.MetricsStreamSpec,
+        **limits: Any,
+    ) -> js_api.StreamConfig:
+        """A stream of `spec` stored on disk with the cluster's replicas, and its own limits."""
+        return js_api.StreamConfig(
+            name=spec.name,
+            subjects=list(spec.subjects),
+            storage=js_api.StorageType.FILE,
+            duplicate_window=spec.duplicate_window_s,
+            max_msg_size=spec.max_msg_bytes,
+            num_replicas=replicas,
+            **limits,
+        )
+
     stream = topology.StreamSpec(
         duplicate_window_s=settings.duplicate_window_s,
         max_age_s=settings.ops_max_age_s,
         max_bytes=settings.ops_max_bytes,
     )
-    config = js_api.StreamConfig(
-        name=stream.name,
-        subjects=list(stream.subjects),
+    config = on_file(
+        stream,
         retention=js_api.RetentionPolicy.LIMITS,
-        storage=js_api.StorageType.FILE,
         max_age=stream.max_age_s,
         max_bytes=stream.max_bytes,
         discard=js_api.DiscardPolicy.OLD,
-        duplicate_window=stream.duplicate_window_s,
-        max_msg_size=stream.max_msg_bytes,
-        num_replicas=replicas,
     )
     sample = topology.SampleStreamSpec()
-    sample_config = js_api.StreamConfig(
-        name=sample.name,
-        subjects=list(sample.subjects),
-        retention=js_api.RetentionPolicy.WORK_QUEUE,
-        storage=js_api.StorageType.FILE,
-        max_age=sample.max_age_s,
-        duplicate_window=sample.duplicate_window_s,
-        max_msg_size=sample.max_msg_bytes,
-        num_replicas=replicas,
+    sample_config = on_file(
+        sample, retention=js_api.RetentionPolicy.WORK_QUEUE, max_age=sample.max_age_s
     )
     history = topology.MetricsStreamSpec()
-    metrics_config = js_api.StreamConfig(
-        name=history.name,
-        subjects=list(history.subjects),
+    metrics_config = on_file(
+        history,
         retention=js_api.RetentionPolicy.LIMITS,
-        storage=js_api.StorageType.FILE,
         max_age=history.max_age_s,
         max_bytes=history.max_bytes,
         max_msgs_per_subject=history.max_per_run,
         discard=js_api.DiscardPolicy.OLD,
-        duplicate_window=history.duplicate_window_s,
-        max_msg_size=history.max_msg_bytes,
-        num_replicas=replicas,
     )
     for stream_config in (config, sample_config, metrics_config):
         try:

@@ -123,6 +123,8 @@ class UsageLedger:
         self.registry = registry
         self.interval_s = interval_s
         self._pending: dict[str, UsageRecord] = {}
+        # each (tenant, worker)'s counters as last heard (the console's token rates read them)
+        self.latest: dict[str, UsageRecord] = {}
         self._wake = asyncio.Event()
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
@@ -150,7 +152,8 @@ class UsageLedger:
             record = records.decode(data, UsageRecord)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return  # not a usage record (a rate bucket shares the bucket, under `rate.`)
-        self._pending[f"{record.tenant_id}/{record.worker_id}"] = record
+        key = f"{record.tenant_id}/{record.worker_id}"
+        self._pending[key] = self.latest[key] = record
         self._wake.set()
 
     async def _run(self) -> None:

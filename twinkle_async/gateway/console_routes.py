@@ -25,19 +25,20 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from protocol import paths, records, subjects
+from protocol import paths
 from protocol.errors import Forbidden, NotFound, Unauthorized, UserError
 from protocol.jobs import Outcome
 from protocol.metric_history import MetricEntry
-from protocol.records import RunRecord, UsageRecord
+from protocol.records import RunRecord
 from twinkle_async.auth import hash_key, same_secret
 from twinkle_async.gateway import console_session
+from twinkle_async.gateway.account_routes import LEDGER
 from twinkle_async.gateway.admin_routes import consumer_depths
 from twinkle_async.gateway.bodies import json_response
 from twinkle_async.gateway.checkpoint_routes import archive_location
+from twinkle_async.gateway.middleware import console_identity
 from twinkle_async.gateway.rest_routes import metric_steps
 from twinkle_async.gateway.state import (
-    BUS,
     CONSOLE_KIND,
     FUTURES,
     KEYS,
@@ -173,16 +174,10 @@ async def session(request: web.Request) -> web.Response:
     """Who the session cookie is, with its CSRF token (readable by the console's own page only:
     this server sends no CORS headers); `kind` null when there is none or it no longer holds."""
     cookie = request.cookies.get(console_session.COOKIE, "")
-    settings = request.app[SETTINGS]
-    found = console_session.read(settings.download_secret, cookie)
-    if found is not None and found.kind == "admin":
-        if settings.admin_key and found.key_hash == hash_key(settings.admin_key):
-            return json_response(_session_view(request, cookie, "admin", ""))
-    elif found is not None:
-        tenant = await request.app[KEYS].tenant_of_hash(found.key_hash)
-        if tenant is not None:
-            return json_response(_session_view(request, cookie, "tenant", tenant))
-    return json_response({"kind": None, "tenant": "", "csrf": ""})
+    found = await console_identity(request, cookie) if cookie else None
+    if found is None:
+        return json_response({"kind": None, "tenant": "", "csrf": ""})
+    return json_response(_session_view(request, cookie, *found))
 
 
 def _tenant(request: web.Request) -> str:
@@ -323,10 +318,11 @@ async def console_ctx(app: web.Application) -> AsyncIterator[None]:
     app[FUTURES].on_finished.remove(errors.record)
 
 
-async def _worker_tokens(request: web.Request) -> dict[str, int]:
+def _worker_tokens(request: web.Request) -> dict[str, int]:
+    """Each worker's trained, forward and sampled tokens of every tenant, as the usage ledger
+    last heard them."""
     totals: dict[str, int] = {}
-    for data in await request.app[BUS].values(subjects.BUCKET_USAGE, "u"):
-        record = records.decode(data, UsageRecord)
+    for record in request.app[LEDGER].latest.values():
         tokens = record.tokens_trained + record.tokens_forward + record.sampled_tokens
         totals[record.worker_id] = totals.get(record.worker_id, 0) + tokens
     return totals
@@ -339,7 +335,7 @@ async def workers(request: web.Request) -> web.Response:
     now = time.time()
     depth = {c["pool"]: c for c in await consumer_depths(request) if c["pool"]}
     known = request.app[REGISTRY].workers.values()
-    tokens = await _worker_tokens(request)
+    tokens = _worker_tokens(request)
     rates = request.app[RATES].add(now, {w.worker_id: tokens.get(w.worker_id, 0) for w in known})
     rows = [
         {

@@ -135,22 +135,32 @@ async def _console_login(request: web.Request) -> str | None:
     """The kind of console session the request carries ("tenant", with `TENANT` set, or
     "admin"), or None: no cookie, no matching CSRF token, lapsed, or its key no longer valid."""
     cookie = request.cookies.get(console_session.COOKIE, "")
-    if not cookie:
-        return None
-    settings = request.app[SETTINGS]
-    secret = settings.download_secret
-    session = console_session.read(secret, cookie)
     token = request.headers.get(console_session.CSRF_HEADER, "")
-    if session is None or not console_session.csrf_ok(secret, cookie, token):
+    secret = request.app[SETTINGS].download_secret
+    if not cookie or not console_session.csrf_ok(secret, cookie, token):
+        return None
+    found = await console_identity(request, cookie)
+    if found is None:
+        return None
+    kind, tenant = found
+    if kind == "tenant":
+        request[TENANT] = tenant
+    return kind
+
+
+async def console_identity(request: web.Request, cookie: str) -> tuple[str, str] | None:
+    """Who a console session cookie stands for now: ("admin", "") or ("tenant", its tenant);
+    None when it is malformed, lapsed, or its key was revoked (or the admin key changed)."""
+    settings = request.app[SETTINGS]
+    session = console_session.read(settings.download_secret, cookie)
+    if session is None:
         return None
     if session.kind == "admin":
         admin_key = settings.admin_key
-        return "admin" if admin_key and session.key_hash == hash_key(admin_key) else None
+        ok = bool(admin_key) and session.key_hash == hash_key(admin_key or "")
+        return ("admin", "") if ok else None
     tenant = await request.app[KEYS].tenant_of_hash(session.key_hash)
-    if tenant is None:
-        return None
-    request[TENANT] = tenant
-    return "tenant"
+    return None if tenant is None else ("tenant", tenant)
 
 
 def api_key(headers: Mapping[str, str]) -> str:

@@ -225,9 +225,12 @@ def test_a_client_whose_first_server_is_down_connects_to_another(
 ) -> None:
     down = nats_cluster.nodes[0]
     url = nats_cluster.url  # the down node first
-    down.kill()
 
     async def main() -> None:
+        first = _bus(url, 3, connect_wait_s=30.0)
+        await first.connect()  # the topology, while three nodes can hold its replicas
+        await first.close()
+        down.kill()
         try:
             for _ in range(3):  # nats-py shuffles the list: the dead one comes first sometimes
                 bus = _bus(url, 3, connect_wait_s=30.0)
@@ -339,11 +342,16 @@ def test_a_workers_write_in_flight_when_its_node_dies_is_retried_at_once(
         await bus.connect()  # the topology
         worker = WorkerBus(nats_cluster.url)
         await worker.connect(retry_s=30.0)
+        untested: list[str] = []
         try:
             for attempt in range(3):
-                if await _write_through_a_dying_node(bus, worker, nats_cluster, attempt):
+                await _settled(bus, f"KV_{subjects.BUCKET_FUTURES}")
+                if (
+                    why := await _write_through_a_dying_node(bus, worker, nats_cluster, attempt)
+                ) is None:
                     return
-            raise AssertionError("the worker moved off each node it was to lose, three times")
+                untested.append(why)
+            raise AssertionError(f"no try had a write in flight at the kill: {untested}")
         finally:
             await bus.close()
             await worker.close()
@@ -351,11 +359,32 @@ def test_a_workers_write_in_flight_when_its_node_dies_is_retried_at_once(
     asyncio.run(main())
 
 
+async def _settled(bus: Bus, stream: str) -> None:
+    """Wait until `stream` has a leader and every replica is current and online (a node the
+    test before froze or killed rejoins its routes and catches up for a while)."""
+    assert bus.js is not None
+    for _ in range(100):
+        info = await bus.js.stream_info(stream)
+        replicas = info.cluster.replicas if info.cluster is not None else None
+        if info.cluster is not None and info.cluster.leader and replicas is not None:
+            if len(replicas) == 2 and all(r.current and not r.offline for r in replicas):
+                return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{stream} did not settle: {info.cluster}")
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (state T in /proc)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "T"
+
+
 async def _write_through_a_dying_node(
     bus: Bus, worker: WorkerBus, cluster: NatsCluster, attempt: int
-) -> bool:
-    """One try: False when the worker had moved to another node before the freeze (its write
-    then finishes there at once), which a node still settling may cause."""
+) -> str | None:
+    """One try: None when the property was tested, else why this try could not test it (the
+    worker moved to another node before the freeze and wrote there at once, which a node still
+    settling may cause)."""
     assert worker.nc is not None
     for _ in range(5):  # a reconnect meanwhile (a node still settling) moves the worker
         assert worker.nc.connected_url is not None
@@ -369,20 +398,28 @@ async def _write_through_a_dying_node(
     assert node.process is not None
     os.kill(node.process.pid, signal.SIGSTOP)
     try:
+        for _ in range(100):
+            if _stopped(node.process.pid):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError(f"node {node.name} did not stop on SIGSTOP")
         value = f"v{attempt}".encode()
         write = asyncio.create_task(worker.put(subjects.BUCKET_FUTURES, "in-flight", value))
         await asyncio.sleep(0.5)
         if write.done():
-            assert worker.nc.connected_url is not None
-            assert worker.nc.connected_url.port != port, "a write through a frozen node finished"
-            return False
+            where = worker.nc.connected_url.port if worker.nc.connected_url else None
+            failure = write.exception()
+            assert failure is None, f"the write failed at once: {failure!r}"
+            assert where != port, f"a write through frozen node {node.name} (:{port}) finished"
+            return f"try {attempt}: the worker had moved from :{port} to :{where}"
         node.kill()
         killed = time.monotonic()
         await asyncio.wait_for(write, timeout=30)
         took_s = time.monotonic() - killed
         assert await bus.get(subjects.BUCKET_FUTURES, "in-flight") == value
         assert took_s < 5.0, took_s  # the request's timeout is 10 s
-        return True
+        return None
     finally:
         node.kill()  # a frozen node holds its ports and store until it is gone
         await _restarted(node)

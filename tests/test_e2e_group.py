@@ -62,16 +62,29 @@ def group_cluster(tmp_path_factory: pytest.TempPathFactory, group_model: Path) -
         stop_cluster(running)
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
 def _ranks(cluster: Cluster) -> list[int]:
-    """Pids of the group's ranks past rank 0 (children of the trainer worker)."""
+    """Pids of this cluster's group ranks past rank 0 (children of its trainer worker; another
+    test module's group may run beside it)."""
     found = []
     for status in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = status.read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "workers.group.follower" in argv:
-            found.append(int(status.parent.name))
+        if "workers.group.follower" not in argv:
+            continue
+        pid = ancestor = int(status.parent.name)
+        while ancestor > 1 and ancestor != cluster.process.pid:
+            ancestor = _parent(ancestor)
+        if ancestor == cluster.process.pid:
+            found.append(pid)
     return found
 
 

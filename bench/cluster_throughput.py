@@ -18,7 +18,8 @@ Beside their tokens/s it prints the worker's own pass time for exactly these bat
 `/metrics`: engine seconds of the shared passes and optimizer steps that ran them) and the
 ratio of a step's wall time to that pass time, mean and p50 (and the mean to the pass and the
 optimizer step together): what a lone tenant pays for the queue, the bus, the futures and HTTP
-on top of its engine work.
+on top of its engine work. A second line gives each process's CPU time a step (this process is
+the SDK client) and that extra beside what a step of 1.5x its pass leaves for it.
 
     .venv/bin/python bench/cluster_throughput.py --lone [--clients 16] [--steps 3] \
         [--shapes 4x128 1x32]
@@ -132,6 +133,49 @@ def _engine_totals(metrics_url: str) -> dict[str, float]:
     return totals
 
 
+def _descendants(pid: int) -> list[int]:
+    """`pid`'s children, theirs, and so on (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _role(pid: int) -> str:
+    """Which part of the cluster a process is, from its command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    words = [word.decode(errors="replace") for word in argv]
+    if words and words[0].endswith("nats-server"):
+        return "nats"
+    if "workers" in words:
+        return "worker"
+    if "gateway" in words:
+        return "gateway"
+    return "up"
+
+
+def _cpu_s(pids: dict[int, str]) -> dict[str, float]:
+    """CPU seconds (user and system) so far of each role's processes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for pid, role in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
 def _lone(cluster: Cluster, shape: Shape, steps: int, pipelined: bool) -> None:
     """The tenants one after another, each alone for `steps` steps; prints one line.
 
@@ -143,6 +187,9 @@ def _lone(cluster: Cluster, shape: Shape, steps: int, pipelined: bool) -> None:
     cluster.clients[0].forward_backward(batch, "cross_entropy").result()  # warm-up
     cluster.clients[0].optim_step(adam).result()
     before = _engine_totals(cluster.metrics_url)
+    pids = {pid: _role(pid) for pid in _descendants(cluster.proc.pid)}
+    pids[os.getpid()] = "SDK client"
+    cpu_before = _cpu_s(pids)
     step_s: list[float] = []
     started = time.perf_counter()
     for client in cluster.clients:
@@ -158,6 +205,7 @@ def _lone(cluster: Cluster, shape: Shape, steps: int, pipelined: bool) -> None:
                 client.optim_step(adam).result()
             step_s.append(time.perf_counter() - step_started)
     wall_s = time.perf_counter() - started
+    cpu = {role: spent - cpu_before.get(role, 0.0) for role, spent in _cpu_s(pids).items()}
     after = _engine_totals(cluster.metrics_url)
     delta = {name: after[name] - before[name] for name in after}
     passes = delta["twinkle_worker_pass_seconds_count"]
@@ -178,6 +226,17 @@ def _lone(cluster: Cluster, shape: Shape, steps: int, pipelined: bool) -> None:
         f" ({tokens / pass_s:5.0f} tok/s), optim {optim_s * 1e3:5.1f} ms"
         f" | step/pass mean {mean_s / pass_s:5.2f}x p50 {p50_s / pass_s:5.2f}x"
         f" | step/(pass+optim) mean {mean_s / (pass_s + optim_s):5.2f}x",
+        flush=True,
+    )
+    # Where the rest goes: each process's CPU per step (the worker's includes the engine's).
+    spent = ", ".join(
+        f"{role} {seconds / len(step_s) * 1e3:.1f}" for role, seconds in sorted(cpu.items())
+    )
+    print(
+        f"    CPU ms a step: {spent}; all {sum(cpu.values()) / len(step_s) * 1e3:.1f} on"
+        f" {os.cpu_count()} cores | beside the engine: step - pass - optim"
+        f" {(mean_s - pass_s - optim_s) * 1e3:.1f} ms, the 1.5x budget for it"
+        f" {(0.5 * pass_s - optim_s) * 1e3:.1f} ms",
         flush=True,
     )
 

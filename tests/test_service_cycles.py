@@ -74,11 +74,30 @@ async def test_outcomes_are_written_before_the_journal_is_cleared(tmp_path: Path
         service.sequencer.offer(item)
 
     await service._run(items, _ran)
+    await service.journal.settle()  # nothing else is ready
 
     keys = [key for _, key, _ in bus.writes]
     journal = running_key("w-1")
     outcomes = [subjects.future_key("req-a"), subjects.future_key("req-b")]
     assert keys == [journal, *outcomes, journal]  # running, the outcomes, then idle
+    assert _journal(bus) == [["req-a", "req-b"], []]
+
+
+async def test_the_next_calls_list_replaces_a_cleared_one_unwritten(tmp_path: Path) -> None:
+    """Ops that keep coming: each engine call writes its list once; the cleared list in between
+    is never written (a KV write less per call), and is written once nothing is ready."""
+    bus = RecordingBus()
+    service = _service(bus, tmp_path)
+    service.sequencer.start("m-a", applied_seq=0)
+    for seq in (1, 2):
+        job = ForwardBackwardJob(request_id=f"req-{seq}", model_id="m-a", tenant_id="t", seq_id=seq)
+        item: Pending[Any] = Pending(job=job, handle=None, received_at=0.0)
+        service.sequencer.offer(item)
+        await service._run([item], _ran)
+    assert _journal(bus) == [["req-1"], ["req-2"]]  # a stop now strikes req-2, which ran
+    await service.journal.settle()
+    await service.journal.settle()  # written once
+    assert _journal(bus) == [["req-1"], ["req-2"], []]
 
 
 async def test_merging_off_plans_one_model_per_cycle(tmp_path: Path) -> None:
@@ -184,6 +203,7 @@ async def test_the_journal_lists_a_snapshot_after_an_op_until_it_is_written(
 
     assert during == [["req-b", snapshot_step("m-b")]]
     # the op is over; its snapshot is recorded beside the model's next ops
+    await service.journal.settle()
     assert _journal(bus)[-1] == [snapshot_step("m-b")]
     await service.snapshots.settle()
     assert _journal(bus)[-1] == []  # cleared once every step is over

@@ -2,7 +2,10 @@
 
 Before each engine call the worker writes the request ids it is about to run to KV
 (`tw_futures`, `running.<worker_id>`), and clears them only once every step of those requests
-is over: the engine call, their outcomes, and what follows (a state snapshot's capture). A state
+is over: the engine call, their outcomes, and what follows (a state snapshot's capture). The
+cleared list is not written at once: the next engine call's list replaces it, or, when the worker
+has nothing ready, `settle` writes it (one KV write less per engine call while ops keep coming;
+a stop in between strikes requests that had finished, which only makes them run alone). A state
 snapshot is on the list by its model (`snapshot_step`) from its capture until its files are
 recorded, which goes on beside the model's next engine calls (`workers.trainer.snapshots`). A worker
 that stops in between (killed by the pass watchdog for running past `pass_timeout_s`, crashed,
@@ -67,15 +70,24 @@ class CrashJournal:
         self.strikes: dict[str, int] = {}
         self._running: list[str] = []  # the engine call's requests
         self._steps: list[str] = []  # steps entered beside them (snapshots being written)
+        self._unwritten = False  # `idle` cleared the list; KV still holds the last call's
 
     async def running(self, request_ids: list[str]) -> None:
         """What the engine runs from now on (replaces the last call's; entered steps stay)."""
         self._running = list(request_ids)
         await self._write()
 
-    async def idle(self) -> None:
-        self._running = []
-        await self._write()
+    def idle(self) -> None:
+        """The engine call's requests are over: cleared here, written by the next `running`
+        (which replaces it) or by `settle`."""
+        if self._running:
+            self._running = []
+            self._unwritten = True
+
+    async def settle(self) -> None:
+        """Write the list `idle` cleared (the worker has nothing ready to run)."""
+        if self._unwritten:
+            await self._write()
 
     async def enter(self, entry: str) -> None:
         """One more step runs beside the engine calls until it `leave`s (a snapshot being
@@ -97,6 +109,7 @@ class CrashJournal:
 
     async def _write(self) -> None:
         listed = self._running + self._steps
+        self._unwritten = False
         await self.bus.put(_BUCKET, running_key(self.worker_id), _IDS.encode(listed))
 
     async def inherit(self, worker_id: str) -> list[str]:

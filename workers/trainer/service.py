@@ -166,6 +166,7 @@ class TrainerService:
         worker's leases expire instead), then stop the engine thread."""
         await self.leases.release_all()
         await self.snapshots.close()
+        await self.journal.settle()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # -- shards ------------------------------------------------------------------------------
@@ -303,6 +304,7 @@ class TrainerService:
                         await self._run_cycle(cycle)
             # Only once no op is ready: the op that woke this loop does not wait behind another
             # model's idle snapshot (one write per look; an op arriving during it waits for it).
+            await self.journal.settle()
             await self.snapshots.idle()
 
     def _plan(self) -> list[Cycle[Msg | None]]:
@@ -392,7 +394,7 @@ class TrainerService:
         # handed over from here on is released after this call (`_lose_shard`), never during it.
         items = self._still_here(items)
         if not items:
-            await self.journal.idle()
+            self.journal.idle()
             return
         self._in_flight = [item.handle for item in items if item.handle is not None]
         try:
@@ -421,8 +423,9 @@ class TrainerService:
         for item, (outcome, ckpt) in zip(items, results, strict=True):
             await self._finish(item, outcome, ckpt)
         # Cleared only now, off the clients' path and after every op's snapshot: a stop before
-        # here strikes these requests, finished or not (`_strikes`).
-        await self.journal.idle()
+        # here strikes these requests, finished or not (`_strikes`). Written with the next
+        # call's list, or once nothing is ready (`_cycle_loop`).
+        self.journal.idle()
 
     def _still_here(self, items: list[Item]) -> list[Item]:
         """The planned ops whose model is still this worker's. A shard handed over while a

@@ -2,7 +2,8 @@
 
 The pending record and the job's publish do not wait on each other (one bus round trip less
 per call); both are done before the client gets its request id, and a failure of either still
-reaches the client after both have finished. A model's next seq is noted with one
+reaches the client after both have finished. So do the seq's note and its claim, when the
+gateway already knows the note cannot refuse the seq; otherwise the note comes first. A model's next seq is noted with one
 compare-and-set, without reading the key back, unless another gateway moved it; its run record
 is read again only after `RUN_CACHE_S`, or at once when this gateway changed it.
 """
@@ -43,16 +44,35 @@ RUN = RunRecord(
 
 
 class StubFutures:
-    """Each step of a submit; `record_pending` waits until the job is being published."""
+    """Each step of a submit; `record_pending` waits until the job is being published.
 
-    def __init__(self, publishing: asyncio.Event) -> None:
+    `in_range`: what `seq_in_range` answers. `calls` records each step as it starts and ends;
+    `note_fails` makes the note refuse the seq (as one too far ahead)."""
+
+    def __init__(
+        self, publishing: asyncio.Event, in_range: bool = False, note_fails: bool = False
+    ) -> None:
         self.publishing = publishing
         self.pending: list[str] = []
+        self.in_range = in_range
+        self.note_fails = note_fails
+        self.calls: list[str] = []
+
+    def seq_in_range(self, model_id: str, seq_id: int) -> bool:
+        return self.in_range
 
     async def note_seq(self, model_id: str, seq_id: int, field: str = "seq_id") -> int:
+        self.calls.append("note")
+        await asyncio.sleep(0.01)  # a bus round trip
+        self.calls.append("noted")
+        if self.note_fails:
+            raise UserError(f"{field}: {seq_id} is too far ahead")
         return seq_id - 1
 
     async def claim(self, model_id: str, seq_id: int, claim: SeqClaim) -> SeqClaim:
+        self.calls.append("claim")
+        await asyncio.sleep(0.01)
+        self.calls.append("claimed")
         return claim
 
     async def record_pending(self, request_id: str, *args: Any, **kwargs: Any) -> None:
@@ -106,6 +126,47 @@ async def test_a_failed_publish_fails_the_call_after_the_pending_record() -> Non
     with pytest.raises(Unavailable):
         await submit_sequenced(_request(futures, bus), RUN, 1, "optim_step", b"{}", _build)
     assert len(futures.pending) == 1 and not bus.published
+
+
+async def test_a_seq_known_near_enough_is_noted_beside_its_claim() -> None:
+    publishing = asyncio.Event()
+    futures, bus = StubFutures(publishing, in_range=True), StubBus(publishing)
+    await submit_sequenced(_request(futures, bus), RUN, 1, "optim_step", b"{}", _build)
+    assert futures.calls[:2] == ["note", "claim"]  # one round trip for both
+    assert len(bus.published) == 1
+
+
+async def test_a_seq_not_known_near_enough_is_noted_before_anything_is_claimed() -> None:
+    publishing = asyncio.Event()
+    futures, bus = StubFutures(publishing), StubBus(publishing)
+    await submit_sequenced(_request(futures, bus), RUN, 1, "optim_step", b"{}", _build)
+    assert futures.calls == ["note", "noted", "claim", "claimed"]
+    refused = StubFutures(publishing, note_fails=True)
+    with pytest.raises(UserError, match="too far ahead"):
+        await submit_sequenced(_request(refused, bus), RUN, 1, "optim_step", b"{}", _build)
+    assert refused.calls == ["note", "noted"]  # nothing spent
+
+
+async def test_a_failed_note_beside_the_claim_fails_the_call_after_both() -> None:
+    publishing = asyncio.Event()
+    futures = StubFutures(publishing, in_range=True, note_fails=True)
+    bus = StubBus(publishing)
+    with pytest.raises(UserError):
+        await submit_sequenced(_request(futures, bus), RUN, 1, "optim_step", b"{}", _build)
+    assert sorted(futures.calls) == ["claim", "claimed", "note", "noted"] and not bus.published
+
+
+async def test_seq_in_range_follows_the_highest_seq_known(nats_server: NatsServer) -> None:
+    bus = Bus(BusSettings(nats_url=nats_server.url))
+    await bus.connect()
+    try:
+        futures = FutureStore(bus)
+        assert not futures.seq_in_range("m", 1)  # nothing known yet: read first
+        await futures.note_seq("m", 3)
+        assert futures.seq_in_range("m", 3 + rules.MAX_SEQ_AHEAD)
+        assert not futures.seq_in_range("m", 4 + rules.MAX_SEQ_AHEAD)
+    finally:
+        await bus.close()
 
 
 class CountingBus(Bus):

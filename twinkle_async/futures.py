@@ -169,6 +169,12 @@ class FutureStore:
                 self._remember_seq(model_id, seq_id, written)
                 return highest
 
+    def seq_in_range(self, model_id: str, seq_id: int) -> bool:
+        """Whether `note_seq` cannot refuse `seq_id` as too far ahead: the model's highest seq
+        this gateway knows is within `rules.MAX_SEQ_AHEAD` of it (the key only grows)."""
+        known = self._highest_seq.get(model_id)
+        return known is not None and seq_id <= known[0] + rules.MAX_SEQ_AHEAD
+
     def _remember_seq(self, model_id: str, seq_id: int, revision: int) -> None:
         if len(self._highest_seq) >= _MAX_KNOWN_SEQS and model_id not in self._highest_seq:
             self._highest_seq.clear()  # only a shortcut: a model missing here is read again

@@ -6,7 +6,8 @@ the worker runs a model's calls strictly in that order. So a call must never lea
 1. The caller must own the model (checked by the route first): another tenant's model is a 404
    that touches nothing of it, so no tenant can settle or skip another's calls.
 2. `seq_id` must be in range and not absurdly far ahead of the model's latest call; otherwise a
-   400, and nothing is spent (no worker would ever wait for it).
+   400, and nothing is spent (no worker would ever wait for it). It is noted as the model's
+   highest seq; when the gateway already knows the seq is near enough, beside step 3.
 3. `(model_id, seq_id)` is claimed with the call's type and body digest (`claim_seq`). A
    genuine retry (same type and digest) gets the first request id; a different call reusing the
    seq is a 400.
@@ -121,12 +122,16 @@ async def submit(
     """`submit_sequenced`'s work: the request id of the submitted call."""
     futures = request.app[FUTURES]
     model_id = run.model_id
+    noted: Awaitable[int] | None = None
     if seq_id != 0:  # 0 is the model's creation, claimed like any call but never "ahead"
         rules.check_seq_id(field, seq_id)
         assert seq_id is not None
-        await futures.note_seq(model_id, seq_id, field)
+        noted = futures.note_seq(model_id, seq_id, field)
+        if not futures.seq_in_range(model_id, seq_id):
+            await noted  # it may refuse the seq: before anything is claimed
+            noted = None
     assert seq_id is not None
-    claim, first = await claim_seq(
+    claiming = claim_seq(
         futures,
         model_id,
         seq_id,
@@ -135,6 +140,17 @@ async def submit(
         named=f"model {model_id!r}",
         field=field,
     )
+    if noted is None:
+        claim, first = await claiming
+    else:
+        # A note that cannot refuse goes beside the claim: one bus round trip less. Both run to
+        # the end before a failure is raised (a claimed seq's retry gets its request id back).
+        note, claimed = await asyncio.gather(noted, claiming, return_exceptions=True)
+        for step in (note, claimed):
+            if isinstance(step, BaseException):
+                raise step
+        assert not isinstance(claimed, BaseException)
+        claim, first = claimed
     bus = request.app[BUS]
     try:
         job = await build(claim.request_id, first)

@@ -34,7 +34,12 @@ STORE = "s3://twinkle/cluster"
 def stored(
     s3: S3Server, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> Iterator[Cluster]:
-    env = {**s3.env, "TWINKLE_LEASE_S": "3", "TWINKLE_SNAPSHOT_EVERY": "3"}
+    env = {
+        **s3.env,
+        "TWINKLE_LEASE_S": "3",
+        "TWINKLE_SNAPSHOT_EVERY": "3",
+        "TWINKLE_SNAPSHOT_MIN_S": "0",
+    }
     running = start_cluster(
         tmp_path_factory.mktemp("stored") / "data",
         [tiny_model],

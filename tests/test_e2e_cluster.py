@@ -76,7 +76,7 @@ def spread(
         [tiny_model],
         *("--nats-cluster", "3", "--workers", "2", "--artifact-store", STORE),
         *("--token-budget", "512"),
-        env={**env, "TWINKLE_SNAPSHOT_EVERY": "3"},
+        env={**env, "TWINKLE_SNAPSHOT_EVERY": "3", "TWINKLE_SNAPSHOT_MIN_S": "0"},
         keys={key: f"tenant-{seed}" for seed, key in TENANTS.items()},
     )
     try:

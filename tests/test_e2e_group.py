@@ -34,7 +34,11 @@ from tests.sdk_helpers import toy_batch, train_pipelined
 
 pytestmark = pytest.mark.e2e
 
-FAST_TAKEOVER = {"TWINKLE_LEASE_S": "3", "TWINKLE_SNAPSHOT_EVERY": "3"}
+FAST_TAKEOVER = {
+    "TWINKLE_LEASE_S": "3",
+    "TWINKLE_SNAPSHOT_EVERY": "3",
+    "TWINKLE_SNAPSHOT_MIN_S": "0",
+}
 STEPS = 10
 AGAIN = 2  # steps after the group is back
 

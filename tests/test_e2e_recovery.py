@@ -28,7 +28,11 @@ from tests.sdk_helpers import train_pipelined
 
 pytestmark = pytest.mark.e2e
 
-FAST_TAKEOVER = {"TWINKLE_LEASE_S": "3", "TWINKLE_SNAPSHOT_EVERY": "3"}
+FAST_TAKEOVER = {
+    "TWINKLE_LEASE_S": "3",
+    "TWINKLE_SNAPSHOT_EVERY": "3",
+    "TWINKLE_SNAPSHOT_MIN_S": "0",
+}
 STEPS = 12
 
 

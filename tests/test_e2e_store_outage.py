@@ -59,6 +59,7 @@ def stored(
         **store.env,
         "TWINKLE_ARTIFACT_STORE_WAIT_S": str(WAIT_S),
         "TWINKLE_SNAPSHOT_EVERY": "2",
+        "TWINKLE_SNAPSHOT_MIN_S": "0",
     }
     running = start_cluster(
         tmp_path_factory.mktemp("outage") / "data",

@@ -9,6 +9,7 @@ a step after the engine call fails the op or its model, never the service. With 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,6 +82,38 @@ async def test_outcomes_are_written_before_the_journal_is_cleared(tmp_path: Path
     outcomes = [subjects.future_key("req-a"), subjects.future_key("req-b")]
     assert keys == [journal, *outcomes, journal]  # running, the outcomes, then idle
     assert _journal(bus) == [["req-a", "req-b"], []]
+
+
+class HistoryBus(RecordingBus):
+    """A bus whose metric history publish finishes only once the outcome's write has begun:
+    a service that waited for the entry before writing the outcome would lose the entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+        self.kept: list[str] = []
+        self.outcome_sent = asyncio.Event()
+
+    async def publish_once(self, subject: str, data: bytes, msg_id: str) -> None:
+        self.sent.append(msg_id)
+        await asyncio.wait_for(self.outcome_sent.wait(), 2.0)
+        self.kept.append(msg_id)
+
+    async def put(self, bucket: str, key: str, value: bytes) -> None:
+        if key.startswith(subjects.future_key("")):
+            self.sent.append(key)
+            self.outcome_sent.set()
+        await super().put(bucket, key, value)
+
+
+async def test_an_ops_history_entry_and_outcome_go_out_together_entry_first(
+    tmp_path: Path,
+) -> None:
+    bus = HistoryBus()
+    service = _service(bus, tmp_path)
+    await service._run(_step(service), _ran)
+    assert bus.sent == ["metrics-req-b", subjects.future_key("req-b")]
+    assert bus.kept == ["metrics-req-b"]  # not given up waiting for the outcome's write
 
 
 async def test_the_next_calls_list_replaces_a_cleared_one_unwritten(tmp_path: Path) -> None:
@@ -165,8 +198,8 @@ async def test_a_cycle_runs_lone_optim_steps_before_its_pass_and_following_ones_
 
 
 def _snapshotting(service: TrainerService) -> None:
-    """`snapshot_every` 1."""
-    service.settings = dataclasses.replace(service.settings, snapshot_every=1)
+    """`snapshot_every` 1, with no time between snapshots."""
+    service.settings = dataclasses.replace(service.settings, snapshot_every=1, snapshot_min_s=0.0)
     service.snapshots.settings = service.settings
 
 
@@ -182,6 +215,33 @@ def _journal(bus: RecordingBus) -> list[list[str]]:
     """Every running list the service wrote, in order."""
     key = running_key("w-1")
     return [msgspec.msgpack.decode(value) for _, k, value in bus.writes if k == key]
+
+
+async def test_a_snapshot_due_waits_for_snapshot_min_s_since_the_models_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of a few milliseconds: a model due a snapshot every step gets one when its last is
+    `snapshot_min_s` old, not after each step; it stays due meanwhile."""
+    service = _service(RecordingBus(), tmp_path)
+    service.settings = dataclasses.replace(service.settings, snapshot_every=1, snapshot_min_s=0.3)
+    service.snapshots.settings = service.settings
+    written: list[int] = []
+
+    def write(directory: Path, seq_id: int, state: Any, meta: dict[str, Any]) -> Path:
+        written.append(seq_id)
+        return directory / f"state-{seq_id}.json"
+
+    monkeypatch.setattr(trainer_snapshots, "write_state", write)
+    service.sequencer.start("m-b", applied_seq=0)
+    for seq in range(1, 5):
+        job = OptimStepJob(request_id=f"req-{seq}", model_id="m-b", tenant_id="t", seq_id=seq)
+        item: Pending[Any] = Pending(job=job, handle=None, received_at=0.0, stream_seq=seq)
+        service.sequencer.offer(item)
+        await service._run([item], _ran)
+        await service.snapshots.settle()
+        if seq == 3:
+            await asyncio.sleep(0.35)
+    assert written == [1, 4]  # steps 2 and 3 came within 0.3 s of the first
 
 
 async def test_the_journal_lists_a_snapshot_after_an_op_until_it_is_written(

@@ -358,6 +358,7 @@ async def test_a_model_whose_log_was_trimmed_past_its_snapshot_is_lost_only_if_a
         tmp_path,
         gap_timeout_s=2.0,
         snapshot_every=2,  # a snapshot after seq 4, none after seq 6
+        snapshot_min_s=0.0,
         worker_id="w-trimmed",
     )
     model_dir = Path(settings.base_model)
@@ -473,7 +474,7 @@ async def test_a_fault_after_the_engine_call_fails_its_model_not_the_worker(
     passes and fused steps trains on."""
     fault = ValueError("torch.cat(): expected a non-empty list of Tensors")
     monkeypatch.setattr(trainer_snapshots, "write_state", snapshot_writer(fault))
-    settings = worker_settings(nats_server, tmp_path, snapshot_every=1)
+    settings = worker_settings(nats_server, tmp_path, snapshot_every=1, snapshot_min_s=0.0)
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()
     for job in two_tenants(Path(settings.base_model), through_seq=4):
@@ -516,7 +517,12 @@ async def test_a_crash_that_recurs_in_a_snapshot_is_struck_out_like_a_poison_pas
     deaths the step is not replayed; the model fails clearly and the bystander trains on."""
     monkeypatch.setattr(trainer_snapshots, "write_state", snapshot_writer(WorkerDied()))
     settings = worker_settings(
-        nats_server, tmp_path, snapshot_every=1, max_attempts=2, worker_id="w-dies"
+        nats_server,
+        tmp_path,
+        snapshot_every=1,
+        snapshot_min_s=0.0,
+        max_attempts=2,
+        worker_id="w-dies",
     )
     gateway_bus = Bus(BusSettings(nats_url=nats_server.url))
     await gateway_bus.connect()

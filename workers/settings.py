@@ -181,6 +181,8 @@ class WorkerSettings:
     lease_s: float = 10.0  # a dead worker's shards are taken over after this long
     lease_renew_s: float = 2.5
     snapshot_every: int = 5  # optim_steps between a model's state snapshots (and every save_state)
+    # ... and at least this long between them: a crash replays at most this much more training
+    snapshot_min_s: float = 1.0
     snapshot_idle_s: float = (
         60.0  # a model that changed since its snapshot, idle this long: snapshot
     )

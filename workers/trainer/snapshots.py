@@ -3,7 +3,9 @@
 A snapshot holds what a slot holds (weights, both Adam moments, pending gradients, step count,
 scales, LoRA config; see `parking.SlotState`) and where in the model's op log it stands: the
 last applied `seq_id` and that op's stream sequence in `TW_OPS`. It is taken after an
-`optim_step` every `snapshot_every` steps, after every `save_state`, and once a model that
+`optim_step` every `snapshot_every` steps, but no sooner than `snapshot_min_s` after the model's
+previous one (steps of a few milliseconds would otherwise pay a capture every few steps: a crash
+replays at most that much more training), after every `save_state`, and once a model that
 changed since its snapshot has been idle for `snapshot_idle_s` (the ops log, which keeps what
 its limits allow, then need not reach back far for it).
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -171,6 +174,7 @@ class Snapshots:
         self.has = has
         self.fail_model = fail_model
         self._steps_since: dict[str, int] = {}
+        self._taken_at: dict[str, float] = {}  # by model: when its last snapshot was captured
         # models changed since their snapshot: their last applied op, and when it was applied
         self._unsnapped: dict[str, tuple[Item, float]] = {}
         self._writes: dict[str, asyncio.Task[None]] = {}  # by model: at most one at a time
@@ -182,6 +186,7 @@ class Snapshots:
     def forget(self, model_id: str) -> None:
         """The model is no longer this worker's to snapshot (handed over, failed, unloaded)."""
         self._steps_since.pop(model_id, None)
+        self._taken_at.pop(model_id, None)
         self._unsnapped.pop(model_id, None)
         self._writes.pop(model_id, None)  # one still being written records nothing
 
@@ -191,14 +196,16 @@ class Snapshots:
             self._unsnapped[item.job.model_id] = (item, time.monotonic())
 
     async def after(self, item: Item) -> None:
-        """Snapshot a model after every `snapshot_every`-th optim_step and every save_state."""
+        """Snapshot a model after every `snapshot_every`-th optim_step (once `snapshot_min_s`
+        has passed since its last snapshot; until then it stays due) and every save_state."""
         job = item.job
         if changes_state(job) and not isinstance(job, UnloadModelJob):
             self._unsnapped[job.model_id] = (item, time.monotonic())
         if isinstance(job, OptimStepJob):
             count = self._steps_since.get(job.model_id, 0) + 1
             self._steps_since[job.model_id] = count
-            if count >= self.settings.snapshot_every:
+            since_s = time.monotonic() - self._taken_at.get(job.model_id, -math.inf)
+            if count >= self.settings.snapshot_every and since_s >= self.settings.snapshot_min_s:
                 await self.take(item)
         elif isinstance(job, SaveWeightsJob) and job.kind == "weights":
             await self.take(item)
@@ -241,6 +248,7 @@ class Snapshots:
             await self.journal.leave(step)
             raise
         self._steps_since[model_id] = 0  # due again at once if it is not recorded (`_record`)
+        self._taken_at[model_id] = time.monotonic()
         record = asyncio.create_task(self._record(item, written, current, step))
         self._writes[model_id] = record
         self._tasks.add(record)

@@ -184,8 +184,9 @@ def _lone(cluster: Cluster, shape: Shape, steps: int, pipelined: bool) -> None:
     future is waited for before the next call is sent (four HTTP calls in a row a step)."""
     batch = _batch(*shape)
     adam = types.AdamParams(learning_rate=1e-3)
-    cluster.clients[0].forward_backward(batch, "cross_entropy").result()  # warm-up
-    cluster.clients[0].optim_step(adam).result()
+    for client in cluster.clients:  # warm-up: each client's first step is not counted
+        client.forward_backward(batch, "cross_entropy").result()
+        client.optim_step(adam).result()
     before = _engine_totals(cluster.metrics_url)
     pids = {pid: _role(pid) for pid in _descendants(cluster.proc.pid)}
     pids[os.getpid()] = "SDK client"

@@ -28,7 +28,7 @@ import tinker
 from tinker import types
 
 from protocol import subjects
-from tests.cluster_helpers import shard_owners
+from tests.cluster_helpers import children_of, pids_of, shard_owners
 from tests.conftest import Cluster, cluster_log, saved_adapter, start_cluster, stop_cluster
 from tests.sdk_helpers import toy_batch, train_pipelined
 
@@ -66,30 +66,15 @@ def group_cluster(tmp_path_factory: pytest.TempPathFactory, group_model: Path) -
         stop_cluster(running)
 
 
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return 0
-
-
 def _ranks(cluster: Cluster) -> list[int]:
-    """Pids of this cluster's group ranks past rank 0 (children of its trainer worker; another
+    """Pids of this cluster's group ranks past rank 0: children of its trainer worker (another
     test module's group may run beside it)."""
-    found = []
-    for status in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = status.read_bytes().decode().split("\0")
-        except OSError:
-            continue
-        if "workers.group.follower" not in argv:
-            continue
-        pid = ancestor = int(status.parent.name)
-        while ancestor > 1 and ancestor != cluster.process.pid:
-            ancestor = _parent(ancestor)
-        if ancestor == cluster.process.pid:
-            found.append(pid)
-    return found
+    return [
+        pid
+        for worker in pids_of(cluster)["worker"]
+        for pid, cmdline in children_of(worker).items()
+        if "workers.group.follower" in cmdline
+    ]
 
 
 def _train(cluster: Cluster, base_model: Path, seed: int, rank: int, name: str) -> str:

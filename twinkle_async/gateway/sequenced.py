@@ -25,6 +25,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
@@ -37,6 +38,9 @@ from twinkle_async.gateway.bodies import json_response
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
 from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
 from twinkle_async.seq_claims import claim_seq
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 # build(request_id, first): the job of the call; `first` is False for a retry, which must not
 # be charged again (rate-limit tokens).
@@ -143,14 +147,9 @@ async def submit(
     if noted is None:
         claim, first = await claiming
     else:
-        # A note that cannot refuse goes beside the claim: one bus round trip less. Both run to
-        # the end before a failure is raised (a claimed seq's retry gets its request id back).
-        note, claimed = await asyncio.gather(noted, claiming, return_exceptions=True)
-        for step in (note, claimed):
-            if isinstance(step, BaseException):
-                raise step
-        assert not isinstance(claimed, BaseException)
-        claim, first = claimed
+        # A note that cannot refuse goes beside the claim: one bus round trip less (a claimed
+        # seq's retry gets its request id back, whichever failed).
+        _, (claim, first) = await _both(noted, claiming)
     bus = request.app[BUS]
     try:
         job = await build(claim.request_id, first)
@@ -172,11 +171,19 @@ async def submit(
     published = bus.publish_job(subjects.pool_of(run.base_model), job, data)
     # Both at once: one bus round trip less per call. Either order is safe: the pending record
     # never replaces a result (`record_pending`), and the client learns the request id only
-    # from this response, after both are stored. Both run to the end before a failure is raised.
-    for result in await asyncio.gather(pending, published, return_exceptions=True):
-        if isinstance(result, BaseException):
-            raise result
+    # from this response, after both are stored.
+    await _both(pending, published)
     return claim.request_id
+
+
+async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Both bus calls at once, each run to the end; then the first one's failure, if any."""
+    one, two = await asyncio.gather(first, second, return_exceptions=True)
+    if isinstance(one, BaseException):
+        raise one
+    if isinstance(two, BaseException):
+        raise two
+    return one, two
 
 
 async def settle_refused(

@@ -36,6 +36,8 @@ from nats.js.kv import KeyValue
 from protocol import topology
 
 T = TypeVar("T")
+A = TypeVar("A")
+B = TypeVar("B")
 
 # What a call raises while NATS is away or coming back; worth another attempt (nats-py 2.16: a
 # timeout for every request while disconnected; OutboundBufferLimitError for a publish bigger
@@ -52,6 +54,17 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     ServiceUnavailableError,
     NoStreamResponseError,
 )
+
+
+async def both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Two bus calls at once (one round trip, not two), each run to the end; then the first
+    one's failure, if any."""
+    one, two = await asyncio.gather(first, second, return_exceptions=True)
+    if isinstance(one, BaseException):
+        raise one
+    if isinstance(two, BaseException):
+        raise two
+    return one, two
 
 
 class Retry(Protocol):

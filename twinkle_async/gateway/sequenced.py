@@ -21,15 +21,14 @@ the worker runs a model's calls strictly in that order. So a call must never lea
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import msgspec
 from aiohttp import web
 
+from natskv.store import both
 from protocol import api, rules, subjects
 from protocol.errors import ErrorCategory, Gone, TwinkleError, UserError
 from protocol.jobs import Job, Outcome, SeqClaim, TombstoneJob
@@ -38,9 +37,6 @@ from twinkle_async.gateway.bodies import json_response
 from twinkle_async.gateway.state import BUS, FUTURES, REGISTRY, TENANT
 from twinkle_async.lifecycle import SESSION_END_CHECKPOINT
 from twinkle_async.seq_claims import claim_seq
-
-A = TypeVar("A")
-B = TypeVar("B")
 
 # build(request_id, first): the job of the call; `first` is False for a retry, which must not
 # be charged again (rate-limit tokens).
@@ -149,7 +145,7 @@ async def submit(
     else:
         # A note that cannot refuse goes beside the claim: one bus round trip less (a claimed
         # seq's retry gets its request id back, whichever failed).
-        _, (claim, first) = await _both(noted, claiming)
+        _, (claim, first) = await both(noted, claiming)
     bus = request.app[BUS]
     try:
         job = await build(claim.request_id, first)
@@ -172,18 +168,8 @@ async def submit(
     # Both at once: one bus round trip less per call. Either order is safe: the pending record
     # never replaces a result (`record_pending`), and the client learns the request id only
     # from this response, after both are stored.
-    await _both(pending, published)
+    await both(pending, published)
     return claim.request_id
-
-
-async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
-    """Both bus calls at once, each run to the end; then the first one's failure, if any."""
-    one, two = await asyncio.gather(first, second, return_exceptions=True)
-    if isinstance(one, BaseException):
-        raise one
-    if isinstance(two, BaseException):
-        raise two
-    return one, two
 
 
 async def settle_refused(

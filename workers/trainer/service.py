@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 from nats.aio.msg import Msg
 
+from natskv.store import both
 from protocol import metric_history, records, subjects
 from protocol.errors import Gone, ServerError, Unavailable
 from protocol.jobs import (
@@ -479,12 +480,7 @@ class TrainerService:
                 # Sent together, the entry first on the one connection: a worker that dies
                 # before both went out leaves the op to a replay that publishes both, the entry
                 # stored once (its message id); one bus round trip per op, not two.
-                kept, stored = await asyncio.gather(
-                    self._keep_metrics(job, outcome), self._store(outcome), return_exceptions=True
-                )
-                for failure in (kept, stored):
-                    if isinstance(failure, BaseException):
-                        raise failure
+                await both(self._keep_metrics(job, outcome), self._store(outcome))
         except Unavailable:
             raise
         except Exception:
